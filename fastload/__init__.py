@@ -1,0 +1,85 @@
+"""fastload: keep GPUs fed when training data sits behind a slow link.
+
+The public API lives here; everything else is importable but not promised.
+Names that need torch (``DataLoader``, the datasets) are imported on first use,
+so ``fastload cache`` works on a machine without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from fastload.cache import Cache
+from fastload.config import Settings, format_size, parse_size
+from fastload.errors import (
+    CacheError,
+    CacheFullError,
+    CacheLimitError,
+    CodecError,
+    ConfigError,
+    CorruptEntryError,
+    CredentialsError,
+    DecodeError,
+    FastloadError,
+    LoaderError,
+    RemoteChangedError,
+    RemoteNotFoundError,
+    SourceError,
+)
+from fastload.fs import FastloadFileSystem, open
+from fastload.reader import Reader
+from fastload.source import RemoteItem, Source
+from fastload.stage import StageReport, stage
+
+__version__ = "0.1.0"
+
+# name -> "module:attr"; imported lazily because these need torch.
+_LAZY = {
+    "DataLoader": "fastload.loader:DataLoader",
+    "DevicePrefetcher": "fastload.prefetch:DevicePrefetcher",
+    "LoaderStats": "fastload.stats:LoaderStats",
+}
+
+__all__ = [
+    "Cache",
+    "CacheError",
+    "CacheFullError",
+    "CacheLimitError",
+    "CodecError",
+    "ConfigError",
+    "CorruptEntryError",
+    "CredentialsError",
+    "DataLoader",
+    "DecodeError",
+    "DevicePrefetcher",
+    "FastloadError",
+    "FastloadFileSystem",
+    "LoaderError",
+    "LoaderStats",
+    "Reader",
+    "RemoteChangedError",
+    "RemoteItem",
+    "RemoteNotFoundError",
+    "Settings",
+    "Source",
+    "SourceError",
+    "StageReport",
+    "format_size",
+    "open",
+    "parse_size",
+    "stage",
+]
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'fastload' has no attribute {name!r}")
+    module, attr = target.split(":")
+    try:
+        value = getattr(importlib.import_module(module), attr)
+    except ImportError as err:
+        raise ImportError(f"fastload.{name} needs torch ({err}); fix: pip install torch") from err
+    globals()[name] = value
+    return value

@@ -1,0 +1,225 @@
+"""The ``fastload`` command line: ``cache``, ``info``/``ls``, ``clear``, ``evict``.
+
+Exit codes: 0 success, 1 failure (a :class:`FastloadError`, or bad entries that
+could not be repaired), 2 usage error (argparse). ``--json`` prints one JSON
+document on stdout for machines; humans get tables, and progress bars on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from fastload.config import Settings, format_size, parse_size
+from fastload.errors import ConfigError, FastloadError
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def _json_arg(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"--storage-options is not valid JSON ({err}); e.g. '{{\"anon\": true}}'") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--storage-options must be a JSON object")
+    return value
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for docs and tests)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--cache-dir", help="cache folder (default $FASTLOAD_CACHE_DIR or ~/.cache/fastload)")
+    common.add_argument("--cache-limit", type=_size_arg, help="cache size limit, e.g. 200GB (default $FASTLOAD_CACHE_LIMIT or 50GB)")
+    common.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    common.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+
+    parser = argparse.ArgumentParser(prog="fastload", description="Keep GPUs fed: cache remote datasets locally, find the bottleneck.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    cache = sub.add_parser("cache", parents=[common], help="pre-stage a remote dataset into the local cache")
+    cache.add_argument("url", help="any fsspec URL: s3://bucket/prefix/, https://host/dir/, /local/dir ...")
+    cache.add_argument("--pattern", help="glob relative to URL, e.g. '**/*.jpg' (default: everything)")
+    cache.add_argument("--storage-options", type=_json_arg, default={}, help="JSON fsspec options (credentials, endpoint)")
+    cache.add_argument("--workers", type=int, help="parallel requests (default 16)")
+    cache.add_argument("--level", type=int, choices=range(0, 13), metavar="0..12", help="0 = fast LZ4 (default), 1..12 = LZ4-HC")
+    cache.add_argument("--block-size", type=_size_arg, help="cache large files in blocks of this size (default 8MiB)")
+    cache.add_argument("--dry-run", action="store_true", help="list and report the size against the cache limit; fetch nothing")
+    cache.add_argument("--verify", action="store_true", help="re-check every entry's checksum; refetch bad ones")
+    cache.add_argument("--refresh", action="store_true", help="re-list the remote instead of trusting the recorded manifest")
+    cache.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    cache.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
+
+    for name in ("info", "ls"):
+        sub.add_parser(name, parents=[common], help="show what is cached, per dataset")
+
+    clear = sub.add_parser("clear", parents=[common], help="delete cached data (everything, or one dataset)")
+    clear.add_argument("url", nargs="?", help="only this dataset (as staged); default: everything")
+
+    evict = sub.add_parser("evict", parents=[common], help="evict least-recently-used entries")
+    evict.add_argument("--to", type=_size_arg, required=True, dest="to_bytes", help="target size, e.g. 10GB")
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return Settings.from_env(
+        cache_dir=args.cache_dir,
+        cache_limit_bytes=args.cache_limit,
+        workers=getattr(args, "workers", None),
+        lz4_level=getattr(args, "level", None),
+        block_bytes=getattr(args, "block_size", None),
+    )
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True) if args.json else text)
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from fastload.stage import stage
+
+    progress = False if args.no_progress or args.json else (True if args.progress else None)
+    report = stage(
+        args.url,
+        pattern=args.pattern,
+        storage_options=args.storage_options,
+        settings=_settings(args),
+        refresh=args.refresh,
+        dry_run=args.dry_run,
+        verify=args.verify,
+        progress=progress,
+    )
+    _emit(args, report.to_dict(), str(report))
+    return EXIT_OK if (report.fits or not report.dry_run) else EXIT_FAIL
+
+
+def dataset_summaries(settings: Settings) -> dict[str, Any]:
+    """Cache totals plus, per recorded dataset, how much of it is cached."""
+    from fastload.reader import Reader
+    from fastload.source import RemoteItem
+
+    reader = Reader(settings)
+    datasets = []
+    for m in reader.manifests():
+        items = [RemoteItem.from_json(r) for r in m["items"]]
+        cached_items, stored = 0, 0
+        for item in items:
+            entries = [reader.cache.entry(reader.key(item, b)) for b in reader.blocks(item)]
+            if all(entries):
+                cached_items += 1
+            stored += sum(e.stored for e in entries if e)
+        datasets.append({
+            "url": m["root"],
+            "pattern": m["pattern"],
+            "items": len(items),
+            "cached_items": cached_items,
+            "remote_bytes": sum(i.size for i in items),
+            "stored_bytes": stored,
+        })
+    entries = list(reader.cache.entries())
+    return {
+        "cache_dir": str(settings.cache_dir),
+        "cache_limit_bytes": settings.cache_limit_bytes,
+        "entries": len(entries),
+        "stored_bytes": sum(e.stored for e in entries),
+        "raw_bytes": sum(e.raw for e in entries),
+        "corrupt_detected": reader.cache.corrupt_count(),
+        "datasets": datasets,
+    }
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    info = dataset_summaries(_settings(args))
+    lines = [
+        f"cache dir   {info['cache_dir']}",
+        f"limit       {format_size(info['cache_limit_bytes'])}",
+        f"entries     {info['entries']}, {format_size(info['stored_bytes'])} on disk "
+        f"({format_size(info['raw_bytes'])} raw)",
+        f"corrupt     {info['corrupt_detected']} detected and dropped so far",
+    ]
+    if info["datasets"]:
+        lines.append("")
+        lines.append(f"{'dataset':<50} {'items':>14} {'remote':>11} {'on disk':>11}")
+        for d in info["datasets"]:
+            name = d["url"] + (f" [{d['pattern']}]" if d["pattern"] else "")
+            lines.append(
+                f"{name:<50} {d['cached_items']:>6}/{d['items']:<7} {format_size(d['remote_bytes']):>11} {format_size(d['stored_bytes']):>11}"
+            )
+    _emit(args, info, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    from fastload.reader import Reader
+    from fastload.source import RemoteItem
+
+    reader = Reader(_settings(args))
+    if args.url is None:
+        reader.cache.clear()
+        _emit(args, {"cleared": "all"}, f"cleared {reader.settings.cache_dir}")
+        return EXIT_OK
+    root = reader.canonical(args.url).rstrip("/")
+    dropped, found = 0, False
+    for m in reader.manifests():
+        if m["root"] != root:
+            continue
+        found = True
+        for row in m["items"]:
+            item = RemoteItem.from_json(row)
+            dropped += sum(reader.cache.drop(reader.key(item, b)) for b in reader.blocks(item))
+            reader.cache.index.pop(("u", item.url), None)
+        reader.cache.index.pop(("m", m["root"], m["pattern"] or ""), None)
+    if not found:
+        raise ConfigError(f"no staged dataset {root!r} in {reader.settings.cache_dir}; `fastload info` lists them")
+    _emit(args, {"cleared": root, "entries": dropped}, f"cleared {root}: {dropped} entries")
+    return EXIT_OK
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    from fastload.cache import Cache
+
+    cache = Cache(_settings(args))
+    before = cache.volume()
+    freed = cache.evict(args.to_bytes)
+    after = cache.volume()
+    _emit(args, {"before_bytes": before, "freed_bytes": freed, "after_bytes": after},
+          f"evicted {format_size(freed)}: {format_size(before)} -> {format_size(after)}")
+    return EXIT_OK
+
+
+COMMANDS = {"cache": cmd_cache, "info": cmd_info, "ls": cmd_info, "clear": cmd_clear, "evict": cmd_evict}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 1 failure, 2 usage)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="fastload: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except FastloadError as err:
+        print(f"fastload {args.command}: error: {err}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"error": type(err).__name__, "message": str(err)}))
+        return EXIT_FAIL
+    except KeyboardInterrupt:
+        print(f"fastload {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

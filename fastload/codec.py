@@ -1,0 +1,209 @@
+"""Cache payload format: LZ4 *block* chunks (or raw bytes), a header, a checksum.
+
+Layout (little-endian)::
+
+    magic "FLP1" | version u8 | codec u8 | reserved u16 | raw_size u64
+    | chunk_bytes u32 | n_chunks u32 | xxh3_64(raw) u64 | meta_len u32
+    | meta (UTF-8 JSON, dtype/shape/etc., <= 64 KiB)
+    | codec LZ4 only: n_chunks x u32 compressed chunk sizes
+    | body
+
+The body of an LZ4 payload is a concatenation of independent LZ4 *blocks*
+(not ``lz4.frame``), each the compression of ``chunk_bytes`` raw bytes (the last
+may be shorter). That is the layout DALI's ``fn.decoders.inflate`` (nvCOMP)
+takes, with the chunk sizes as its offsets/sizes input, so a payload can cross
+the GPU link compressed and be inflated there.
+
+Decoding never trusts the header: every size is checked against the payload
+length and the LZ4 worst-case bound before anything is allocated, so a corrupt
+or hostile header raises :class:`CodecError` instead of over-reading or
+allocating without bound (tests/unit/test_codec.py pins this with hypothesis).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import lz4.block
+import xxhash
+
+from fastload.errors import CodecError
+
+MAGIC = b"FLP1"
+VERSION = 1
+RAW = 0
+LZ4 = 1
+CODEC_NAMES = {RAW: "raw", LZ4: "lz4"}
+
+_HEADER = struct.Struct("<4sBBHQIIQI")
+HEADER_BYTES = _HEADER.size
+MAX_META_BYTES = 64 * 1024
+# LZ4 cannot expand data by more than ~255x, so a raw size above this multiple
+# of the body is a lie; it bounds the allocation a hostile header can trigger.
+_MAX_RATIO = 255
+
+
+def checksum(data: bytes | memoryview) -> int:
+    """The payload checksum: xxh3 64-bit of the raw bytes."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def lz4_bound(n: int) -> int:
+    """Worst-case LZ4 block size for ``n`` input bytes (LZ4_COMPRESSBOUND)."""
+    return n + n // 255 + 16
+
+
+@dataclass(frozen=True)
+class PayloadInfo:
+    """A parsed, validated header.
+
+    Attributes:
+        codec: ``RAW`` or ``LZ4``.
+        raw_size: Bytes after decoding.
+        chunk_bytes: Raw bytes per LZ4 chunk (the last chunk may be shorter).
+        checksum: xxh3_64 of the raw bytes.
+        meta: Free-form metadata (dtype, shape, source URL...).
+        body_offset: Where the body starts in the payload.
+        chunk_sizes: Compressed size of each LZ4 chunk (empty for RAW).
+    """
+
+    codec: int
+    raw_size: int
+    chunk_bytes: int
+    checksum: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    body_offset: int = HEADER_BYTES
+    chunk_sizes: tuple[int, ...] = ()
+
+    @property
+    def codec_name(self) -> str:
+        return CODEC_NAMES[self.codec]
+
+    def chunk_offsets(self) -> list[int]:
+        """Offsets of each compressed chunk, relative to the payload start."""
+        offsets, pos = [], self.body_offset
+        for size in self.chunk_sizes:
+            offsets.append(pos)
+            pos += size
+        return offsets
+
+    def chunk_raw_sizes(self) -> list[int]:
+        """Decoded size of each chunk."""
+        full, rest = divmod(self.raw_size, self.chunk_bytes)
+        return [self.chunk_bytes] * full + ([rest] if rest else [])
+
+
+def encode(
+    raw: bytes | bytearray | memoryview,
+    *,
+    chunk_bytes: int = 1024**2,
+    level: int = 0,
+    min_saving: float = 0.05,
+    meta: dict[str, Any] | None = None,
+) -> bytes:
+    """Encode ``raw`` as a payload, choosing LZ4 only when it saves ``min_saving``.
+
+    Args:
+        raw: The bytes to store.
+        chunk_bytes: Raw bytes per independent LZ4 block.
+        level: 0 for fast LZ4, 1..12 for LZ4-HC.
+        min_saving: Fraction LZ4 must save, else the payload is stored raw
+            (JPEG and noise do not compress, and raw is then cheaper to read).
+        meta: JSON-serialisable metadata recorded in the header.
+
+    >>> decode(encode(b"abc" * 1000)) == b"abc" * 1000
+    True
+    """
+    view = memoryview(raw).cast("B")
+    meta_bytes = json.dumps(meta or {}, separators=(",", ":"), sort_keys=True).encode()
+    if len(meta_bytes) > MAX_META_BYTES:
+        raise CodecError(f"payload metadata is {len(meta_bytes)} B; the limit is {MAX_META_BYTES} B")
+    digest = checksum(view)
+    raw_size = len(view)
+    mode = "high_compression" if level > 0 else "default"
+    chunks = [
+        lz4.block.compress(view[i : i + chunk_bytes], mode=mode, compression=level, store_size=False)
+        for i in range(0, raw_size, chunk_bytes)
+    ]
+    packed = sum(len(c) for c in chunks) + 4 * len(chunks)
+    if raw_size and packed <= raw_size * (1.0 - min_saving):
+        header = _HEADER.pack(MAGIC, VERSION, LZ4, 0, raw_size, chunk_bytes, len(chunks), digest, len(meta_bytes))
+        sizes = struct.pack(f"<{len(chunks)}I", *(len(c) for c in chunks))
+        return b"".join([header, meta_bytes, sizes, *chunks])
+    header = _HEADER.pack(MAGIC, VERSION, RAW, 0, raw_size, chunk_bytes, 0, digest, len(meta_bytes))
+    return b"".join([header, meta_bytes, view])
+
+
+def parse_header(payload: bytes | memoryview) -> PayloadInfo:
+    """Parse and bounds-check a payload header without decoding the body."""
+    view = memoryview(payload)
+    if len(view) < HEADER_BYTES:
+        raise CodecError(f"payload is {len(view)} B, shorter than the {HEADER_BYTES} B header")
+    magic, version, codec, _, raw_size, chunk_bytes, n_chunks, digest, meta_len = _HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise CodecError(f"payload magic is {bytes(magic)!r}, expected {MAGIC!r}: not a fastload payload")
+    if version != VERSION:
+        raise CodecError(f"payload version {version} is not supported (expected {VERSION})")
+    if codec not in CODEC_NAMES:
+        raise CodecError(f"payload codec id {codec} is unknown")
+    if meta_len > MAX_META_BYTES or HEADER_BYTES + meta_len > len(view):
+        raise CodecError(f"payload metadata length {meta_len} B exceeds the payload or the limit")
+    if chunk_bytes == 0:
+        raise CodecError("payload chunk size is 0")
+    pos = HEADER_BYTES + meta_len
+    try:
+        meta = json.loads(bytes(view[HEADER_BYTES:pos]).decode()) if meta_len else {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CodecError(f"payload metadata is not valid JSON: {err}") from err
+    if not isinstance(meta, dict):
+        raise CodecError("payload metadata is not a JSON object")
+    sizes: tuple[int, ...] = ()
+    if codec == RAW:
+        if n_chunks != 0 or len(view) - pos != raw_size:
+            raise CodecError(f"raw payload body is {len(view) - pos} B but the header says {raw_size} B")
+    else:
+        expected_chunks = -(-raw_size // chunk_bytes)
+        if n_chunks != expected_chunks:
+            raise CodecError(f"payload has {n_chunks} chunks; {raw_size} B in {chunk_bytes} B chunks needs {expected_chunks}")
+        if pos + 4 * n_chunks > len(view):
+            raise CodecError("payload chunk table runs past the end of the payload")
+        sizes = struct.unpack_from(f"<{n_chunks}I", view, pos)
+        pos += 4 * n_chunks
+        if sum(sizes) != len(view) - pos:
+            raise CodecError(f"payload chunks total {sum(sizes)} B but the body is {len(view) - pos} B")
+        if raw_size > _MAX_RATIO * max(1, sum(sizes)):
+            raise CodecError(f"payload claims {raw_size} B from a {sum(sizes)} B body; impossible for LZ4")
+        for size, raw_chunk in zip(sizes, PayloadInfo(codec, raw_size, chunk_bytes, 0).chunk_raw_sizes()):
+            if size == 0 or size > lz4_bound(raw_chunk):
+                raise CodecError(f"payload chunk of {size} B cannot hold {raw_chunk} B of LZ4 data")
+    return PayloadInfo(codec, raw_size, chunk_bytes, digest, meta, pos, sizes)
+
+
+def decode(payload: bytes | memoryview, *, verify: bool = True) -> bytes:
+    """Decode a payload back to its raw bytes, checking sizes and (by default) the checksum.
+
+    Raises:
+        CodecError: The header is malformed, a chunk does not decode to its size,
+            or the checksum does not match.
+    """
+    info = parse_header(payload)
+    view = memoryview(payload)
+    if info.codec == RAW:
+        raw = bytes(view[info.body_offset :])
+    else:
+        parts = []
+        for offset, size, raw_chunk in zip(info.chunk_offsets(), info.chunk_sizes, info.chunk_raw_sizes()):
+            try:
+                part = lz4.block.decompress(view[offset : offset + size], uncompressed_size=raw_chunk)
+            except lz4.block.LZ4BlockError as err:
+                raise CodecError(f"LZ4 chunk at offset {offset} is corrupt: {err}") from err
+            if len(part) != raw_chunk:
+                raise CodecError(f"LZ4 chunk at offset {offset} decoded to {len(part)} B, expected {raw_chunk} B")
+            parts.append(part)
+        raw = parts[0] if len(parts) == 1 else b"".join(parts)
+    if verify and checksum(raw) != info.checksum:
+        raise CodecError("payload checksum mismatch: the raw bytes differ from what was written")
+    return raw

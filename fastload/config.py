@@ -1,0 +1,171 @@
+"""Settings: one frozen dataclass, human sizes, and the ``FASTLOAD_*`` environment.
+
+Only :func:`Settings.from_env` reads the environment, so a worker process that
+receives a pickled ``Settings`` sees exactly what its parent saw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastload.errors import ConfigError
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "T": 1000**4,
+    "TB": 1000**4,
+    "KIB": 1024,
+    "MIB": 1024**2,
+    "GIB": 1024**3,
+    "TIB": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: str | int | float) -> int:
+    """Parse a human size such as ``"200GB"``, ``"1.5 GiB"`` or ``4096`` into bytes.
+
+    Decimal units (KB, MB, GB, TB) are powers of 1000; binary units (KiB, MiB,
+    GiB, TiB) are powers of 1024.
+
+    >>> parse_size("200GB")
+    200000000000
+    >>> parse_size("4MiB")
+    4194304
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"size {value!r} is not a size; use e.g. '200GB' or 4096")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"size {value!r} is negative; use a positive number of bytes")
+        return int(value)
+    match = _SIZE_RE.match(value)
+    if not match:
+        raise ConfigError(f"size {value!r} is not understood; use e.g. '200GB', '512MiB' or 4096")
+    number, unit = match.groups()
+    factor = _UNITS.get(unit.upper())
+    if factor is None:
+        raise ConfigError(
+            f"size {value!r} has unknown unit {unit!r}; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        )
+    return int(float(number) * factor)
+
+
+def format_size(n: float) -> str:
+    """Format a byte count for humans (decimal units, 3 significant digits).
+
+    >>> format_size(1_500_000)
+    '1.50 MB'
+    """
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"  # pragma: no cover - loop always returns
+
+
+def default_cache_dir() -> Path:
+    """``$FASTLOAD_CACHE_DIR`` if set, else ``~/.cache/fastload``."""
+    env = os.environ.get("FASTLOAD_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fastload"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every tunable of fastload, with units in the names.
+
+    Attributes:
+        cache_dir: Where payloads and the index live (created with mode 0700).
+        cache_limit_bytes: Upper bound on payload bytes on disk; LRU eviction keeps it.
+        block_bytes: Remote files larger than this are cached as fixed-size blocks of
+            this size, so random access never downloads a whole multi-GB shard.
+        chunk_bytes: LZ4 payloads are split into independent blocks of this raw size,
+            so a GPU (nvCOMP inflate) can decompress chunks in parallel.
+        lz4_level: 0 = fast LZ4 block; 1..12 = LZ4-HC at that level (pre-staging only).
+        min_saving: Store LZ4 only if it saves at least this fraction, else store raw.
+        workers: Parallel remote requests for staging and cache misses.
+        retries: Attempts per remote request (1 = no retry).
+        backoff_s: First retry delay; doubles per attempt, with full jitter.
+        backoff_max_s: Cap on a single retry delay.
+        request_timeout_s: Per-request timeout for remote reads.
+        lock_timeout_s: Upper bound on waiting for the cache's eviction lock.
+    """
+
+    cache_dir: Path = dataclasses.field(default_factory=default_cache_dir)
+    cache_limit_bytes: int = 50 * 1000**3
+    block_bytes: int = 8 * 1024**2
+    chunk_bytes: int = 1024**2
+    lz4_level: int = 0
+    min_saving: float = 0.05
+    workers: int = 16
+    retries: int = 5
+    backoff_s: float = 0.2
+    backoff_max_s: float = 10.0
+    request_timeout_s: float = 60.0
+    lock_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
+        if self.cache_limit_bytes <= 0:
+            raise ConfigError(f"cache limit {self.cache_limit_bytes} must be positive")
+        if self.block_bytes < 4096:
+            raise ConfigError(f"block size {self.block_bytes} B is below 4 KiB; use e.g. '8MiB'")
+        if not 4096 <= self.chunk_bytes <= 2**31 - 1:
+            raise ConfigError(f"chunk size {self.chunk_bytes} B must be between 4 KiB and 2 GiB")
+        if not 0 <= self.lz4_level <= 12:
+            raise ConfigError(f"LZ4 level {self.lz4_level} must be 0 (fast) or 1..12 (HC)")
+        if self.workers < 1:
+            raise ConfigError(f"workers={self.workers} must be at least 1")
+        if self.retries < 1:
+            raise ConfigError(f"retries={self.retries} must be at least 1")
+
+    def replace(self, **changes: Any) -> Settings:
+        """Return a copy with ``changes`` applied (sizes may be human strings)."""
+        for key in ("cache_limit_bytes", "block_bytes", "chunk_bytes"):
+            if key in changes and changes[key] is not None:
+                changes[key] = parse_size(changes[key])
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from ``FASTLOAD_*`` variables, then apply ``overrides``.
+
+        Recognised: FASTLOAD_CACHE_DIR, FASTLOAD_CACHE_LIMIT, FASTLOAD_BLOCK_SIZE,
+        FASTLOAD_CHUNK_SIZE, FASTLOAD_LZ4_LEVEL, FASTLOAD_WORKERS, FASTLOAD_RETRIES,
+        FASTLOAD_BACKOFF_S, FASTLOAD_TIMEOUT_S.
+        """
+        env = dict(os.environ if env is None else env)
+        values: dict[str, Any] = {}
+        table: dict[str, tuple[str, Any]] = {
+            "FASTLOAD_CACHE_DIR": ("cache_dir", Path),
+            "FASTLOAD_CACHE_LIMIT": ("cache_limit_bytes", parse_size),
+            "FASTLOAD_BLOCK_SIZE": ("block_bytes", parse_size),
+            "FASTLOAD_CHUNK_SIZE": ("chunk_bytes", parse_size),
+            "FASTLOAD_LZ4_LEVEL": ("lz4_level", int),
+            "FASTLOAD_WORKERS": ("workers", int),
+            "FASTLOAD_RETRIES": ("retries", int),
+            "FASTLOAD_BACKOFF_S": ("backoff_s", float),
+            "FASTLOAD_TIMEOUT_S": ("request_timeout_s", float),
+        }
+        for name, (field, convert) in table.items():
+            raw = env.get(name)
+            if raw is None or raw == "":
+                continue
+            try:
+                values[field] = convert(raw)
+            except (ValueError, ConfigError) as err:
+                raise ConfigError(f"environment variable {name}={raw!r} is invalid: {err}") from err
+        settings = cls(**values)
+        return settings.replace(**overrides) if overrides else settings

@@ -1,0 +1,62 @@
+"""Exceptions raised by fastload.
+
+Every error is a :class:`FastloadError`, and most also inherit the builtin that
+callers would naturally catch (``OSError``, ``ValueError``...), following
+fsspec's ``fsspec/exceptions.py``. Messages name the item, the cause and the fix.
+Secrets from ``storage_options`` never appear in a message: sources format
+errors from URLs only.
+"""
+
+from __future__ import annotations
+
+
+class FastloadError(Exception):
+    """Base class of every error fastload raises on purpose."""
+
+
+class ConfigError(FastloadError, ValueError):
+    """A setting or argument is invalid (bad size string, bad JSON, bad combination)."""
+
+
+class SourceError(FastloadError, OSError):
+    """The remote could not be read (after retries, where retrying made sense)."""
+
+
+class RemoteNotFoundError(SourceError, FileNotFoundError):
+    """The URL, bucket or object does not exist."""
+
+
+class CredentialsError(SourceError, PermissionError):
+    """The remote refused access, or no credentials were found."""
+
+
+class RemoteChangedError(SourceError):
+    """The remote object differs from the fingerprint recorded when it was listed or staged."""
+
+
+class CacheError(FastloadError, OSError):
+    """The local cache could not be used."""
+
+
+class CacheFullError(CacheError):
+    """The cache limit or the disk cannot hold what was asked of it."""
+
+
+class CacheLimitError(CacheFullError, ValueError):
+    """The cache limit is smaller than a single item, so nothing could ever be cached."""
+
+
+class CorruptEntryError(CacheError):
+    """A cache entry failed its size or checksum check (it is dropped and refetched)."""
+
+
+class CodecError(FastloadError, ValueError):
+    """A payload header or body is malformed (bad magic, sizes, checksum)."""
+
+
+class DecodeError(FastloadError, ValueError):
+    """A sample could not be decoded (corrupt JPEG, wrong dtype or shape)."""
+
+
+class LoaderError(FastloadError, RuntimeError):
+    """The DataLoader or a background stage failed (worker death, timeout)."""

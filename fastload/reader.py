@@ -1,0 +1,241 @@
+"""Reading remote objects through the cache: manifests, blocks, misses.
+
+:class:`Reader` is the one place that joins a :class:`~fastload.source.Source`
+(the remote) with the :class:`~fastload.cache.Cache` (the local disk). Datasets,
+``fastload.open``, the ``fastload::`` fsspec protocol and staging all go
+through it, so they share one identity and one miss path.
+
+**Manifests.** Listing a dataset (``Reader.list``) records the listing and each
+object's fingerprint (size + ETag/mtime) in the cache index. Afterwards, reading
+any listed URL uses the recorded fingerprint and makes no remote round trip:
+a staged dataset trains with its remote unreachable. The manifest is a
+snapshot; ``refresh=True`` (``fastload cache --refresh``) re-lists and picks up
+changes. A URL that no manifest covers is re-checked with one ``info`` call per
+open, so a changed remote is never served stale.
+
+**Blocks.** Objects are cached in fixed-size blocks of ``Settings.block_bytes``;
+an object smaller than that is one block. Random access into a multi-GB tar
+shard or .npy file fetches only the blocks it touches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastload.cache import Cache, entry_key
+from fastload.config import Settings, format_size
+from fastload.errors import CacheFullError, CacheLimitError, ConfigError, RemoteChangedError
+from fastload.source import RemoteItem, Source
+
+_log = logging.getLogger("fastload")
+
+# A recorder receives (stage, items, bytes, seconds); the loader's stats plug in here.
+Recorder = Callable[[str, int, int, float], None]
+
+
+class Reader:
+    """Reads objects of one storage location through the cache.
+
+    Args:
+        settings: Cache and remote settings (defaults from ``FASTLOAD_*``).
+        storage_options: fsspec options for the remote (credentials, endpoint).
+        cache: An open cache to share; one is opened from ``settings`` otherwise.
+    """
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        storage_options: dict[str, Any] | None = None,
+        cache: Cache | None = None,
+    ) -> None:
+        self.settings = settings or (cache.settings if cache else Settings.from_env())
+        self.storage_options = dict(storage_options or {})
+        self.cache = cache or Cache(self.settings)
+        self._sources: dict[str, Source] = {}
+        self._lock = threading.Lock()
+        self._inflight: dict[str, threading.Lock] = {}
+        self._warned_limit = False
+        self.recorder: Recorder | None = None
+        self.hits = 0
+        self.misses = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers get settings, not handles: the cache and sockets reopen in the child.
+        return {"settings": self.settings, "storage_options": self.storage_options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["settings"], state["storage_options"])  # type: ignore[misc]
+
+    # -- sources and identity -------------------------------------------------
+
+    def source(self, url: str) -> Source:
+        """The Source for ``url``'s filesystem (one per protocol, reused)."""
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
+        with self._lock:
+            src = self._sources.get(protocol)
+            if src is None:
+                src = self._sources[protocol] = Source(url, self.storage_options, self.settings)
+        return src
+
+    def canonical(self, url: str) -> str:
+        """The canonical URL used as identity in the cache."""
+        return self.source(url).canonical(url)
+
+    def stat(self, url: str, *, refresh: bool = False) -> RemoteItem:
+        """Size and version of ``url``: from a manifest if one covers it, else from the remote."""
+        url = self.canonical(url)
+        if not refresh:
+            pinned = self.cache.index.get(("u", url))
+            if pinned is not None:
+                return RemoteItem(url, int(pinned[0]), str(pinned[1]))
+        return self.source(url).info(url)
+
+    # -- listing (manifests) --------------------------------------------------
+
+    def list(self, url: str, pattern: str | None = None, *, refresh: bool = False) -> list[RemoteItem]:
+        """List a dataset once and record it; later calls (any process) reuse the record."""
+        src = self.source(url)
+        root = src.canonical(url).rstrip("/")
+        key = ("m", root, pattern or "")
+        if not refresh:
+            manifest = self.cache.index.get(key)
+            if manifest is not None:
+                return [RemoteItem.from_json(r) for r in manifest["items"]]
+        items = Source(url, self.storage_options, self.settings).list(pattern)
+        self.save_manifest(root, pattern, items)
+        return items
+
+    def save_manifest(self, root: str, pattern: str | None, items: list[RemoteItem]) -> None:
+        """Record a listing and pin each item's fingerprint."""
+        index = self.cache.index
+        with index.transact():
+            index.set(("m", root, pattern or ""), {"created": time.time(), "items": [i.to_json() for i in items]})
+            for item in items:
+                index.set(("u", item.url), (item.size, item.version))
+
+    def manifests(self) -> list[dict[str, Any]]:
+        """Every recorded manifest: root, pattern, created, items."""
+        out = []
+        for k in list(self.cache.index.iterkeys()):
+            if isinstance(k, tuple) and k[0] == "m":
+                rec = self.cache.index.get(k)
+                if rec is not None:
+                    out.append({"root": k[1], "pattern": k[2] or None, **rec})
+        return out
+
+    # -- blocks ---------------------------------------------------------------
+
+    def blocks(self, item: RemoteItem) -> range:
+        """Block indices of ``item`` (at least one, even for an empty object)."""
+        return range(max(1, -(-item.size // self.settings.block_bytes)))
+
+    def block_span(self, item: RemoteItem, block: int) -> tuple[int, int]:
+        """The byte range [start, end) that block ``block`` covers."""
+        start = block * self.settings.block_bytes
+        return start, min(item.size, start + self.settings.block_bytes)
+
+    def key(self, item: RemoteItem, block: int) -> str:
+        return entry_key(item.url, item.size, item.version, block, self.settings.block_bytes)
+
+    def read_block(self, item: RemoteItem, block: int) -> bytes:
+        """One block of ``item``: from the cache, or fetched, stored and returned."""
+        key = self.key(item, block)
+        t0 = time.perf_counter()
+        data = self.cache.get(key)
+        if data is not None:
+            self.hits += 1
+            self._record("cache_read", len(data), time.perf_counter() - t0)
+            return data
+        # One fetch per block per process even when threads miss together.
+        with self._lock:
+            gate = self._inflight.setdefault(key, threading.Lock())
+        with gate:
+            data = self.cache.get(key)
+            if data is None:
+                data = self.fetch_block(item, block)
+            else:
+                self.hits += 1
+        with self._lock:
+            self._inflight.pop(key, None)
+        return data
+
+    def fetch_block(self, item: RemoteItem, block: int, *, store: bool = True) -> bytes:
+        """Fetch one block from the remote and (if ``store``) cache it; counts a miss."""
+        start, end = self.block_span(item, block)
+        t0 = time.perf_counter()
+        src = self.source(item.url)
+        whole = start == 0 and end == item.size
+        try:
+            data = src.read(item.url, 0 if whole else start, None if whole else end)
+        except FileNotFoundError as err:
+            raise RemoteChangedError(
+                f"{item.url}: listed (or staged) but now missing on the remote ({err}); fix: re-list with "
+                "refresh=True / `fastload cache --refresh`"
+            ) from err
+        if len(data) != end - start:
+            raise RemoteChangedError(
+                f"{item.url}: remote now returns {len(data)} B for block {block}, expected {end - start} B from its "
+                "recorded size; the object changed since it was listed; fix: `fastload cache --refresh` or refresh=True"
+            )
+        self.misses += 1
+        self._record("fetch", len(data), time.perf_counter() - t0)
+        if store:
+            self.store_block(item, block, data)
+        return data
+
+    def store_block(self, item: RemoteItem, block: int, data: bytes) -> None:
+        """Cache a fetched block; a cache that cannot hold it degrades to streaming."""
+        try:
+            self.cache.put(self.key(item, block), data, url=item.url, block=block)
+        except CacheLimitError:
+            raise
+        except CacheFullError as err:
+            self._warn_streaming(f"cache cannot store {item.url} ({err}); serving it without caching")
+
+    def _warn_streaming(self, why: str) -> None:
+        if not self._warned_limit:
+            self._warned_limit = True
+            _log.warning("fastload is streaming: %s", why)
+
+    def warn_if_oversized(self, items: list[RemoteItem]) -> None:
+        """Warn once when a dataset is larger than the cache limit (it will stream)."""
+        total = sum(i.size for i in items)
+        if total > self.settings.cache_limit_bytes:
+            self._warn_streaming(
+                f"dataset is {format_size(total)} but the cache limit is "
+                f"{format_size(self.settings.cache_limit_bytes)}; items will be evicted and refetched "
+                "each epoch (raise --cache-limit / FASTLOAD_CACHE_LIMIT to cache it all)"
+            )
+
+    def _record(self, stage: str, nbytes: int, seconds: float) -> None:
+        if self.recorder is not None:
+            self.recorder(stage, 1, nbytes, seconds)
+
+    # -- whole objects and ranges ---------------------------------------------
+
+    def read(self, url: str | RemoteItem) -> bytes:
+        """The whole object at ``url``, through the cache."""
+        item = url if isinstance(url, RemoteItem) else self.stat(url)
+        parts = [self.read_block(item, b) for b in self.blocks(item)]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def read_range(self, url: str | RemoteItem, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``url``, touching only the blocks that cover them."""
+        item = url if isinstance(url, RemoteItem) else self.stat(url)
+        if start < 0 or end < start:
+            raise ConfigError(f"range [{start}, {end}) of {item.url} is invalid")
+        end = min(end, item.size)
+        if start >= end:
+            return b""
+        bb = self.settings.block_bytes
+        parts = []
+        for block in range(start // bb, (end - 1) // bb + 1):
+            data = self.read_block(item, block)
+            lo = max(start - block * bb, 0)
+            hi = min(end - block * bb, len(data))
+            parts.append(data[lo:hi])
+        return b"".join(parts)

@@ -1,0 +1,334 @@
+"""Remote storage through fsspec: listing, fingerprints, ranged reads, retries.
+
+A :class:`Source` is built from an fsspec URL plus ``storage_options``; it never
+invents its own storage layer. It pickles its settings, not its filesystem, so a
+worker process reopens the connection in the child (fsspec resets its event loop
+after fork).
+
+Errors are translated into :mod:`fastload.errors` classes that name the URL, the
+cause and the fix. ``storage_options`` values are scrubbed from every message, so
+a secret key never reaches a log (tests/integration/test_source_s3.py greps for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from fastload.config import Settings
+from fastload.errors import (
+    ConfigError,
+    CredentialsError,
+    FastloadError,
+    RemoteNotFoundError,
+    SourceError,
+)
+
+T = TypeVar("T")
+
+_INSTALL_HINTS = {
+    "s3": "pip install 'fastload[s3]'",
+    "s3a": "pip install 'fastload[s3]'",
+    "gs": "pip install 'fastload[gcs]'",
+    "gcs": "pip install 'fastload[gcs]'",
+    "http": "pip install aiohttp",
+    "https": "pip install aiohttp",
+}
+# Exceptions whose class name marks missing or rejected credentials (botocore,
+# google-auth); matched by name so that neither package is a hard dependency.
+_CREDENTIAL_ERRORS = {
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "CredentialRetrievalError",
+    "DefaultCredentialsError",
+    "RefreshError",
+}
+# Exceptions worth retrying: network failures, timeouts, throttling and 5xx.
+_TRANSIENT_NAMES = {
+    "ClientPayloadError",
+    "ServerDisconnectedError",
+    "ClientConnectorError",
+    "ClientOSError",
+    "ServerTimeoutError",
+    "FSTimeoutError",
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+    "IncompleteReadError",
+    "ResponseStreamingError",
+    "TruncatedBodyError",
+}
+
+
+class TruncatedBodyError(OSError):
+    """A read returned fewer bytes than asked for (a cut connection); retried."""
+
+
+@dataclass(frozen=True)
+class RemoteItem:
+    """One remote object as listed.
+
+    Attributes:
+        url: Canonical URL with its protocol (``s3://b/k``, ``file:///p``, ``http://h/p``).
+        size: Size in bytes.
+        version: ETag, generation or mtime as a string; "" when the store has none.
+    """
+
+    url: str
+    size: int
+    version: str
+
+    def to_json(self) -> list[Any]:
+        return [self.url, self.size, self.version]
+
+    @classmethod
+    def from_json(cls, row: list[Any]) -> RemoteItem:
+        return cls(str(row[0]), int(row[1]), str(row[2]))
+
+
+def glob_to_regex(pattern: str) -> re.Pattern[str]:
+    """Compile a glob where ``**`` spans folders and ``*`` stays within one.
+
+    >>> bool(glob_to_regex("**/*.jpg").match("a/b/c.jpg")), bool(glob_to_regex("*.jpg").match("a/c.jpg"))
+    (True, False)
+    """
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def _version_of(info: dict[str, Any]) -> str:
+    for key in ("ETag", "etag", "generation", "md5Hash", "LastModified", "Last-Modified", "last_modified", "updated", "mtime", "created"):
+        value = info.get(key)
+        if value not in (None, ""):
+            return str(value).strip('"')
+    return ""
+
+
+class Source:
+    """Reads one fsspec location (a prefix, folder or single object).
+
+    Args:
+        url: Any fsspec URL or local path.
+        storage_options: Passed to the fsspec filesystem (credentials, endpoint...).
+        settings: Retry, timeout and parallelism settings.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, settings: Settings | None = None) -> None:
+        if not isinstance(url, str) or not url:
+            raise ConfigError(f"URL {url!r} is not a string; pass e.g. 's3://bucket/prefix/' or '/data/train'")
+        self.storage_options = dict(storage_options or {})
+        self.settings = settings or Settings.from_env()
+        self._lock = threading.Lock()
+        self._fs: fsspec.AbstractFileSystem | None = None
+        self._root_path = ""
+        self.url = url
+        fs = self.fs  # fail early on unknown protocols and missing packages
+        self.url = fs.unstrip_protocol(self._root_path).rstrip("/") if self._root_path else url
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Settings travel; the filesystem (sockets, event loop) is reopened in the child.
+        return {"url": self.url, "storage_options": self.storage_options, "settings": self.settings}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["storage_options"], state["settings"])  # type: ignore[misc]
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """The fsspec filesystem, opened on first use."""
+        if self._fs is None:
+            with self._lock:
+                if self._fs is None:
+                    self._fs, self._root_path = self._open_fs()
+        return self._fs
+
+    def _open_fs(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
+        try:
+            fs, path = url_to_fs(self.url, **self.storage_options)
+        except ImportError as err:
+            hint = _INSTALL_HINTS.get(protocol, f"install the fsspec backend for {protocol!r}")
+            raise ConfigError(f"URL {self.url!r} needs a package that is missing ({err}); fix: {hint}") from err
+        except ValueError as err:
+            raise ConfigError(f"URL {self.url!r} is not usable: {self.scrub(str(err))}; check the protocol and spelling") from err
+        except FastloadError:
+            raise
+        except Exception as err:
+            raise self.translate(err, self.url) from err
+        return fs, path
+
+    # -- naming -------------------------------------------------------------
+
+    def canonical(self, url: str) -> str:
+        """The canonical form of ``url`` on this source's filesystem (stable cache identity)."""
+        fs = self.fs
+        return fs.unstrip_protocol(fs._strip_protocol(url))
+
+    def scrub(self, text: str) -> str:
+        """Replace every secret from ``storage_options`` in ``text`` with ``***``."""
+        for value in _secrets(self.storage_options):
+            text = text.replace(value, "***")
+        return text
+
+    def translate(self, err: BaseException, url: str) -> FastloadError:
+        """Map a backend exception to a FastloadError naming ``url``, the cause and the fix."""
+        cause = self.scrub(f"{type(err).__name__}: {err}")
+        name = type(err).__name__
+        if name in _CREDENTIAL_ERRORS or isinstance(err, PermissionError):
+            return CredentialsError(
+                f"{url}: access denied or no credentials ({cause}); fix: pass credentials in "
+                "storage_options (e.g. --storage-options '{\"key\": ..., \"secret\": ...}') or the "
+                "provider's environment variables"
+            )
+        if isinstance(err, FileNotFoundError) or "NoSuchBucket" in cause:
+            return RemoteNotFoundError(f"{url}: not found ({cause}); fix: check the bucket, path and spelling")
+        if isinstance(err, FastloadError):
+            return err
+        return SourceError(f"{url}: read failed ({cause})")
+
+    # -- listing --------------------------------------------------------------
+
+    def list(self, pattern: str | None = None) -> list[RemoteItem]:
+        """List every object under the root (or the root itself if it is an object).
+
+        Sizes and versions come from the listing where the store provides them;
+        stores that do not (plain HTTP) get one parallel HEAD per object, once.
+        """
+        fs, root = self.fs, self._root_path
+        info = self._call(lambda: fs.info(root), self.url)
+        if info.get("type") != "directory":
+            return [self._item(info)]
+        found = self._call(lambda: fs.find(root, detail=True, withdirs=False), self.url)
+        regex = glob_to_regex(pattern) if pattern else None
+        prefix = root.rstrip("/") + "/"
+        rows = []
+        for path, detail in sorted(found.items()):
+            rel = path[len(prefix) :] if path.startswith(prefix) else path
+            if regex is None or regex.match(rel):
+                rows.append(detail | {"name": path})
+        missing = [r for r in rows if r.get("size") is None or not _version_of(r)]
+        if missing:
+            with ThreadPoolExecutor(self.settings.workers) as pool:
+                filled = dict(zip((r["name"] for r in missing), pool.map(lambda r: self._call(lambda: fs.info(r["name"]), r["name"]), missing)))
+            rows = [filled.get(r["name"], r) | {"name": r["name"]} for r in rows]
+        return [self._item(r) for r in rows]
+
+    def info(self, url: str) -> RemoteItem:
+        """Fetch one object's current size and version (one round trip)."""
+        return self._item(self._call(lambda: self.fs.info(url), url))
+
+    def _item(self, info: dict[str, Any]) -> RemoteItem:
+        size = info.get("size")
+        if size is None:
+            raise SourceError(f"{info.get('name')}: the store reports no size; fastload needs sized objects")
+        return RemoteItem(self.fs.unstrip_protocol(info["name"]), int(size), _version_of(info))
+
+    # -- reading --------------------------------------------------------------
+
+    def read(self, url: str, start: int = 0, end: int | None = None, *, expect: int | None = None) -> bytes:
+        """Read ``url[start:end]`` with retries, backoff and a per-request timeout.
+
+        Args:
+            url: The object.
+            start: First byte.
+            end: One past the last byte, or None for the end of the object.
+            expect: The byte count the caller knows it must get; a short body is
+                treated as a cut connection and retried.
+        """
+        fs = self.fs
+        path = fs._strip_protocol(url)
+        kwargs: dict[str, Any] = {}
+        if getattr(fs, "async_impl", False):
+            kwargs["timeout"] = self.settings.request_timeout_s
+
+        def once() -> bytes:
+            if start == 0 and end is None:
+                data = fs.cat_file(path, **kwargs)
+            else:
+                data = fs.cat_file(path, start=start, end=end, **kwargs)
+            if expect is not None and len(data) != expect:
+                raise TruncatedBodyError(f"got {len(data)} B of {expect} B")
+            return bytes(data)
+
+        return self._call(once, url)
+
+    def _call(self, fn: Callable[[], T], url: str) -> T:
+        settings, last = self.settings, None
+        for attempt in range(settings.retries):
+            try:
+                return fn()
+            except Exception as err:
+                if not _is_transient(err):
+                    raise self.translate(err, url) from err
+                last = err
+                if attempt + 1 < settings.retries:
+                    # Full jitter keeps many workers from retrying in lockstep.
+                    delay = min(settings.backoff_max_s, settings.backoff_s * 2**attempt)
+                    time.sleep(random.uniform(0, delay))
+        assert last is not None
+        raise SourceError(
+            f"{url}: failed after {settings.retries} attempts; last cause: "
+            f"{self.scrub(f'{type(last).__name__}: {last}')}; fix: check the server, or raise "
+            "FASTLOAD_RETRIES / FASTLOAD_TIMEOUT_S"
+        ) from last
+
+
+def _is_transient(err: BaseException) -> bool:
+    if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FastloadError)):
+        return False
+    if type(err).__name__ in _CREDENTIAL_ERRORS:
+        return False
+    if isinstance(err, (TimeoutError, asyncio.TimeoutError, ConnectionError, TruncatedBodyError)):
+        return True
+    if type(err).__name__ in _TRANSIENT_NAMES:
+        return True
+    status = getattr(err, "status", None) or getattr(err, "code", None)
+    if isinstance(status, int):
+        return status == 429 or status >= 500
+    text = str(err)
+    if any(s in text for s in ("SlowDown", "Throttl", "503", "500 Internal", "RequestTimeout", "Connection reset")):
+        return True
+    # A bare OSError from a network stack is usually transient; a ValueError is not.
+    return isinstance(err, OSError) and not isinstance(err, FileExistsError)
+
+
+_SECRET_KEY = re.compile(r"key|secret|token|pass|session|cred|auth|sig|sas", re.IGNORECASE)
+
+
+def _secrets(value: Any, secret: bool = False) -> Iterable[str]:
+    """String leaves stored under secret-looking keys (key, secret, token, password...)."""
+    if isinstance(value, str):
+        if secret and len(value) >= 3:
+            yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _secrets(v, secret or bool(_SECRET_KEY.search(str(k))))
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _secrets(v, secret)
