@@ -1,0 +1,42 @@
+# make test / make demo / make bench each create .venv themselves.
+#
+# torch is installed only when it is not importable already: a torch the user
+# has (e.g. a CUDA build in the base interpreter) is reused through
+# --system-site-packages and never replaced. Override with TORCH_SPEC=...
+# (the default is the CPU build that lies on this project's CI disk).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: test test-all demo bench lint clean
+
+$(STAMP): pyproject.toml
+	@if [ ! -x $(BIN)/python ]; then \
+	  if $(PY) -c "import torch" 2>/dev/null; then $(PY) -m venv --system-site-packages $(VENV); \
+	  else $(PY) -m venv $(VENV); fi; fi
+	$(BIN)/python -m pip install -q --upgrade pip
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check fastload tests benchmarks examples
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/cache/bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,132 @@
+"""Payload codec: round trips per codec (one contract class), and hostile input."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import lz4.block
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastload import codec
+from fastload.errors import CodecError
+
+COMPRESSIBLE = (b"fastload " * 50_000) + bytes(range(256)) * 100
+NOISE = os.urandom(300_000)
+
+
+class CodecContract:
+    """Every way of encoding must round-trip bit-exact and record what it did."""
+
+    level = 0
+    expected_codec = codec.LZ4
+
+    def encode(self, data: bytes, **kw: object) -> bytes:
+        return codec.encode(data, level=self.level, chunk_bytes=64 * 1024, **kw)  # type: ignore[arg-type]
+
+    def test_round_trip(self) -> None:
+        payload = self.encode(COMPRESSIBLE)
+        assert codec.decode(payload) == COMPRESSIBLE
+        info = codec.parse_header(payload)
+        assert info.codec == self.expected_codec
+        assert info.raw_size == len(COMPRESSIBLE)
+        assert info.checksum == codec.checksum(COMPRESSIBLE)
+
+    def test_chunks_are_independent_lz4_blocks(self) -> None:
+        payload = self.encode(COMPRESSIBLE)
+        info = codec.parse_header(payload)
+        if info.codec != codec.LZ4:
+            pytest.skip("raw payloads have no chunks")
+        # Each chunk must decode on its own, as nvCOMP inflate on the GPU will do it.
+        out = b"".join(
+            lz4.block.decompress(payload[o : o + s], uncompressed_size=r)
+            for o, s, r in zip(info.chunk_offsets(), info.chunk_sizes, info.chunk_raw_sizes())
+        )
+        assert out == COMPRESSIBLE
+        assert len(info.chunk_sizes) == -(-len(COMPRESSIBLE) // (64 * 1024))
+
+    def test_empty_and_tiny(self) -> None:
+        for data in (b"", b"x", b"ab" * 3):
+            assert codec.decode(self.encode(data)) == data
+
+    def test_meta_is_recorded(self) -> None:
+        payload = self.encode(COMPRESSIBLE, meta={"dtype": "uint8", "shape": [3, 4]})
+        assert codec.parse_header(payload).meta == {"dtype": "uint8", "shape": [3, 4]}
+
+
+class TestFastLZ4(CodecContract):
+    level = 0
+
+
+class TestLZ4HC(CodecContract):
+    level = 9
+
+    def test_hc_is_not_larger_than_fast(self) -> None:
+        arr = np.random.default_rng(0).zipf(1.3, 200_000).clip(0, 32000).astype(np.int32).tobytes()
+        assert len(self.encode(arr)) <= len(codec.encode(arr, level=0, chunk_bytes=64 * 1024))
+
+
+class TestRaw(CodecContract):
+    """min_saving=1.0 forces the raw codec: the contract must hold for it too."""
+
+    expected_codec = codec.RAW
+
+    def encode(self, data: bytes, **kw: object) -> bytes:
+        return codec.encode(data, chunk_bytes=64 * 1024, min_saving=1.0, **kw)  # type: ignore[arg-type]
+
+
+def test_incompressible_data_is_stored_raw() -> None:
+    payload = codec.encode(NOISE)
+    info = codec.parse_header(payload)
+    assert info.codec == codec.RAW and codec.decode(payload) == NOISE
+    assert len(payload) == len(NOISE) + info.body_offset
+
+
+def test_checksum_detects_a_flipped_body_byte() -> None:
+    payload = bytearray(codec.encode(NOISE))
+    payload[-10] ^= 0xFF
+    with pytest.raises(CodecError, match="checksum"):
+        codec.decode(bytes(payload))
+
+
+def test_header_lie_about_raw_size_is_rejected_before_allocating() -> None:
+    payload = bytearray(codec.encode(COMPRESSIBLE, chunk_bytes=64 * 1024))
+    struct.pack_into("<Q", payload, 8, 2**60)  # raw_size field
+    with pytest.raises(CodecError):
+        codec.decode(bytes(payload))
+
+
+def test_truncated_payload_is_rejected() -> None:
+    payload = codec.encode(COMPRESSIBLE)
+    for cut in (0, 10, codec.HEADER_BYTES, len(payload) // 2, len(payload) - 1):
+        with pytest.raises(CodecError):
+            codec.decode(payload[:cut])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.binary(max_size=4096), flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 255)), max_size=8))
+def test_fuzzed_payloads_raise_codec_error_or_decode_exactly(data: bytes, flips: list[tuple[int, int]]) -> None:
+    payload = bytearray(codec.encode(data * 3, chunk_bytes=4096))
+    for pos, mask in flips:
+        payload[pos % len(payload)] ^= mask
+    try:
+        out = codec.decode(bytes(payload))
+    except CodecError:
+        return
+    # If a corrupted payload still decodes, the checksum guarantees it is the original.
+    assert out == data * 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_never_crash(blob: bytes) -> None:
+    try:
+        codec.decode(codec.MAGIC + blob)
+    except CodecError:
+        pass
+    else:
+        info = codec.parse_header(codec.MAGIC + blob)
+        assert info.raw_size <= 255 * len(blob)

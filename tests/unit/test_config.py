@@ -1,0 +1,51 @@
+"""Settings and size parsing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fastload.config import Settings, format_size, parse_size
+from fastload.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("200GB", 200 * 10**9), ("1.5 GiB", int(1.5 * 2**30)), ("4096", 4096), ("512kb", 512_000), (10, 10), ("8MiB", 8 * 2**20)],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "GB", "12 parsecs", "-5", "1..2MB", True])
+def test_parse_size_rejects_with_a_named_value(bad: object) -> None:
+    with pytest.raises(ConfigError, match="size"):
+        parse_size(bad)  # type: ignore[arg-type]
+
+
+def test_env_is_read_in_one_place(tmp_path: Path) -> None:
+    s = Settings.from_env({"FASTLOAD_CACHE_DIR": str(tmp_path), "FASTLOAD_CACHE_LIMIT": "2GB", "FASTLOAD_WORKERS": "3"})
+    assert (s.cache_dir, s.cache_limit_bytes, s.workers) == (tmp_path, 2 * 10**9, 3)
+
+
+def test_env_errors_name_the_variable() -> None:
+    with pytest.raises(ConfigError, match="FASTLOAD_CACHE_LIMIT"):
+        Settings.from_env({"FASTLOAD_CACHE_LIMIT": "lots"})
+
+
+def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FASTLOAD_CACHE_DIR", raising=False)
+    assert Settings.from_env({}).cache_dir == Path.home() / ".cache" / "fastload"
+
+
+def test_invalid_settings_are_rejected() -> None:
+    with pytest.raises(ConfigError):
+        Settings(cache_limit_bytes=0)
+    with pytest.raises(ConfigError):
+        Settings(lz4_level=13)
+
+
+def test_format_size() -> None:
+    assert format_size(1_500_000) == "1.50 MB"
+    assert format_size(999) == "999 B"
