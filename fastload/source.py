@@ -222,7 +222,11 @@ class Source:
         """
         fs, root = self.fs, self._root_path
         info = self._call(lambda: fs.info(root), self.url)
-        if info.get("type") != "directory":
+        # Plain HTTP cannot tell a folder page from a file: a sizeless HTML answer is a folder.
+        is_dir = info.get("type") == "directory" or (
+            info.get("size") is None and self._call(lambda: fs.isdir(root), self.url)
+        )
+        if not is_dir:
             return [self._item(info)]
         found = self._call(lambda: fs.find(root, detail=True, withdirs=False), self.url)
         regex = glob_to_regex(pattern) if pattern else None
@@ -300,6 +304,11 @@ class Source:
 
 
 def _is_transient(err: BaseException) -> bool:
+    # fsspec's HTTP info() reports a refused connection as FileNotFoundError; the
+    # network error underneath decides.
+    cause = err.__cause__ or err.__context__
+    if isinstance(err, FileNotFoundError) and cause is not None and _is_transient(cause):
+        return True
     if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FastloadError)):
         return False
     if type(err).__name__ in _CREDENTIAL_ERRORS:
