@@ -308,15 +308,17 @@ class Cache:
             known = {e.path for e in self.entries()}
             orphans = 0
             cutoff = time.time() - 60
+            # Files come and go under other processes while we scan: a vanished
+            # file is skipped (tests/integration/test_stage_kill.py races four stagers).
             for path in self.data_dir.glob("*/*.flp"):
                 rel = f"{path.parent.name}/{path.name}"
-                if rel not in known and path.stat().st_mtime < cutoff:
+                if rel not in known and _mtime(path) < cutoff:
                     path.unlink(missing_ok=True)
                     orphans += 1
             stale = 0
             for path in self.tmp_dir.glob("*.part"):
                 pid = path.name.split("-", 1)[0]
-                if not _alive(pid) or path.stat().st_mtime < time.time() - max_tmp_age_s:
+                if not _alive(pid) or _mtime(path) < time.time() - max_tmp_age_s:
                     path.unlink(missing_ok=True)
                     stale += 1
             total = sum(e.stored for e in self.entries())
@@ -331,6 +333,13 @@ class Cache:
                 path.unlink(missing_ok=True)
             for path in self.tmp_dir.glob("*.part"):
                 path.unlink(missing_ok=True)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
 
 
 def _alive(pid: str) -> bool:
