@@ -1,0 +1,101 @@
+"""The CLI: exit codes, JSON output, dry run, info, clear, evict."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastload.cache import Cache
+from fastload.cli import main
+from fastload.config import Settings
+
+
+@pytest.fixture()
+def dataset(tmp_path: Path) -> Path:
+    root = tmp_path / "ds"
+    (root / "a").mkdir(parents=True)
+    for i in range(5):
+        (root / "a" / f"{i}.txt").write_bytes(b"line of text %d\n" % i * 3000)
+    (root / "skip.bin").write_bytes(os.urandom(1000))
+    return root
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cache_json_report_and_resume(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cd = str(tmp_path / "c")
+    code, out, _ = run(capsys, "cache", str(dataset), "--pattern", "**/*.txt", "--cache-dir", cd, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["items"] == 5 and report["fetched_blocks"] == 5 and report["ratio"] > 1.5
+    code, out, _ = run(capsys, "cache", str(dataset), "--pattern", "**/*.txt", "--cache-dir", cd, "--json")
+    assert code == 0 and json.loads(out)["skipped_blocks"] == 5 and json.loads(out)["fetched_blocks"] == 0
+
+
+def test_human_report_names_the_numbers(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "cache", str(dataset), "--cache-dir", str(tmp_path / "c"), "--no-progress")
+    assert code == 0
+    for word in ("items", "remote", "on disk", "ratio", "MB/s"):
+        assert word in out
+
+
+def test_progress_bar_is_shown_on_request(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "cache", str(dataset), "--cache-dir", str(tmp_path / "c"), "--progress")
+    assert code == 0 and "staging" in err and "100%" in err
+
+
+def test_dry_run_reports_fit_and_fetches_nothing(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cd = str(tmp_path / "c")
+    code, out, _ = run(capsys, "cache", str(dataset), "--cache-dir", cd, "--dry-run", "--json")
+    assert code == 0 and json.loads(out)["fits"] is True
+    code, out, _ = run(capsys, "cache", str(dataset), "--cache-dir", cd, "--dry-run", "--cache-limit", "10KB")
+    assert code == 1 and "does NOT fit" in out
+    assert not list(Cache(Settings(cache_dir=Path(cd))).entries())
+
+
+def test_dataset_over_the_limit_fails_with_the_fix(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "cache", str(dataset), "--cache-dir", str(tmp_path / "c"), "--cache-limit", "10KB")
+    assert code == 1 and "raise --cache-limit" in err and str(dataset) in err
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "cache")[0] == 2
+    assert run(capsys, "cache", "x", "--storage-options", "{not json")[0] == 2
+    assert run(capsys, "evict", "--to", "lots")[0] == 2
+    assert run(capsys, "frobnicate")[0] == 2
+
+
+def test_missing_source_exits_1_with_a_named_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "cache", str(tmp_path / "nope"), "--cache-dir", str(tmp_path / "c"))
+    assert code == 1 and "nope" in err and "not found" in err
+
+
+def test_info_clear_and_evict(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cd = str(tmp_path / "c")
+    run(capsys, "cache", str(dataset), "--cache-dir", cd)
+    code, out, _ = run(capsys, "ls", "--cache-dir", cd, "--json")
+    info = json.loads(out)
+    assert code == 0 and info["entries"] == 6 and info["datasets"][0]["cached_items"] == 6
+    code, out, _ = run(capsys, "evict", "--to", "0", "--cache-dir", cd, "--json")
+    assert code == 0 and json.loads(out)["after_bytes"] == 0
+    run(capsys, "cache", str(dataset), "--cache-dir", cd)
+    code, out, _ = run(capsys, "clear", str(dataset), "--cache-dir", cd, "--json")
+    assert code == 0 and json.loads(out)["entries"] == 6
+    code, out, _ = run(capsys, "info", "--cache-dir", cd, "--json")
+    assert json.loads(out)["entries"] == 0 and json.loads(out)["datasets"] == []
+    assert run(capsys, "clear", str(dataset), "--cache-dir", cd)[0] == 1  # nothing staged any more
+
+
+def test_console_script_and_module_entry_points(tmp_path: Path) -> None:
+    for cmd in (["fastload"], [sys.executable, "-m", "fastload"]):
+        exe = cmd if cmd[0] != "fastload" else [str(Path(sys.executable).parent / "fastload")]
+        out = subprocess.run([*exe, "info", "--cache-dir", str(tmp_path / "c"), "--json"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and json.loads(out.stdout)["entries"] == 0
