@@ -96,8 +96,13 @@ class Reader:
 
     # -- listing (manifests) --------------------------------------------------
 
-    def list(self, url: str, pattern: str | None = None, *, refresh: bool = False) -> list[RemoteItem]:
-        """List a dataset once and record it; later calls (any process) reuse the record."""
+    def list(self, url: str, pattern: str | None = None, *, refresh: bool = False, complete: bool = True) -> list[RemoteItem]:
+        """List a dataset once and record it; later calls (any process) reuse the record.
+
+        With ``complete=False`` items whose size the listing lacked come back with
+        ``size == -1`` and no manifest is saved; the caller completes them and calls
+        :meth:`save_manifest` (this is how staging overlaps HEADs with transfers).
+        """
         src = self.source(url)
         root = src.canonical(url).rstrip("/")
         key = ("m", root, pattern or "")
@@ -105,9 +110,14 @@ class Reader:
             manifest = self.cache.index.get(key)
             if manifest is not None:
                 return [RemoteItem.from_json(r) for r in manifest["items"]]
-        items = Source(url, self.storage_options, self.settings).list(pattern)
-        self.save_manifest(root, pattern, items)
+        items = Source(url, self.storage_options, self.settings).list(pattern, complete=complete)
+        if all(i.size >= 0 for i in items):
+            self.save_manifest(root, pattern, items)
         return items
+
+    def manifest_root(self, url: str) -> str:
+        """The canonical root URL under which a dataset's manifest is recorded."""
+        return self.source(url).canonical(url).rstrip("/")
 
     def save_manifest(self, root: str, pattern: str | None, items: list[RemoteItem]) -> None:
         """Record a listing and pin each item's fingerprint."""

@@ -214,11 +214,14 @@ class Source:
 
     # -- listing --------------------------------------------------------------
 
-    def list(self, pattern: str | None = None) -> list[RemoteItem]:
+    def list(self, pattern: str | None = None, *, complete: bool = True) -> list[RemoteItem]:
         """List every object under the root (or the root itself if it is an object).
 
-        Sizes and versions come from the listing where the store provides them;
-        stores that do not (plain HTTP) get one parallel HEAD per object, once.
+        Sizes and versions come from the listing where the store provides them.
+        Stores that do not (plain HTTP) need one HEAD per object: with
+        ``complete=True`` they are done here in parallel; with ``complete=False``
+        such items come back with ``size == -1`` and the caller completes them
+        (staging does it in its fetch workers, so the link never sits idle).
         """
         fs, root = self.fs, self._root_path
         info = self._call(lambda: fs.info(root), self.url)
@@ -231,17 +234,26 @@ class Source:
         found = self._call(lambda: fs.find(root, detail=True, withdirs=False), self.url)
         regex = glob_to_regex(pattern) if pattern else None
         prefix = root.rstrip("/") + "/"
-        rows = []
+        items = []
         for path, detail in sorted(found.items()):
             rel = path[len(prefix) :] if path.startswith(prefix) else path
             if regex is None or regex.match(rel):
-                rows.append(detail | {"name": path})
-        missing = [r for r in rows if r.get("size") is None or not _version_of(r)]
-        if missing:
-            with ThreadPoolExecutor(self.settings.workers) as pool:
-                filled = dict(zip((r["name"] for r in missing), pool.map(lambda r: self._call(lambda: fs.info(r["name"]), r["name"]), missing)))
-            rows = [filled.get(r["name"], r) | {"name": r["name"]} for r in rows]
-        return [self._item(r) for r in rows]
+                size = detail.get("size")
+                items.append(RemoteItem(fs.unstrip_protocol(path), -1 if size is None else int(size), _version_of(detail)))
+        return self.complete_all(items) if complete else items
+
+    def complete(self, item: RemoteItem) -> RemoteItem:
+        """``item`` with its size and version filled in (one HEAD if the listing lacked them)."""
+        if item.size >= 0 and (item.version or not getattr(self.fs, "async_impl", False)):
+            return item
+        return self.info(item.url)
+
+    def complete_all(self, items: list[RemoteItem]) -> list[RemoteItem]:
+        """Complete every item, in parallel where needed."""
+        if all(i.size >= 0 and i.version for i in items):
+            return items
+        with ThreadPoolExecutor(self.settings.workers) as pool:
+            return list(pool.map(self.complete, items))
 
     def info(self, url: str) -> RemoteItem:
         """Fetch one object's current size and version (one round trip)."""

@@ -122,73 +122,142 @@ def stage(
     settings = settings or Settings.from_env()
     reader = Reader(settings, storage_options)
     t0 = time.perf_counter()
-    items = reader.list(url, pattern, refresh=refresh)
-    report = StageReport(url=reader.canonical(url).rstrip("/"), items=len(items), cache_limit_bytes=settings.cache_limit_bytes)
-    report.remote_bytes = sum(i.size for i in items)
-    tasks = [(item, b) for item in items for b in reader.blocks(item)]
-    report.blocks = len(tasks)
+    # Dry runs need every size now; real runs complete sizeless (HTTP) items
+    # inside the fetch workers, so HEADs overlap with transfers.
+    items = reader.list(url, pattern, refresh=refresh, complete=dry_run)
+    root = reader.manifest_root(url)
+    report = StageReport(url=root, items=len(items), cache_limit_bytes=settings.cache_limit_bytes)
+    known = [i for i in items if i.size >= 0]
+    report.remote_bytes = sum(i.size for i in known)
     report.fits = report.remote_bytes <= settings.cache_limit_bytes
     if dry_run:
         report.dry_run = True
-        report.stored_bytes = _stored(reader, tasks)
+        report.blocks = sum(len(reader.blocks(i)) for i in items)
+        report.stored_bytes = _stored(reader, items)
         return report
     if not report.fits:
-        raise CacheFullError(
-            f"dataset {report.url} is {format_size(report.remote_bytes)} but the cache limit is "
-            f"{format_size(settings.cache_limit_bytes)}; fix: raise --cache-limit, stage a subset with --pattern, "
-            "or skip staging and let training stream it"
-        )
+        raise CacheFullError(_too_big(report, settings))
     reader.cache.check()
-    todo = [(i, b) for i, b in tasks if not reader.cache.contains(reader.key(i, b))]
-    report.skipped_blocks = len(tasks) - len(todo)
-    _fetch_all(reader, todo, settings.workers, report, _show(progress), "staging")
+    items = _fetch_all(reader, items, settings.workers, report, _show(progress), "staging")
+    reader.save_manifest(root, pattern, items)
+    report.remote_bytes = sum(i.size for i in items)
+    report.blocks = sum(len(reader.blocks(i)) for i in items)
+    if report.remote_bytes > settings.cache_limit_bytes:
+        raise CacheFullError(_too_big(report, settings))
     if verify:
-        bad = _verify(reader, tasks, settings.workers, _show(progress))
+        bad = _verify(reader, items, settings.workers, _show(progress))
         report.bad_entries = len(bad)
-        _fetch_all(reader, bad, settings.workers, report, _show(progress), "refetching")
-    report.stored_bytes = _stored(reader, tasks)
+        _fetch_blocks(reader, bad, settings.workers, report, _show(progress), "refetching")
+    report.stored_bytes = _stored(reader, items)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _too_big(report: StageReport, settings: Settings) -> str:
+    return (
+        f"dataset {report.url} is {format_size(report.remote_bytes)} but the cache limit is "
+        f"{format_size(settings.cache_limit_bytes)}; fix: raise --cache-limit, stage a subset with --pattern, "
+        "or skip staging and let training stream it"
+    )
 
 
 def _show(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
 
 
-def _stored(reader: Reader, tasks: list[tuple[RemoteItem, int]]) -> int:
+def _stored(reader: Reader, items: list[RemoteItem]) -> int:
     total = 0
-    for item, block in tasks:
-        entry = reader.cache.entry(reader.key(item, block))
-        total += entry.stored if entry else 0
+    for item in items:
+        if item.size < 0:
+            continue
+        for block in reader.blocks(item):
+            entry = reader.cache.entry(reader.key(item, block))
+            total += entry.stored if entry else 0
     return total
 
 
-def _fetch_all(reader: Reader, todo: list[tuple[RemoteItem, int]], workers: int, report: StageReport, show: bool, label: str) -> None:
-    if not todo:
-        return
-    total = sum(e - s for s, e in (reader.block_span(i, b) for i, b in todo))
-    lock = threading.Lock()
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=label, disable=not show, file=sys.stderr, dynamic_ncols=True)
+class _Progress:
+    """Thread-safe counters plus the tqdm bar (items, bytes, MB/s, ETA)."""
 
-    def one(task: tuple[RemoteItem, int]) -> None:
-        data = reader.fetch_block(*task)
-        with lock:
-            report.fetched_blocks += 1
-            report.fetched_bytes += len(data)
-            bar.update(len(data))
-            bar.set_postfix(items=f"{report.fetched_blocks}/{len(todo)}", refresh=False)
+    def __init__(self, report: StageReport, total_bytes: int, items: int, show: bool, label: str) -> None:
+        self.report, self.items, self.done = report, items, 0
+        self.lock = threading.Lock()
+        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=label, disable=not show, file=sys.stderr, dynamic_ncols=True)
 
-    with bar, ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(one, t) for t in todo]
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in pending:
-            f.cancel()
-        for f in done:
-            f.result()  # re-raise the first failure in its original form
+    def fetched(self, nbytes: int) -> None:
+        with self.lock:
+            self.report.fetched_blocks += 1
+            self.report.fetched_bytes += nbytes
+            self.bar.update(nbytes)
+
+    def skipped(self, nbytes: int) -> None:
+        with self.lock:
+            self.report.skipped_blocks += 1
+            self.bar.update(nbytes)
+
+    def item_done(self) -> None:
+        with self.lock:
+            self.done += 1
+            self.bar.set_postfix(items=f"{self.done}/{self.items}", refresh=False)
 
 
-def _verify(reader: Reader, tasks: list[tuple[RemoteItem, int]], workers: int, show: bool) -> list[tuple[RemoteItem, int]]:
+def _fetch_all(reader: Reader, items: list[RemoteItem], workers: int, report: StageReport, show: bool, label: str) -> list[RemoteItem]:
+    """Complete, skip-or-fetch every block of every item with ``workers`` threads; returns completed items."""
+    if not items:
+        return []
+    src = reader.source(items[0].url)
+    total = sum(i.size for i in items if i.size >= 0)
+    progress = _Progress(report, total, len(items), show, label)
+    completed: list[RemoteItem | None] = [None] * len(items)
+
+    def do_block(item: RemoteItem, block: int) -> None:
+        start, end = reader.block_span(item, block)
+        if reader.cache.contains(reader.key(item, block)):
+            progress.skipped(end - start)
+        else:
+            progress.fetched(len(reader.fetch_block(item, block)))
+
+    def do_item(index: int) -> list[tuple[RemoteItem, int]]:
+        item = items[index]
+        if item.size < 0:
+            item = src.complete(item)
+            with progress.lock:
+                progress.bar.total += item.size
+        completed[index] = item
+        blocks = reader.blocks(item)
+        do_block(item, blocks[0])
+        if len(blocks) == 1:
+            progress.item_done()
+        return [(item, b) for b in blocks[1:]]
+
+    with progress.bar, ThreadPoolExecutor(workers) as pool:
+        # Each item's first block is fetched by the task that completes the item;
+        # the other blocks of a large object fan out to the pool afterwards.
+        futures = {pool.submit(do_item, i) for i in range(len(items))}
+        while futures:
+            done, futures = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    for g in futures:
+                        g.cancel()
+                    raise f.exception()  # type: ignore[misc]
+                result = f.result()
+                if isinstance(result, list):
+                    futures |= {pool.submit(do_block, item, b) for item, b in result}
+    return [c for c in completed if c is not None]
+
+
+def _fetch_blocks(reader: Reader, todo: list[tuple[RemoteItem, int]], workers: int, report: StageReport, show: bool, label: str) -> None:
+    progress = _Progress(report, sum(e - s for s, e in (reader.block_span(i, b) for i, b in todo)), len(todo), show, label)
+    with progress.bar, ThreadPoolExecutor(workers) as pool:
+        for data in pool.map(lambda t: reader.fetch_block(*t), todo):
+            progress.fetched(len(data))
+
+
+def _verify(reader: Reader, items: list[RemoteItem], workers: int, show: bool) -> list[tuple[RemoteItem, int]]:
     """Read back every entry (size + header + checksum); return the ones that failed or are missing."""
+    tasks = [(item, b) for item in items for b in reader.blocks(item)]
+
     def ok(task: tuple[RemoteItem, int]) -> bool:
         return reader.cache.get(reader.key(*task)) is not None
 
