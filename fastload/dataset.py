@@ -1,0 +1,267 @@
+"""Map-style datasets that read through the cache.
+
+Each dataset lists its remote once (the listing is recorded as a manifest in
+the cache index, so neither later epochs nor DataLoader workers list again),
+pickles its settings rather than its handles, and reads samples through
+:class:`~fastload.reader.Reader`. Every sample carries its URL so errors and
+stats can name it. They work with ``fastload.DataLoader`` and with torch's own.
+
+* :class:`FileDataset` - one file per sample (ImageFolder layouts).
+* :class:`ArrayDataset` - rows of one ``.npy`` file, or one ``.npy`` file per sample.
+* :class:`TokenDataset` - fixed-length windows over a raw 1-D token file.
+* :class:`TarDataset` - WebDataset-style tar shards, members grouped by key.
+
+``read_batch(indices)`` is the fast-path hook ``fastload.DataLoader`` uses to
+read many samples from threads (cache reads and LZ4 release the GIL).
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch.utils.data
+
+from fastload.config import Settings
+from fastload.errors import ConfigError, DecodeError
+from fastload.reader import Reader
+from fastload.source import RemoteItem
+
+Transform = Callable[[Any], Any]
+_NPY_HEADER_MAX = 64 * 1024
+
+
+class _CachedDataset(torch.utils.data.Dataset):
+    """Shared plumbing: a reader, a recorded listing, a CPU transform hook."""
+
+    def __init__(self, url: str, pattern: str | None, *, transform: Transform | None, storage_options: dict[str, Any] | None,
+                 settings: Settings | None, refresh: bool) -> None:
+        self.url = url
+        self.transform = transform
+        self.reader = Reader(settings, storage_options)
+        self.items: list[RemoteItem] = self.reader.list(url, pattern, refresh=refresh)
+        if not self.items:
+            raise ConfigError(f"no objects match {pattern!r} under {url}; check the URL and the pattern")
+        self.reader.warn_if_oversized(self.items)
+
+    def _apply(self, value: Any) -> Any:
+        return self.transform(value) if self.transform is not None else value
+
+    def read_batch(self, indices: Sequence[int]) -> list[Any]:
+        """Samples for ``indices``, in order (called from loader threads)."""
+        return [self[i] for i in indices]
+
+
+class FileDataset(_CachedDataset):
+    """One remote file per sample.
+
+    Args:
+        url: Folder or prefix URL (any fsspec protocol).
+        pattern: Glob relative to ``url``, e.g. ``"**/*.jpg"``.
+        label: ``"parent"`` for ImageFolder layouts (the class folder name, mapped
+            to an index in sorted order like torchvision's ImageFolder), a callable
+            ``relative_path -> label``, or None for no label.
+        transform: Applied on CPU to the raw bytes.
+        storage_options: fsspec options for the remote.
+        settings: Cache settings.
+        refresh: Re-list the remote instead of using the recorded manifest.
+
+    A sample is ``{"data": bytes (or transform(bytes)), "label": int, "url": str}``
+    (no ``"label"`` when ``label`` is None); torch's default collate turns a
+    batch into lists of bytes/URLs and a label tensor.
+    """
+
+    def __init__(self, url: str, pattern: str | None = None, *, label: str | Callable[[str], Any] | None = None,
+                 transform: Transform | None = None, storage_options: dict[str, Any] | None = None,
+                 settings: Settings | None = None, refresh: bool = False) -> None:
+        super().__init__(url, pattern, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
+        root = self.reader.manifest_root(url) + "/"
+        self.relpaths = [i.url[len(root):] if i.url.startswith(root) else i.url for i in self.items]
+        self.label = label
+        self.classes: list[str] = []
+        self.class_to_idx: dict[str, int] = {}
+        if label == "parent":
+            self.classes = sorted({p.rsplit("/", 2)[-2] if "/" in p else "" for p in self.relpaths})
+            self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        elif label is not None and not callable(label):
+            raise ConfigError(f"label={label!r} is not understood; use 'parent', a callable or None")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def label_of(self, index: int) -> Any:
+        rel = self.relpaths[index]
+        if self.label == "parent":
+            return self.class_to_idx[rel.rsplit("/", 2)[-2] if "/" in rel else ""]
+        return self.label(rel) if callable(self.label) else None
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        item = self.items[index]
+        sample: dict[str, Any] = {"data": self._apply(self.reader.read(item)), "url": item.url}
+        if self.label is not None:
+            sample["label"] = self.label_of(index)
+        return sample
+
+
+def _parse_npy_header(head: bytes, url: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """dtype, shape, fortran order and data offset of a .npy file; never unpickles."""
+    buf = io.BytesIO(head)
+    try:
+        version = np.lib.format.read_magic(buf)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(buf)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(buf)
+    except (ValueError, EOFError) as err:
+        raise DecodeError(f"{url}: not a valid .npy header ({err}); fix: write it with numpy.save") from err
+    if dtype.hasobject:
+        raise DecodeError(f"{url}: .npy holds Python objects (dtype {dtype}); fastload never unpickles remote bytes")
+    return dtype, tuple(shape), bool(fortran), buf.tell()
+
+
+class ArrayDataset(_CachedDataset):
+    """Rows of one ``.npy`` file (``url`` is the file), or one ``.npy`` per sample (``url`` is a folder).
+
+    Rows are read with ranged reads through cached blocks, so a 50 GB array is
+    never downloaded whole for one row. A sample is ``{"data": ndarray, "url": str,
+    "index": int}``.
+    """
+
+    def __init__(self, url: str, pattern: str | None = "**/*.npy", *, transform: Transform | None = None,
+                 storage_options: dict[str, Any] | None = None, settings: Settings | None = None, refresh: bool = False) -> None:
+        super().__init__(url, pattern, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
+        self.single = len(self.items) == 1 and self.items[0].url.rstrip("/") == self.reader.manifest_root(url)
+        self.dtype: np.dtype | None = None
+        self.shape: tuple[int, ...] = ()
+        if self.single:
+            item = self.items[0]
+            head = self.reader.read_range(item, 0, min(item.size, _NPY_HEADER_MAX))
+            self.dtype, self.shape, fortran, self.offset = _parse_npy_header(head, item.url)
+            if fortran or not self.shape:
+                raise DecodeError(f"{item.url}: need a C-ordered array with at least one dimension")
+            self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+            if self.offset + self.shape[0] * self.row_bytes > item.size:
+                raise DecodeError(f"{item.url}: header says {self.shape} {self.dtype} but the file is only {item.size} B")
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.single else len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self.single:
+            if not -len(self) <= index < len(self):
+                raise IndexError(f"index {index} out of range for {len(self)} rows")
+            index %= len(self)
+            item = self.items[0]
+            start = self.offset + index * self.row_bytes
+            raw = self.reader.read_range(item, start, start + self.row_bytes)
+            assert self.dtype is not None
+            arr = np.frombuffer(raw, dtype=self.dtype).reshape(self.shape[1:])
+        else:
+            item = self.items[index]
+            raw = self.reader.read(item)
+            dtype, shape, fortran, offset = _parse_npy_header(raw[:_NPY_HEADER_MAX], item.url)
+            count = int(np.prod(shape, dtype=np.int64))
+            if offset + count * dtype.itemsize != len(raw):
+                raise DecodeError(f"{item.url}: header says {shape} {dtype} but the payload is {len(raw) - offset} B")
+            arr = np.frombuffer(raw, dtype=dtype, offset=offset, count=count).reshape(shape, order="F" if fortran else "C")
+        return {"data": self._apply(arr), "url": item.url, "index": index}
+
+
+class TokenDataset(_CachedDataset):
+    """Fixed-length windows over a raw 1-D token file (a common LM pattern).
+
+    Sample ``i`` is ``tokens[i*stride : i*stride + seq_len]`` as an ndarray of
+    ``dtype``; only the cached blocks a window touches are fetched.
+
+    Args:
+        url: The token file (raw little-endian integers, no header).
+        seq_len: Tokens per sample (use ``context + 1`` for input/target pairs).
+        dtype: Token dtype, e.g. ``"uint16"`` or ``"int32"``.
+        stride: Tokens between window starts (default ``seq_len``: no overlap).
+    """
+
+    def __init__(self, url: str, seq_len: int, *, dtype: str = "int32", stride: int | None = None,
+                 transform: Transform | None = None, storage_options: dict[str, Any] | None = None,
+                 settings: Settings | None = None, refresh: bool = False) -> None:
+        super().__init__(url, None, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
+        if len(self.items) != 1:
+            raise ConfigError(f"TokenDataset needs one token file; {url} lists {len(self.items)} objects")
+        self.dtype = np.dtype(dtype)
+        self.seq_len, self.stride = int(seq_len), int(stride or seq_len)
+        if self.seq_len < 1 or self.stride < 1:
+            raise ConfigError(f"seq_len={seq_len} and stride={stride} must be positive")
+        item = self.items[0]
+        if item.size % self.dtype.itemsize:
+            raise DecodeError(f"{item.url}: {item.size} B is not a whole number of {self.dtype} tokens; check dtype=")
+        self.n_tokens = item.size // self.dtype.itemsize
+        self._len = max(0, (self.n_tokens - self.seq_len) // self.stride + 1)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not -self._len <= index < self._len:
+            raise IndexError(f"window {index} out of range for {self._len} windows")
+        index %= self._len
+        item, size = self.items[0], self.dtype.itemsize
+        start = index * self.stride * size
+        raw = self.reader.read_range(item, start, start + self.seq_len * size)
+        return {"data": self._apply(np.frombuffer(raw, dtype=self.dtype)), "url": item.url, "index": index}
+
+
+class TarDataset(_CachedDataset):
+    """WebDataset-style tar shards: members grouped by key (``dir/key.ext``).
+
+    Shards are indexed once (the index is stored in the cache index beside the
+    manifest) and members are read with ranged reads through cached blocks.
+    Member names are never trusted as paths: they are only strings used to group
+    members; nothing is ever extracted to disk, and non-file members (links,
+    devices) are skipped. A sample is ``{"__key__": key, "__url__": shard_url,
+    "<ext>": bytes, ...}``.
+    """
+
+    def __init__(self, url: str, pattern: str | None = "**/*.tar", *, transform: Transform | None = None,
+                 storage_options: dict[str, Any] | None = None, settings: Settings | None = None, refresh: bool = False) -> None:
+        super().__init__(url, pattern, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
+        # (shard index, key, [(ext, offset, size), ...]) per sample, in shard order.
+        self.samples: list[tuple[int, str, list[tuple[str, int, int]]]] = []
+        for shard, item in enumerate(self.items):
+            for key, members in self._index(item):
+                self.samples.append((shard, key, members))
+
+    def _index(self, item: RemoteItem) -> list[tuple[str, list[tuple[str, int, int]]]]:
+        cache_key = ("tarindex", item.url, item.size, item.version)
+        cached = self.reader.cache.index.get(cache_key)
+        if cached is not None:
+            return cached
+        from fastload.fs import open as fl_open
+
+        groups: dict[str, list[tuple[str, int, int]]] = {}
+        try:
+            with fl_open(item.url, reader=self.reader) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+                for member in tar:
+                    if not member.isfile():
+                        continue  # links and devices would point outside the shard; skip
+                    base = member.name.rsplit("/", 1)
+                    stem, dot, ext = base[-1].partition(".")
+                    key = (base[0] + "/" + stem) if len(base) == 2 else stem
+                    groups.setdefault(key, []).append((ext if dot else "", member.offset_data, member.size))
+        except tarfile.TarError as err:
+            raise DecodeError(f"{item.url}: not a readable tar shard ({err})") from err
+        index = list(groups.items())
+        self.reader.cache.index.set(cache_key, index)
+        return index
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        shard, key, members = self.samples[index]
+        item = self.items[shard]
+        sample: dict[str, Any] = {"__key__": key, "__url__": item.url}
+        for ext, offset, size in members:
+            sample[ext] = self.reader.read_range(item, offset, offset + size)
+        return self._apply(sample)

@@ -1,0 +1,99 @@
+"""Shared fixtures: real nginx, moto S3 and shaped-link servers.
+
+Where a server is missing, its tests skip with the reason, except under
+FASTLOAD_REQUIRE_SERVERS=1 (set by .ci/run after installing them), where a
+missing nginx or moto fails the test instead of hiding it. Traffic shaping needs
+root, so a shaped-link test skips without it even in CI.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fastload import _servers
+
+
+def require_server(available: bool, reason: str) -> None:
+    """Skips the test when a server is unavailable, or fails it in CI."""
+    if available:
+        return
+    if os.environ.get("FASTLOAD_REQUIRE_SERVERS") == "1":
+        pytest.fail(f"{reason} (FASTLOAD_REQUIRE_SERVERS=1, so this fails instead of skipping)")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def nginx_server() -> Iterator[Callable[..., _servers.NginxServer]]:
+    """Factory: ``nginx_server(root, **kwargs)`` starts nginx over ``root``.
+
+    Every server it started is stopped (and its processes reaped) on teardown.
+    """
+    require_server(_servers.nginx_available(), "nginx not found (apt-get install nginx-light)")
+    started: list[_servers.NginxServer] = []
+
+    def start(root: Path, **kwargs: Any) -> _servers.NginxServer:
+        server = _servers.NginxServer(root, **kwargs)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in reversed(started):
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[_servers.MotoServer]:
+    """One moto S3 server for the session; use unique buckets (``s3_bucket``)."""
+    require_server(_servers.moto_available(), "moto server missing (pip install 'moto[server]')")
+    require_server(importlib.util.find_spec("s3fs") is not None, "s3fs missing (pip install s3fs)")
+    with _servers.MotoServer() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_options(moto_server: _servers.MotoServer) -> dict[str, Any]:
+    """s3fs ``storage_options`` that point at the session's moto server."""
+    return _servers.s3_storage_options(moto_server.endpoint_url)
+
+
+@pytest.fixture
+def s3_bucket(moto_server: _servers.MotoServer) -> Iterator[str]:
+    """A fresh, empty bucket name on the moto server, removed afterwards."""
+    import s3fs  # present: moto_server checked it
+
+    bucket = f"fastload-test-{uuid.uuid4().hex[:12]}"
+    _servers.create_bucket(moto_server.endpoint_url, bucket)
+    yield bucket
+    fs = s3fs.S3FileSystem(
+        skip_instance_cache=True, **_servers.s3_storage_options(moto_server.endpoint_url)
+    )
+    fs.rm(bucket, recursive=True)
+
+
+@pytest.fixture
+def shaped_link() -> Iterator[Callable[..., _servers.ShapedLink]]:
+    """Factory: ``shaped_link(rate="200mbit", ...)`` builds a shaped namespace.
+
+    Skips (always, root is not something CI can install) when shaping is
+    unavailable. Every namespace is deleted on teardown.
+    """
+    reason = _servers.shaping_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    made: list[_servers.ShapedLink] = []
+
+    def make(**kwargs: Any) -> _servers.ShapedLink:
+        link = _servers.ShapedLink(**kwargs)
+        made.append(link)
+        return link.start()
+
+    yield make
+    for link in reversed(made):
+        link.close()
