@@ -115,10 +115,10 @@ def dataset_summaries(settings: Settings) -> dict[str, Any]:
         items = [RemoteItem.from_json(r) for r in m["items"]]
         cached_items, stored = 0, 0
         for item in items:
-            entries = [reader.cache.entry(reader.key(item, b)) for b in reader.blocks(item)]
-            if all(entries):
+            found = [reader.cache.entry(reader.key(item, b)) for b in reader.blocks(item)]
+            if all(found):
                 cached_items += 1
-            stored += sum(e.stored for e in entries if e)
+            stored += sum(e.stored for e in found if e is not None)
         datasets.append({
             "url": m["root"],
             "pattern": m["pattern"],

@@ -20,6 +20,7 @@ shard or .npy file fetches only the blocks it touches.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import threading
 import time
@@ -119,7 +120,7 @@ class Reader:
         """The canonical root URL under which a dataset's manifest is recorded."""
         return self.source(url).canonical(url).rstrip("/")
 
-    def save_manifest(self, root: str, pattern: str | None, items: list[RemoteItem]) -> None:
+    def save_manifest(self, root: str, pattern: str | None, items: builtins.list[RemoteItem]) -> None:
         """Record a listing and pin each item's fingerprint."""
         index = self.cache.index
         with index.transact():
@@ -127,7 +128,7 @@ class Reader:
             for item in items:
                 index.set(("u", item.url), (item.size, item.version))
 
-    def manifests(self) -> list[dict[str, Any]]:
+    def manifests(self) -> builtins.list[dict[str, Any]]:
         """Every recorded manifest: root, pattern, created, items."""
         out = []
         for k in list(self.cache.index.iterkeys()):
@@ -211,7 +212,7 @@ class Reader:
             self._warned_limit = True
             _log.warning("fastload is streaming: %s", why)
 
-    def warn_if_oversized(self, items: list[RemoteItem]) -> None:
+    def warn_if_oversized(self, items: builtins.list[RemoteItem]) -> None:
         """Warn once when a dataset is larger than the cache limit (it will stream)."""
         total = sum(i.size for i in items)
         if total > self.settings.cache_limit_bytes:

@@ -13,6 +13,7 @@ a secret key never reaches a log (tests/integration/test_source_s3.py greps for 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import random
 import re
 import threading
@@ -248,7 +249,7 @@ class Source:
             return item
         return self.info(item.url)
 
-    def complete_all(self, items: list[RemoteItem]) -> list[RemoteItem]:
+    def complete_all(self, items: builtins.list[RemoteItem]) -> builtins.list[RemoteItem]:
         """Complete every item, in parallel where needed."""
         if all(i.size >= 0 and i.version for i in items):
             return items

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -210,14 +210,15 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], workers: int, report: St
     progress = _Progress(report, total, len(items), show, label)
     completed: list[RemoteItem | None] = [None] * len(items)
 
-    def do_block(item: RemoteItem, block: int) -> None:
+    def do_block(item: RemoteItem, block: int) -> None:  # same result type as do_item
         start, end = reader.block_span(item, block)
         if reader.cache.contains(reader.key(item, block)):
             progress.skipped(end - start)
         else:
             progress.fetched(len(reader.fetch_block(item, block)))
+        return None
 
-    def do_item(index: int) -> list[tuple[RemoteItem, int]]:
+    def do_item(index: int) -> list[tuple[RemoteItem, int]] | None:
         item = items[index]
         if item.size < 0:
             item = src.complete(item)
@@ -233,7 +234,7 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], workers: int, report: St
     with progress.bar, ThreadPoolExecutor(workers) as pool:
         # Each item's first block is fetched by the task that completes the item;
         # the other blocks of a large object fan out to the pool afterwards.
-        futures = {pool.submit(do_item, i) for i in range(len(items))}
+        futures: set[Future[list[tuple[RemoteItem, int]] | None]] = {pool.submit(do_item, i) for i in range(len(items))}
         while futures:
             done, futures = wait(futures, return_when=FIRST_EXCEPTION)
             for f in done:
