@@ -15,7 +15,8 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml
 	@if [ ! -x $(BIN)/python ]; then \
-	  if $(PY) -c "import torch" 2>/dev/null; then $(PY) -m venv --system-site-packages $(VENV); \
+	  if $(PY) -c "import sys, torch; sys.exit(sys.prefix != sys.base_prefix)" 2>/dev/null; then \
+	    $(PY) -m venv --system-site-packages $(VENV); \
 	  else $(PY) -m venv $(VENV); fi; fi
 	$(BIN)/python -m pip install -q --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
@@ -23,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check fastload tests benchmarks examples
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 test: lint
