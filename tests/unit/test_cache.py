@@ -189,3 +189,31 @@ def test_reader_and_cache_pickle_settings_not_handles(settings: Settings, tmp_pa
     clone = pickle.loads(pickle.dumps(reader))
     assert clone.cache is not reader.cache and clone.settings == settings
     assert clone.read(str(tmp_path / "remote" / "f000.bin")) == files["f000.bin"]
+
+
+def test_limit_below_the_working_set_streams_and_warns_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    files = make_files(tmp_path / "remote", n=10, size=40_000)
+    s = Settings(cache_dir=tmp_path / "c", cache_limit_bytes=120_000, block_bytes=64 * 1024, min_saving=1.0)
+    ds_items = Reader(s).list(str(tmp_path / "remote"))
+    reader = Reader(s)
+    with caplog.at_level("WARNING", logger="fastload"):
+        reader.warn_if_oversized(ds_items)
+        for _epoch in range(2):
+            for item in ds_items:
+                assert reader.read(item) == files[item.url.rsplit("/", 1)[1]]
+        reader.warn_if_oversized(ds_items)
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "streaming" in caplog.records[0].message and "cache limit" in caplog.records[0].message
+    assert reader.cache.volume() <= s.cache_limit_bytes
+    assert reader.misses > len(files)  # the second epoch refetched evicted items
+
+
+def test_memory_protocol_stages_and_reads(tmp_path: Path, settings: Settings) -> None:
+    import fsspec
+
+    mem = fsspec.filesystem("memory")
+    mem.pipe({"/fl-test/a.bin": b"alpha" * 1000, "/fl-test/sub/b.bin": b"beta" * 1000})
+    report = fastload.stage("memory://fl-test/", settings=settings, progress=False)
+    assert report.items == 2 and report.fetched_blocks == 2
+    mem.rm("/fl-test", recursive=True)
+    assert Reader(settings).read("memory://fl-test/sub/b.bin") == b"beta" * 1000

@@ -99,3 +99,17 @@ def test_console_script_and_module_entry_points(tmp_path: Path) -> None:
         exe = cmd if cmd[0] != "fastload" else [str(Path(sys.executable).parent / "fastload")]
         out = subprocess.run([*exe, "info", "--cache-dir", str(tmp_path / "c"), "--json"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and json.loads(out.stdout)["entries"] == 0
+
+
+def test_lz4_hc_level_is_not_larger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+
+    root = tmp_path / "tok"
+    root.mkdir()
+    np.random.default_rng(0).zipf(1.2, 300_000).clip(0, 32_000).astype(np.int32).tofile(root / "t.bin")
+    sizes = []
+    for level in ("0", "9"):
+        code, out, _ = run(capsys, "cache", str(root), "--cache-dir", str(tmp_path / f"c{level}"), "--level", level, "--json")
+        assert code == 0
+        sizes.append(json.loads(out)["stored_bytes"])
+    assert sizes[1] < sizes[0] < (root / "t.bin").stat().st_size

@@ -77,6 +77,10 @@ class TestRaw(CodecContract):
     def encode(self, data: bytes, **kw: object) -> bytes:
         return codec.encode(data, chunk_bytes=64 * 1024, min_saving=1.0, **kw)  # type: ignore[arg-type]
 
+    def test_chunks_are_independent_lz4_blocks(self) -> None:
+        info = codec.parse_header(self.encode(COMPRESSIBLE))
+        assert info.chunk_sizes == () and info.body_offset + info.raw_size == len(self.encode(COMPRESSIBLE))
+
 
 def test_incompressible_data_is_stored_raw() -> None:
     payload = codec.encode(NOISE)
