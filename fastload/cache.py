@@ -36,7 +36,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -109,7 +108,7 @@ class Cache:
         except OSError as err:
             raise CacheError(f"cache dir {self.root} cannot be created or opened ({err}); fix: set FASTLOAD_CACHE_DIR to a writable folder") from err
         self._lock_path = self.root / "evict.lock"
-        self._local = threading.local()
+        self._touched: dict[str, float] = {}
         self.corrupt_seen = 0
 
     def __getstate__(self) -> dict[str, Any]:
@@ -125,7 +124,7 @@ class Cache:
 
     def entry(self, key: str) -> Entry | None:
         """The index record for ``key``, or None."""
-        rec = self.index.get(("e", key))
+        rec = self.index.get("e:" + key)
         return Entry(key, *rec) if rec is not None else None
 
     def get(self, key: str) -> bytes | None:
@@ -138,7 +137,7 @@ class Cache:
                 payload = f.read()
         except FileNotFoundError:
             # Evicted by another process between lookup and open, or deleted by hand.
-            if self.index.get(("e", key)) is not None:
+            if self.index.get("e:" + key) is not None:
                 self._corrupt(entry, "payload file is missing")
             return None
         try:
@@ -147,7 +146,7 @@ class Cache:
             info = codec.parse_header(payload)
             if info.checksum != entry.checksum or info.raw_size != entry.raw:
                 raise CodecError("payload header disagrees with the index")
-            raw = codec.decode(payload)
+            raw = codec.decode(payload, info=info)
         except CodecError as err:
             self._corrupt(entry, str(err))
             return None
@@ -165,10 +164,11 @@ class Cache:
             return False
 
     def _touch(self, key: str) -> None:
+        # Remember our own last write per key, so a hot read path costs no extra lookup.
         now = time.time()
-        last = self.index.get(("t", key), 0.0)
-        if now - last > ATIME_RESOLUTION_S:
-            self.index.set(("t", key), now)
+        if now - self._touched.get(key, 0.0) > ATIME_RESOLUTION_S:
+            self._touched[key] = now
+            self.index.set("t:" + key, now)
 
     def _corrupt(self, entry: Entry, why: str) -> None:
         self.drop(entry.key)
@@ -206,9 +206,9 @@ class Cache:
             info = codec.parse_header(payload)
             rec = (rel, n, len(raw), info.codec, info.checksum, url, block)
             with self.index.transact():
-                published = self.index.add(("e", key), rec)
+                published = self.index.add("e:" + key, rec)
                 if published:
-                    self.index.set(("t", key), time.time())
+                    self.index.set("t:" + key, time.time())
             if not published:
                 (self.data_dir / rel).unlink(missing_ok=True)
                 return self.entry(key) or Entry(key, *rec)
@@ -254,16 +254,16 @@ class Cache:
     def entries(self) -> Iterator[Entry]:
         """Every entry in the index (a snapshot scan)."""
         for k in list(self.index.iterkeys()):
-            if isinstance(k, tuple) and k[0] == "e":
+            if isinstance(k, str) and k.startswith("e:"):
                 rec = self.index.get(k)
                 if rec is not None:
-                    yield Entry(k[1], *rec)
+                    yield Entry(k[2:], *rec)
 
     def drop(self, key: str) -> bool:
         """Delete one entry (index record first, then the file)."""
         with self.index.transact():
-            rec = self.index.pop(("e", key), None)
-            self.index.pop(("t", key), None)
+            rec = self.index.pop("e:" + key, None)
+            self.index.pop("t:" + key, None)
             if rec is not None:
                 self.index.incr(_BYTES, -rec[1])
         if rec is None:
@@ -283,7 +283,7 @@ class Cache:
             self.index.set(_BYTES, total)
             if total <= to_bytes:
                 return 0
-            atimes = {e.key: self.index.get(("t", e.key), 0.0) for e in entries}
+            atimes = {e.key: self.index.get("t:" + e.key, 0.0) for e in entries}
             freed = 0
             for e in sorted(entries, key=lambda e: atimes[e.key]):
                 if total - freed <= to_bytes:

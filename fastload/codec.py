@@ -182,14 +182,19 @@ def parse_header(payload: bytes | memoryview) -> PayloadInfo:
     return PayloadInfo(codec, raw_size, chunk_bytes, digest, meta, pos, sizes)
 
 
-def decode(payload: bytes | memoryview, *, verify: bool = True) -> bytes:
+def decode(payload: bytes | memoryview, *, verify: bool = True, info: PayloadInfo | None = None) -> bytes:
     """Decode a payload back to its raw bytes, checking sizes and (by default) the checksum.
+
+    Args:
+        payload: The stored payload.
+        verify: Check the xxh3 checksum of the decoded bytes.
+        info: The header, if the caller already parsed it from this payload.
 
     Raises:
         CodecError: The header is malformed, a chunk does not decode to its size,
             or the checksum does not match.
     """
-    info = parse_header(payload)
+    info = info or parse_header(payload)
     view = memoryview(payload)
     if info.codec == RAW:
         raw = bytes(view[info.body_offset :])

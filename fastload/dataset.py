@@ -233,7 +233,7 @@ class TarDataset(_CachedDataset):
                 self.samples.append((shard, key, members))
 
     def _index(self, item: RemoteItem) -> list[tuple[str, list[tuple[str, int, int]]]]:
-        cache_key = ("tarindex", item.url, item.size, item.version)
+        cache_key = f"x:{item.url}\x1f{item.size}\x1f{item.version}"
         cached = self.reader.cache.index.get(cache_key)
         if cached is not None:
             return cached

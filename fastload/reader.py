@@ -38,6 +38,11 @@ _log = logging.getLogger("fastload")
 Recorder = Callable[[str, int, int, float], None]
 
 
+def manifest_key(root: str, pattern: str | None) -> str:
+    """Index key of a dataset's manifest (string keys: tuples cost a pickle per lookup)."""
+    return f"m:{root}\x1f{pattern or ''}"
+
+
 class Reader:
     """Reads objects of one storage location through the cache.
 
@@ -90,7 +95,7 @@ class Reader:
         """Size and version of ``url``: from a manifest if one covers it, else from the remote."""
         url = self.canonical(url)
         if not refresh:
-            pinned = self.cache.index.get(("u", url))
+            pinned = self.cache.index.get("u:" + url)
             if pinned is not None:
                 return RemoteItem(url, int(pinned[0]), str(pinned[1]))
         return self.source(url).info(url)
@@ -106,7 +111,7 @@ class Reader:
         """
         src = self.source(url)
         root = src.canonical(url).rstrip("/")
-        key = ("m", root, pattern or "")
+        key = manifest_key(root, pattern)
         if not refresh:
             manifest = self.cache.index.get(key)
             if manifest is not None:
@@ -124,18 +129,19 @@ class Reader:
         """Record a listing and pin each item's fingerprint."""
         index = self.cache.index
         with index.transact():
-            index.set(("m", root, pattern or ""), {"created": time.time(), "items": [i.to_json() for i in items]})
+            index.set(manifest_key(root, pattern), {"created": time.time(), "items": [i.to_json() for i in items]})
             for item in items:
-                index.set(("u", item.url), (item.size, item.version))
+                index.set("u:" + item.url, (item.size, item.version))
 
     def manifests(self) -> builtins.list[dict[str, Any]]:
         """Every recorded manifest: root, pattern, created, items."""
         out = []
         for k in list(self.cache.index.iterkeys()):
-            if isinstance(k, tuple) and k[0] == "m":
+            if isinstance(k, str) and k.startswith("m:"):
                 rec = self.cache.index.get(k)
                 if rec is not None:
-                    out.append({"root": k[1], "pattern": k[2] or None, **rec})
+                    root, _, pattern = k[2:].partition("\x1f")
+                    out.append({"root": root, "pattern": pattern or None, **rec})
         return out
 
     # -- blocks ---------------------------------------------------------------

@@ -150,6 +150,7 @@ class Source:
         self._fs: fsspec.AbstractFileSystem | None = None
         self._root_path = ""
         self.url = url
+        self._folder_hint = url.endswith("/")
         fs = self.fs  # fail early on unknown protocols and missing packages
         self.url = fs.unstrip_protocol(self._root_path).rstrip("/") if self._root_path else url
 
@@ -226,10 +227,11 @@ class Source:
         """
         fs, root = self.fs, self._root_path
         info = self._call(lambda: fs.info(root), self.url)
-        # Plain HTTP cannot tell a folder page from a file: a sizeless HTML answer is a folder.
-        is_dir = info.get("type") == "directory" or (
-            info.get("size") is None and self._call(lambda: fs.isdir(root), self.url)
-        )
+        # Plain HTTP cannot tell a folder page from a file: a sizeless answer, a URL
+        # ending in "/" or a pattern means "list it" (Python's http.server sizes its
+        # folder pages, so size alone is not enough).
+        maybe_dir = info.get("size") is None or self._folder_hint or pattern is not None
+        is_dir = info.get("type") == "directory" or (maybe_dir and self._call(lambda: fs.isdir(root), self.url))
         if not is_dir:
             return [self._item(info)]
         found = self._call(lambda: fs.find(root, detail=True, withdirs=False), self.url)

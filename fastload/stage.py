@@ -134,6 +134,7 @@ def stage(
         report.dry_run = True
         report.blocks = sum(len(reader.blocks(i)) for i in items)
         report.stored_bytes = _stored(reader, items)
+        report.seconds = time.perf_counter() - t0
         return report
     if not report.fits:
         raise CacheFullError(_too_big(report, settings))

@@ -30,16 +30,29 @@ def make_tree(root: Path, n: int = 12) -> dict[str, bytes]:
 
 @pytest.fixture()
 def settings(tmp_path: Path) -> Settings:
-    return Settings(cache_dir=tmp_path / "cache", block_bytes=64 * 1024, workers=4, retries=2, backoff_s=0.01, request_timeout_s=10)
+    return Settings(
+        cache_dir=tmp_path / "cache",
+        block_bytes=64 * 1024,
+        workers=4,
+        retries=2,
+        backoff_s=0.01,
+        request_timeout_s=10,
+    )
 
 
-def test_stage_over_http_then_train_with_the_server_stopped(tmp_path: Path, nginx_server: Callable, settings: Settings) -> None:
+def test_stage_over_http_then_train_with_the_server_stopped(
+    tmp_path: Path, nginx_server: Callable, settings: Settings
+) -> None:
     root = tmp_path / "www"
     files = make_tree(root)
     (root / "notes.txt").write_text("not part of the pattern")
     server = nginx_server(root)
     report = fastload.stage(server.url + "/", pattern="**/*.bin", settings=settings, progress=False)
-    assert (report.items, report.fetched_blocks, report.remote_bytes) == (len(files), len(files), sum(map(len, files.values())))
+    assert (report.items, report.fetched_blocks, report.remote_bytes) == (
+        len(files),
+        len(files),
+        sum(map(len, files.values())),
+    )
     assert report.stored_bytes < report.remote_bytes  # LZ4 paid off on these rows
 
     base = server.url
@@ -53,7 +66,9 @@ def test_stage_over_http_then_train_with_the_server_stopped(tmp_path: Path, ngin
     assert len(reader.list(base + "/", "**/*.bin")) == len(files)
 
 
-def test_fsspec_protocol_reads_through_the_cache(tmp_path: Path, nginx_server: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fsspec_protocol_reads_through_the_cache(
+    tmp_path: Path, nginx_server: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FASTLOAD_CACHE_DIR", str(tmp_path / "cache"))
     root = tmp_path / "www"
     files = make_tree(root, n=3)
@@ -68,7 +83,9 @@ def test_fsspec_protocol_reads_through_the_cache(tmp_path: Path, nginx_server: C
     assert len(list(fastload.Cache(Settings.from_env()).entries())) == 1
 
 
-def test_range_reads_of_a_large_file_fetch_only_needed_blocks(tmp_path: Path, nginx_server: Callable, settings: Settings) -> None:
+def test_range_reads_of_a_large_file_fetch_only_needed_blocks(
+    tmp_path: Path, nginx_server: Callable, settings: Settings
+) -> None:
     root = tmp_path / "www"
     root.mkdir()
     big = os.urandom(40 * 64 * 1024)
@@ -76,16 +93,25 @@ def test_range_reads_of_a_large_file_fetch_only_needed_blocks(tmp_path: Path, ng
     server = nginx_server(root)
     reader = Reader(settings)
     item = reader.stat(f"{server.url}/shard.tar")
-    assert reader.read_range(item, 20 * 65536 + 7, 20 * 65536 + 9000) == big[20 * 65536 + 7 : 20 * 65536 + 9000]
+    assert (
+        reader.read_range(item, 20 * 65536 + 7, 20 * 65536 + 9000)
+        == big[20 * 65536 + 7 : 20 * 65536 + 9000]
+    )
     assert reader.misses == 1
     entries = list(reader.cache.entries())
     assert [e.block for e in entries] == [20] and entries[0].raw == 65536
-    log = (server.workdir / "access.log").read_text() if (server.workdir / "access.log").exists() else ""
+    log = (
+        (server.workdir / "access.log").read_text()
+        if (server.workdir / "access.log").exists()
+        else ""
+    )
     if log:
         assert " 206 " in log  # served as a Range request, not the whole file
 
 
-def test_stale_remote_is_refreshed_and_unpinned_reads_revalidate(tmp_path: Path, nginx_server: Callable, settings: Settings) -> None:
+def test_stale_remote_is_refreshed_and_unpinned_reads_revalidate(
+    tmp_path: Path, nginx_server: Callable, settings: Settings
+) -> None:
     root = tmp_path / "www"
     root.mkdir()
     (root / "a.bin").write_bytes(b"first version")
@@ -103,7 +129,9 @@ def test_stale_remote_is_refreshed_and_unpinned_reads_revalidate(tmp_path: Path,
     assert Reader(settings).read(url) == b"third"
 
 
-def test_missing_object_and_dead_server_give_named_errors(tmp_path: Path, nginx_server: Callable, settings: Settings) -> None:
+def test_missing_object_and_dead_server_give_named_errors(
+    tmp_path: Path, nginx_server: Callable, settings: Settings
+) -> None:
     root = tmp_path / "www"
     root.mkdir()
     server = nginx_server(root)
@@ -113,3 +141,24 @@ def test_missing_object_and_dead_server_give_named_errors(tmp_path: Path, nginx_
     server.stop()
     with pytest.raises(SourceError, match=rf"{base}/x\.bin.*failed after 2 attempts.*fix"):
         Reader(settings).read(f"{base}/x.bin")
+
+
+def test_python_http_server_folder_pages_are_listed_not_staged_as_files(tmp_path: Path, settings: Settings) -> None:
+    import functools
+    import http.server
+    import threading
+
+    root = tmp_path / "www"
+    files = make_tree(root, n=4)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        report = fastload.stage(base + "/", pattern="**/*.bin", settings=settings, progress=False)
+        assert report.items == len(files) and report.remote_bytes == sum(map(len, files.values()))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)

@@ -18,7 +18,9 @@ from fastload.reader import Reader
 pytestmark = pytest.mark.integration
 
 
-def test_stage_from_s3_and_read_back(tmp_path: Path, moto_server: Any, s3_bucket: str, s3_options: dict[str, Any]) -> None:
+def test_stage_from_s3_and_read_back(
+    tmp_path: Path, moto_server: Any, s3_bucket: str, s3_options: dict[str, Any]
+) -> None:
     local = tmp_path / "data"
     local.mkdir()
     files = {f"s{i}.npy": os.urandom(1000) + bytes(20_000) for i in range(5)}
@@ -26,7 +28,9 @@ def test_stage_from_s3_and_read_back(tmp_path: Path, moto_server: Any, s3_bucket
         (local / name).write_bytes(data)
     _servers.upload_tree(local, moto_server.endpoint_url, s3_bucket, "train")
     settings = Settings(cache_dir=tmp_path / "cache", workers=4)
-    report = fastload.stage(f"s3://{s3_bucket}/train/", storage_options=s3_options, settings=settings, progress=False)
+    report = fastload.stage(
+        f"s3://{s3_bucket}/train/", storage_options=s3_options, settings=settings, progress=False
+    )
     assert report.items == 5 and report.stored_bytes < report.remote_bytes
     reader = Reader(settings, s3_options)
     assert all(reader.read(f"s3://{s3_bucket}/train/{n}") == d for n, d in files.items())
@@ -36,22 +40,36 @@ def test_stage_from_s3_and_read_back(tmp_path: Path, moto_server: Any, s3_bucket
 def test_nonexistent_bucket_is_named(tmp_path: Path, s3_options: dict[str, Any]) -> None:
     settings = Settings(cache_dir=tmp_path / "cache", retries=1)
     with pytest.raises(RemoteNotFoundError, match="no-such-bucket-xyz"):
-        fastload.stage("s3://no-such-bucket-xyz/data/", storage_options=s3_options, settings=settings, progress=False)
+        fastload.stage(
+            "s3://no-such-bucket-xyz/data/",
+            storage_options=s3_options,
+            settings=settings,
+            progress=False,
+        )
 
 
-def test_missing_credentials_are_a_credentials_error(tmp_path: Path, moto_server: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_credentials_are_a_credentials_error(
+    tmp_path: Path, moto_server: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    options = {"client_kwargs": {"endpoint_url": moto_server.endpoint_url, "region_name": "us-east-1"}, "skip_instance_cache": True}
+    options = {
+        "client_kwargs": {"endpoint_url": moto_server.endpoint_url, "region_name": "us-east-1"},
+        "skip_instance_cache": True,
+    }
     settings = Settings(cache_dir=tmp_path / "cache", retries=1)
     with pytest.raises(CredentialsError, match=rf"{s3_bucket}.*credentials.*storage_options"):
-        fastload.stage(f"s3://{s3_bucket}/", storage_options=options, settings=settings, progress=False)
+        fastload.stage(
+            f"s3://{s3_bucket}/", storage_options=options, settings=settings, progress=False
+        )
 
 
-def test_secrets_never_reach_the_cache_dir_or_messages(tmp_path: Path, moto_server: Any, s3_bucket: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_secrets_never_reach_the_cache_dir_or_messages(
+    tmp_path: Path, moto_server: Any, s3_bucket: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     secret = "SuperSecretValue-7f3a9c"
     local = tmp_path / "data"
     local.mkdir()
@@ -59,10 +77,30 @@ def test_secrets_never_reach_the_cache_dir_or_messages(tmp_path: Path, moto_serv
     _servers.upload_tree(local, moto_server.endpoint_url, s3_bucket)
     options = _servers.s3_storage_options(moto_server.endpoint_url) | {"secret": secret}
     cache_dir = tmp_path / "cache"
-    argv = ["cache", f"s3://{s3_bucket}/", "--cache-dir", str(cache_dir), "--storage-options", __import__("json").dumps(options), "--json"]
+    argv = [
+        "cache",
+        f"s3://{s3_bucket}/",
+        "--cache-dir",
+        str(cache_dir),
+        "--storage-options",
+        __import__("json").dumps(options),
+        "--json",
+    ]
     assert main(argv) == 0
     # A failing call too: its message must not echo the secret either.
-    assert main(["cache", f"s3://{s3_bucket}-missing/", "--cache-dir", str(cache_dir), "--storage-options", __import__("json").dumps(options)]) == 1
+    assert (
+        main(
+            [
+                "cache",
+                f"s3://{s3_bucket}-missing/",
+                "--cache-dir",
+                str(cache_dir),
+                "--storage-options",
+                __import__("json").dumps(options),
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr()
     assert secret not in out.out + out.err
     for path in cache_dir.rglob("*"):

@@ -71,7 +71,7 @@ def test_eviction_keeps_volume_under_the_limit_and_prefers_recent(tmp_path: Path
     for i, (k, v) in enumerate(blobs.items()):
         cache.put(k, v, url=f"mem://{k}")
         if i >= 1:
-            cache.index.set(("t", "k0"), 1e18)  # k0 is always the most recently used
+            cache.index.set("t:k0", 1e18)  # k0 is always the most recently used
         assert cache.volume() <= s.cache_limit_bytes
         disk = sum(p.stat().st_size for p in cache.data_dir.glob("*/*.flp"))
         assert disk == cache.volume()

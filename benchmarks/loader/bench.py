@@ -1,0 +1,328 @@
+"""Loader benchmarks: fastload.DataLoader against torch.utils.data.DataLoader.
+
+Cases (``--cases``, comma-separated):
+
+* ``overhead``: an in-memory dataset of small tensors, ``num_workers=0``; fastload
+  with stats off and on against torch. ``ratio`` is seconds / torch's seconds
+  (target <= 1.0 with stats off; the stats cost is the ``stats`` case).
+* ``stats``: stats on / stats off, from the same runs (target < 1.02).
+* ``read_batch``: a dataset with per-item read latency (time.sleep, which releases
+  the GIL like network I/O) and a ``read_batch`` method: torch ``num_workers=0``
+  against fastload's read_batch thread pool. Any factory returning
+  ``(fastload_dataset, torch_dataset)`` can replace it: ``--dataset module:factory``
+  (called with ``n``); e.g. a cached fastload dataset against torch reading files.
+* ``device`` (CUDA only): ``device='cuda'`` against torch ``pin_memory=True`` plus
+  ``.to(non_blocking=True)``, with a compute step per batch.
+
+Each variant runs ``--repeats`` times, interleaved with the others to spread drift;
+the median is reported. Output is CSV (default) or JSON on stdout, and in ``--out``
+with the machine description.
+
+    python benchmarks/loader/bench.py --out benchmarks/loader/results/cpu.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import importlib.util
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.data as tud
+
+if importlib.util.find_spec("fastload") is None:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fastload.loader import DataLoader  # noqa: E402
+
+FIELDS = ["case", "variant", "batch_size", "seconds", "items_per_s", "ratio", "note"]
+
+
+class SmallTensors(tud.Dataset):
+    """In-memory samples: a float32 vector and an int64 label."""
+
+    def __init__(self, n: int, dim: int) -> None:
+        self.x = torch.randn(n, dim)
+        self.y = torch.arange(n)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class LatencyDataset(tud.Dataset):
+    """Each item costs ``latency_s`` of waiting (remote storage), then ``nbytes`` of data."""
+
+    def __init__(self, n: int, latency_s: float, nbytes: int = 4096) -> None:
+        self.n = n
+        self.latency_s = latency_s
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.latency_s)
+        return torch.full((self.nbytes,), i % 251, dtype=torch.uint8)
+
+    def read_batch(self, indices: list[int]) -> list[torch.Tensor]:
+        return [self[i] for i in indices]
+
+
+def latency_factory(n: int, latency_s: float) -> tuple[Any, Any]:
+    """The default read_batch case: the same dataset on both sides."""
+    ds = LatencyDataset(n, latency_s)
+    return ds, ds
+
+
+def _epoch_seconds(make: Callable[[], Any], step: Callable[[Any], None] | None = None) -> float:
+    loader = make()
+    t0 = time.perf_counter()
+    for batch in loader:
+        if step is not None:
+            step(batch)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _measure(variants: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    runs: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            runs[name].append(run())
+    return {name: statistics.median(v) for name, v in runs.items()}
+
+
+def _row(
+    case: str,
+    variant: str,
+    bs: Any,
+    seconds: float,
+    items: int,
+    ratio: float | None,
+    note: str = "",
+) -> dict[str, Any]:
+    return {
+        "case": case,
+        "variant": variant,
+        "batch_size": bs,
+        "seconds": round(seconds, 6),
+        "items_per_s": round(items / seconds, 1) if seconds > 0 else 0.0,
+        "ratio": "" if ratio is None else round(ratio, 4),
+        "note": note,
+    }
+
+
+def _overhead_variants(ds: Any, bs: int) -> dict[str, Callable[[], float]]:
+    return {
+        "torch": lambda: _epoch_seconds(lambda: tud.DataLoader(ds, batch_size=bs)),
+        "fastload_stats_off": lambda: _epoch_seconds(
+            lambda: DataLoader(ds, batch_size=bs, stats=False)
+        ),
+        "fastload_stats_on": lambda: _epoch_seconds(lambda: DataLoader(ds, batch_size=bs)),
+    }
+
+
+def bench_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """fastload (stats off / on) against torch over in-memory small tensors."""
+    rows = []
+    for bs in args.batch_sizes:
+        # Enough batches per epoch that per-batch costs, not timer noise, decide the ratio.
+        n = max(args.samples, args.min_batches * bs)
+        ds = SmallTensors(n, args.dim)
+        m = _measure(_overhead_variants(ds, bs), args.repeats)
+        note = "ratio = seconds / torch"
+        rows += [_row("overhead", k, bs, v, n, v / m["torch"], note) for k, v in m.items()]
+        on, off = m["fastload_stats_on"], m["fastload_stats_off"]
+        rows.append(_row("stats", "on_vs_off", bs, on, n, on / off, "ratio = stats on / stats off"))
+    return rows
+
+
+def bench_read_batch(
+    fl_dataset: Any,
+    torch_dataset: Any,
+    *,
+    batch_size: int,
+    read_threads: int,
+    repeats: int,
+    label: str,
+) -> list[dict[str, Any]]:
+    """torch num_workers=0 over ``torch_dataset`` against fastload's read_batch path."""
+    n = len(torch_dataset)
+    m = _measure(
+        {
+            "torch_workers0": lambda: _epoch_seconds(
+                lambda: tud.DataLoader(torch_dataset, batch_size=batch_size)
+            ),
+            f"fastload_read_threads{read_threads}": lambda: _epoch_seconds(
+                lambda: DataLoader(fl_dataset, batch_size=batch_size, read_threads=read_threads)
+            ),
+        },
+        repeats,
+    )
+    base = m["torch_workers0"]
+    return [
+        _row("read_batch", name, batch_size, sec, n, sec / base, label) for name, sec in m.items()
+    ]
+
+
+def bench_device(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """device='cuda' against torch pin_memory=True + .to(non_blocking=True), with compute."""
+    n, shape = args.device_batches * args.device_batch_size, (3, 224, 224)
+    ds = tud.TensorDataset(torch.randint(0, 255, (n, *shape), dtype=torch.uint8), torch.arange(n))
+    w = torch.randn(2048, 2048, device="cuda")
+
+    def step(batch: Any) -> None:
+        x, _ = batch
+        x = x.to("cuda", non_blocking=True)  # a no-op for fastload's batches
+        for _ in range(args.device_compute):
+            torch.mm(w, w)
+        x.float().mean()
+
+    bs = args.device_batch_size
+    m = _measure(
+        {
+            "torch_pin_memory": lambda: _epoch_seconds(
+                lambda: tud.DataLoader(ds, batch_size=bs, pin_memory=True), step
+            ),
+            "fastload_device": lambda: _epoch_seconds(
+                lambda: DataLoader(ds, batch_size=bs, device="cuda"), step
+            ),
+        },
+        args.repeats,
+    )
+    note = f"uint8 {bs}x3x224x224 batches + {args.device_compute} 2048^2 matmuls per step"
+    return [_row("device", k, bs, v, n, v / m["torch_pin_memory"], note) for k, v in m.items()]
+
+
+def machine() -> dict[str, str]:
+    """Describe where the numbers were measured."""
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpus": str(os.cpu_count()),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+    }
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    keep = (
+        "Architecture",
+        "CPU(s)",
+        "Model name",
+        "Thread(s) per core",
+        "Core(s) per socket",
+        "L2 cache",
+        "L3 cache",
+    )
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in keep:
+            info[f"lscpu {key.strip()}"] = value.strip()
+    return info
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse command-line options (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="overhead,read_batch,device", help="comma-separated cases")
+    p.add_argument("--samples", type=int, default=20000, help="items in the in-memory dataset")
+    p.add_argument("--dim", type=int, default=16, help="floats per in-memory sample")
+    p.add_argument(
+        "--min-batches", type=int, default=1000, help="at least this many batches per epoch"
+    )
+    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--read-samples", type=int, default=512)
+    p.add_argument("--read-latency-ms", type=float, default=2.0)
+    p.add_argument("--read-batch-size", type=int, default=32)
+    p.add_argument("--read-threads", type=int, default=8)
+    p.add_argument("--dataset", default=None, help="module:factory(n) -> (fastload_ds, torch_ds)")
+    p.add_argument("--device-batches", type=int, default=30)
+    p.add_argument("--device-batch-size", type=int, default=128)
+    p.add_argument("--device-compute", type=int, default=40, help="matmuls per step")
+    p.add_argument("--format", choices=["csv", "json"], default="csv")
+    p.add_argument("--out", type=Path, default=None, help="also write the results here")
+    return p.parse_args(argv)
+
+
+def _render(rows: list[dict[str, Any]], info: dict[str, str], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps({"machine": info, "results": rows}, indent=2) + "\n"
+    buf = io.StringIO()
+    for k, v in info.items():
+        buf.write(f"# {k}: {v}\n")
+    writer = csv.DictWriter(buf, fieldnames=FIELDS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the selected cases; print (and optionally write) the results. Returns 0."""
+    cases = {c.strip() for c in args.cases.split(",") if c.strip()}
+    unknown = cases - {"overhead", "stats", "read_batch", "device"}
+    if unknown:
+        print(f"unknown case(s): {sorted(unknown)}", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torch's worker processes do; keeps runs comparable
+    try:
+        rows = _run(cases, args)
+    finally:
+        torch.set_num_threads(threads)
+    text = _render(rows, machine(), args.format)
+    sys.stdout.write(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0
+
+
+def _run(cases: set[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    if cases & {"overhead", "stats"}:
+        rows += bench_overhead(args)
+    if "read_batch" in cases:
+        if args.dataset:
+            module, _, attr = args.dataset.partition(":")
+            fl_ds, torch_ds = getattr(importlib.import_module(module), attr)(args.read_samples)
+            label = args.dataset
+        else:
+            latency = args.read_latency_ms / 1e3
+            fl_ds, torch_ds = latency_factory(args.read_samples, latency)
+            label = f"{args.read_latency_ms} ms per item (sleep)"
+        rows += bench_read_batch(
+            fl_ds,
+            torch_ds,
+            batch_size=args.read_batch_size,
+            read_threads=args.read_threads,
+            repeats=args.repeats,
+            label=label,
+        )
+    if "device" in cases:
+        if torch.cuda.is_available():
+            rows += bench_device(args)
+        else:
+            rows.append(_row("device", "skipped", "", 0.0, 0, None, "no CUDA on this machine"))
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))

@@ -1,0 +1,470 @@
+"""``fastload.DataLoader``: torch's DataLoader, plus device prefetch, sharding, resume, stats.
+
+The class *is* a ``torch.utils.data.DataLoader`` (a subclass): the positional
+parameters, defaults, argument checks, error messages, samplers, collation and
+worker processes are torch's own, so any torch Dataset yields exactly what
+torch's loader yields, in the same order for the same seed. With
+``num_workers=0`` and a plain Dataset, ``__getitem__`` runs in the calling thread
+inside ``next()``, as in torch, so RNG draws in the dataset and in the training
+step interleave exactly as before (``tests/unit/test_loader_compat.py``).
+
+The loader wires stages together and holds none of their logic:
+
+* index order, sharding and resume: :mod:`fastload.sampler`
+* parallel reads for datasets with ``read_batch``: :mod:`fastload.readahead`
+* host-to-device transfer: :mod:`fastload.prefetch`
+* counters: :mod:`fastload.stats`
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import torch
+import torch.utils.data as tud
+
+from fastload._loader_iter import _Calls, _LoaderIter, _Progress, _TimedCollate, _TimedNext
+from fastload.errors import ConfigError, LoaderError
+from fastload.prefetch import DevicePrefetcher
+from fastload.readahead import ReadAhead
+from fastload.sampler import ResumableSampler, RngSnapshot, ShardedSampler
+from fastload.stats import LoaderStats, StatsCollector
+
+__all__ = ["DataLoader"]
+
+T_co = TypeVar("T_co", covariant=True)
+
+STATE_VERSION = 1
+DEFAULT_READ_THREADS = 8
+DEFAULT_READ_AHEAD = 2  # batches, for datasets with read_batch
+
+
+def _dist_settings(world_size: int | None, rank: int | None) -> tuple[int, int]:
+    if world_size is None or rank is None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                "distributed=True needs rank= and world_size=, or an initialised process "
+                "group (torch.distributed.init_process_group) to read them from"
+            )
+        world_size = dist.get_world_size() if world_size is None else world_size
+        rank = dist.get_rank() if rank is None else rank
+    return world_size, rank
+
+
+class DataLoader(tud.DataLoader[T_co]):
+    """A drop-in ``torch.utils.data.DataLoader`` that also moves, shards, resumes and measures.
+
+    Every torch parameter keeps its position, default and meaning; see the torch
+    documentation. The additions are keyword-only.
+
+    Args:
+        dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context,
+            generator, prefetch_factor, persistent_workers, pin_memory_device, in_order:
+            As in torch. ``timeout`` also bounds each batch of the read_batch path.
+        device: Where batches arrive (``"cuda"``, ``"cuda:1"``, ``"cpu"``); tensors
+            travel through a :class:`~fastload.prefetch.DevicePrefetcher` ring. None
+            (default) leaves batches where collate_fn put them.
+        prefetch_to_device: Batches in transit to the device (>= 1). When the loader may
+            read ahead (workers, or the read_batch path) up to ``prefetch_to_device - 1``
+            batches beyond the current one are copied early; with ``num_workers=0`` and a
+            plain dataset none are, so ``__getitem__`` keeps torch's timing.
+        distributed: Shard a map-style dataset across ranks with a
+            :class:`~fastload.sampler.ShardedSampler` (DistributedSampler semantics;
+            ``drop_last`` then also cuts, instead of padding, the shard tail). Never
+            implied by an initialised process group.
+        rank, world_size: This process's shard; default from ``torch.distributed``.
+        seed: With ``distributed=True``, the shard permutation seed (default 0, as
+            DistributedSampler). Otherwise, when ``generator`` is None, seeds a private
+            generator for shuffling.
+        stats: Record per-stage counters (see :meth:`stats`); costs well under 2%.
+        read_threads: Threads for the read_batch hook (default 8); 0 disables the hook.
+        read_ahead: Batches read ahead of the consumer on the read_batch path (default
+            2). For a plain map-style dataset with ``num_workers=0``, a value > 0 opts
+            in to background reads: ``__getitem__`` (or ``__getitems__``) then runs on
+            ``read_threads`` threads and must be thread-safe and draw no global RNG.
+        max_slot_bytes: Cap on one device staging slot (see DevicePrefetcher).
+
+    The ``read_batch`` hook. A map-style dataset may define
+    ``read_batch(self, indices: list[int]) -> list`` returning the samples for
+    ``indices``, one per index and in order, equal to ``[self[i] for i in indices]``.
+    With ``num_workers=0`` (and ``read_threads != 0``) the loader then calls it instead
+    of ``__getitem__``: each index batch is split into up to ``read_threads``
+    contiguous chunks read concurrently from a thread pool, ``read_ahead`` batches
+    ahead of the consumer, and the chunks are joined in order and passed to
+    ``collate_fn`` in the calling thread. ``read_batch`` must therefore be
+    thread-safe and must not draw from global RNGs (its timing is not torch's).
+    Inside it, ``fastload.stats.current_collector()`` is this loader's collector.
+    An exception it raises is re-raised by ``next()`` for that batch with its
+    original traceback. With ``num_workers > 0`` the hook is not used: workers call
+    ``__getitem__``/``__getitems__`` as in torch.
+
+    Resuming. ``state_dict()`` after ``k`` batches of an epoch, then
+    ``load_state_dict()`` on a new loader built with the same arguments, makes the
+    next ``iter()`` yield batches ``k+1...`` of that epoch: the index order is
+    regenerated (the RNG state at the moment the epoch drew it is saved) and the
+    first ``k`` index batches are dropped without reading their samples. Random
+    draws inside worker processes are not replayed.
+
+    Example:
+        >>> loader = DataLoader(list(range(10)), batch_size=4)
+        >>> [b.tolist() for b in loader]
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    """
+
+    def __init__(
+        self,
+        dataset: tud.Dataset[T_co],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: tud.Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: tud.Sampler[list[Any]] | Iterable[list[Any]] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        device: str | torch.device | None = None,
+        prefetch_to_device: int = 2,
+        distributed: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        seed: int | None = None,
+        stats: bool = True,
+        read_threads: int | None = None,
+        read_ahead: int | None = None,
+        max_slot_bytes: int | None = 2 * 1024**3,
+    ) -> None:
+        if prefetch_to_device < 1:
+            raise ConfigError(f"prefetch_to_device={prefetch_to_device} must be >= 1")
+        if read_threads is not None and read_threads < 0:
+            raise ConfigError(f"read_threads={read_threads} must be >= 0 (0 disables read_batch)")
+        if read_ahead is not None and read_ahead < 0:
+            raise ConfigError(f"read_ahead={read_ahead} must be >= 0")
+        if device is not None:
+            dev = torch.device(device)
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise ConfigError(
+                    f"device={str(device)!r} but torch.cuda.is_available() is False; "
+                    "pass device=None (or 'cpu')"
+                )
+            if dev.type not in ("cuda", "cpu"):
+                raise ConfigError(f"device={str(device)!r}: only 'cuda' and 'cpu' are supported")
+            if pin_memory:
+                warnings.warn(
+                    "pin_memory=True is redundant with device=: fastload stages batches "
+                    "through its own reused pinned slots; pin_memory=True pins each batch "
+                    "again (a per-batch allocation)",
+                    stacklevel=2,
+                )
+        if distributed:
+            if isinstance(dataset, tud.IterableDataset):
+                raise ConfigError(
+                    "distributed=True shards map-style datasets; an IterableDataset must "
+                    "shard itself (see torch.utils.data.get_worker_info and the rank)"
+                )
+            if sampler is not None or batch_sampler is not None:
+                raise ConfigError(
+                    "distributed=True builds its own ShardedSampler; pass sampler=/"
+                    "batch_sampler= or distributed=True, not both"
+                )
+            world_size, rank = _dist_settings(world_size, rank)
+            sampler = ShardedSampler(
+                dataset,  # type: ignore[arg-type]
+                world_size,
+                rank,
+                shuffle=bool(shuffle),
+                seed=0 if seed is None else seed,
+                drop_last=drop_last,
+            )
+            shuffle = None  # the sampler shuffles; torch rejects sampler= with shuffle=True
+        elif rank is not None or world_size is not None:
+            raise ConfigError("rank= and world_size= only apply with distributed=True")
+        elif seed is not None and generator is None:
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        # Public, under their parameter names, so code that rebuilds a loader from its
+        # attributes (as Lightning does) finds them.
+        self.device = None if device is None else torch.device(device)
+        self.prefetch_to_device = prefetch_to_device
+        self.distributed = distributed
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.stats_enabled = stats
+        self.read_threads = read_threads
+        self.read_ahead = read_ahead
+        self.max_slot_bytes = max_slot_bytes
+        self._fl_collector = StatsCollector(enabled=stats)
+        self._fl_prefetcher: DevicePrefetcher[Any] | None = None
+        self._fl_resumable: ResumableSampler[Any] | None = None
+        self._fl_progress: _Progress | None = None
+        self._fl_pending_start: list[torch.Tensor] | None = None
+        self._fl_live: weakref.ref[_LoaderIter] | None = None
+        self._fl_epoch = 0
+
+    # -- index order --------------------------------------------------------------------
+
+    @property
+    def _index_sampler(self) -> Any:
+        # torch's iterators read this property once per iterator (and per persistent
+        # worker reset); returning one long-lived ResumableSampler lets a loaded state
+        # skip at the index level without touching torch's frozen attributes.
+        inner = tud.DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+        if isinstance(self.dataset, tud.IterableDataset):
+            return inner
+        wrapper = self.__dict__.get("_fl_resumable")
+        if wrapper is None or wrapper.inner is not inner:
+            gens = [self.generator] + [getattr(s, "generator", None) for s in self._samplers()]
+            wrapper = ResumableSampler(inner, gens)
+            self.__dict__["_fl_resumable"] = wrapper
+        return wrapper
+
+    def _generators(self) -> tuple[torch.Generator, ...]:
+        wrapper = self._index_sampler
+        return wrapper.generators if isinstance(wrapper, ResumableSampler) else ()
+
+    def _samplers(self) -> list[Any]:
+        found: list[Any] = []
+        for s in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
+            if s is not None and all(s is not f for f in found):
+                found.append(s)
+        return found
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select epoch ``epoch``: forwarded to every sampler (and the dataset) with set_epoch.
+
+        DistributedSampler and ShardedSampler reshuffle per epoch only when told.
+        """
+        self._fl_epoch = epoch
+        for s in self._samplers():
+            if callable(getattr(s, "set_epoch", None)):
+                s.set_epoch(epoch)
+        if callable(getattr(self.dataset, "set_epoch", None)):
+            self.dataset.set_epoch(epoch)  # type: ignore[attr-defined]
+
+    # -- iteration ----------------------------------------------------------------------
+
+    def _read_fn(self) -> Callable[[list[Any]], Any] | None:
+        if self.num_workers != 0 or isinstance(self.dataset, tud.IterableDataset):
+            return None
+        if self.read_threads == 0:
+            return None
+        read_batch = getattr(self.dataset, "read_batch", None)
+        if callable(read_batch):
+            return read_batch  # type: ignore[no-any-return]
+        if not self.read_ahead:
+            return None  # plain datasets read in the calling thread, as torch does
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if callable(getitems):
+            return getitems  # type: ignore[no-any-return]
+        ds = self.dataset
+        return lambda idx: [ds[i] for i in idx]
+
+    def _read_ahead_iter(self, read_fn: Callable[[list[Any]], Any]) -> ReadAhead:
+        # torch's iterator draws a base seed from the loader's generator (or the global
+        # RNG) when it is created; draw it too so RNG streams match torch's loader.
+        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        post = None
+        if self.pin_memory and torch.accelerator.is_available():
+            from torch.utils.data._utils.pin_memory import pin_memory
+
+            post = pin_memory
+        ahead = DEFAULT_READ_AHEAD if self.read_ahead is None else self.read_ahead
+        collector = self._fl_collector if self.stats_enabled else None
+        return ReadAhead(
+            iter(self._index_sampler),
+            read_fn,
+            self.collate_fn,  # type: ignore[arg-type]
+            auto_collation=self._auto_collation,
+            threads=self.read_threads or DEFAULT_READ_THREADS,
+            ahead=ahead,
+            timeout=float(self.timeout),
+            collector=collector,
+            post=post,
+            name=type(self.dataset).__name__,
+        )
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        collector = self._fl_collector if self.stats_enabled else None
+        read_fn = self._read_fn()
+        timed = None
+        wrapper = self._fl_resumable
+        if wrapper is None and not isinstance(self.dataset, tud.IterableDataset):
+            wrapper = self._index_sampler
+        resuming = wrapper is not None and wrapper.resume_pending
+        start = wrapper.pending_skip if wrapper is not None else 0
+        gens = self._generators()
+        caller_rng = None
+        if resuming:
+            # Put the loader's generators where the interrupted epoch started, so torch's
+            # own draws (base seed, eager samplers) repeat; and don't draw the base seed
+            # twice from the caller's global stream: the interrupted run already did.
+            for g, st in zip(gens, self._fl_pending_start or ()):
+                g.set_state(st)
+            caller_rng = torch.get_rng_state()
+            gen_start = self._fl_pending_start
+        else:
+            gen_start = [g.get_state() for g in gens]
+        self._fl_pending_start = None
+        if read_fn is not None:
+            source: Iterator[Any] = self._read_ahead_iter(read_fn)
+        else:
+            source = super().__iter__()
+            fetcher = getattr(source, "_dataset_fetcher", None)
+            if collector is not None and fetcher is not None:
+                # Splits time inside next() into reading samples and collating them.
+                timed = _TimedCollate(fetcher.collate_fn, self._auto_collation)
+                fetcher.collate_fn = timed
+        if caller_rng is not None:
+            torch.set_rng_state(caller_rng)
+        nxt = source.__next__
+        fetch = None
+        if self.device is not None:
+            if self._fl_prefetcher is None:
+                self._fl_prefetcher = DevicePrefetcher(
+                    None,
+                    self.device,
+                    slots=max(2, self.prefetch_to_device),
+                    max_slot_bytes=self.max_slot_bytes,
+                    collector=collector,
+                )
+            # Copy ahead only when reading ahead is already allowed (workers or the
+            # read_batch path); otherwise __getitem__ would run before torch runs it.
+            may_read_ahead = self.num_workers > 0 or read_fn is not None
+            lookahead = self.prefetch_to_device - 1 if may_read_ahead else 0
+            if timed is not None:
+                fetch = _TimedNext(nxt)
+                nxt = fetch
+            feed = _Calls(nxt) if fetch is not None else source
+            nxt = self._fl_prefetcher.iterate(feed, lookahead=lookahead).__next__
+        progress = _Progress(start, gen_start)
+        self._fl_progress = progress
+        it = _LoaderIter(nxt, progress, collector, timed, fetch, lambda: len(self), source)
+        self._fl_live = weakref.ref(it)
+        return it
+
+    # -- stats and state ----------------------------------------------------------------
+
+    def stats(self) -> LoaderStats:
+        """Return a snapshot of this loader's counters (all zero when ``stats=False``).
+
+        Exact when called from the thread that iterates; from another thread the
+        loader's own counters may lag by up to FLUSH_EVERY batches.
+        """
+        live = self._fl_live() if self._fl_live is not None else None
+        if live is not None:
+            live.flush()
+        return self._fl_collector.snapshot()
+
+    def reset_stats(self) -> None:
+        """Forget the counters recorded so far."""
+        self._fl_collector.reset()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return where iteration stands: epoch, batches yielded, and the order's RNG state.
+
+        Raises:
+            LoaderError: Mid-epoch with ``in_order=False`` and workers, where the
+                batches handed out are not a prefix of the index order.
+        """
+        progress = self._fl_progress
+        in_epoch = progress is not None and progress.active
+        snapshot: RngSnapshot | None = None
+        if in_epoch:
+            if self.num_workers > 0 and not self.in_order:
+                raise LoaderError(
+                    "state_dict() mid-epoch needs in_order=True with num_workers > 0: "
+                    "out-of-order batches are not a prefix of the epoch; save at an epoch "
+                    "boundary or pass in_order=True"
+                )
+            wrapper = self._fl_resumable
+            if wrapper is not None:
+                # A lazy sampler that has not drawn yet draws from the current state.
+                snapshot = wrapper.snapshot or wrapper.capture()
+        sampler_epochs = [getattr(s, "epoch", None) for s in self._samplers()]
+        return {
+            "version": STATE_VERSION,
+            "epoch": self._fl_epoch,
+            "sampler_epochs": sampler_epochs,
+            "in_epoch": in_epoch,
+            "batches_yielded": progress.yielded if (in_epoch and progress is not None) else 0,
+            "rng": None if snapshot is None else snapshot.to_state(),
+            "generator_start": None if not in_epoch or progress is None else progress.gen_start,
+            "generator_state": None if self.generator is None else self.generator.get_state(),
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; takes effect at the next ``iter(loader)``.
+
+        Raises:
+            ConfigError: The state comes from another version or another sharding.
+            LoaderError: A mid-epoch state for an IterableDataset (it has no index order
+                to skip in; such a dataset must resume itself).
+        """
+        if state.get("version") != STATE_VERSION:
+            raise ConfigError(
+                f"loader state version {state.get('version')!r} is not {STATE_VERSION}; "
+                "it was saved by another fastload version"
+            )
+        if (state.get("world_size"), state.get("rank")) != (self.world_size, self.rank):
+            raise ConfigError(
+                f"state saved with world_size={state.get('world_size')} rank={state.get('rank')} "
+                f"cannot resume a loader with world_size={self.world_size} rank={self.rank}"
+            )
+        self.set_epoch(int(state["epoch"]))
+        for s, e in zip(self._samplers(), state.get("sampler_epochs", [])):
+            if e is not None and callable(getattr(s, "set_epoch", None)):
+                s.set_epoch(e)  # the user may have called sampler.set_epoch directly
+        if state.get("generator_state") is not None and self.generator is not None:
+            self.generator.set_state(state["generator_state"])
+        if not state.get("in_epoch"):
+            return
+        skip = int(state["batches_yielded"])
+        if isinstance(self.dataset, tud.IterableDataset):
+            if skip:
+                raise LoaderError(
+                    f"cannot resume an IterableDataset after {skip} batches: it has no "
+                    "index order to skip in; resume the dataset itself, or save at an "
+                    "epoch boundary"
+                )
+            return
+        rng = state.get("rng")
+        replay = None if rng is None else RngSnapshot.from_state(rng)
+        wrapper = self._index_sampler
+        wrapper.resume_at(skip, replay)
+        self._fl_pending_start = state.get("generator_start")

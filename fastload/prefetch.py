@@ -1,0 +1,513 @@
+"""Pinned, double-buffered host-to-device transfer (the ``device=`` of the loader).
+
+:class:`DevicePrefetcher` moves each batch (any nesting of dict / list / tuple /
+namedtuple with tensor and non-tensor leaves) to a device through a *ring* of
+staging slots:
+
+1. The batch's CPU tensors are copied into one slot, each at an aligned offset of
+   a single flat ``uint8`` buffer (pinned when the device is CUDA).
+2. One copy of the used part of the slot is issued with ``non_blocking=True`` on
+   ONE long-lived side CUDA stream, into a device buffer allocated on the
+   consumer's stream; the batch's tensors are views into that buffer.
+3. The consumer's stream waits on the copy's CUDA event when the batch is handed
+   out, so the host never blocks; batch N+1 copies while step N computes.
+4. A slot is reused only after the event of its last copy has completed.
+
+Pitfalls avoided (see ``shared/reference/limits.md`` section 5):
+
+* **Per-batch pinned allocation.** torch's ``pin_memory=True`` path pins every
+  batch anew in the ``pt_data_pin`` thread through the CachingHostAllocator
+  (``cudaHostAlloc`` stalls at step 2000+, pytorch#97432 / #124456, and up to
+  2x host memory, #95823). Here slots are allocated once, grow only when a batch
+  outgrows them (bounded by ``max_slot_bytes``) and are then reused:
+  :attr:`DevicePrefetcher.slot_allocations` counts every allocation.
+* **``record_stream``.** Tensors allocated on a side stream and used on another
+  need ``record_stream`` or the caching allocator may hand their memory to a new
+  allocation while a copy is still in flight (NaNs, torchrec#4231); and
+  ``record_stream`` makes frees unpredictable (pytorch#112526). Instead the device
+  buffer is allocated on the *consumer's* stream, the side stream first waits for
+  the consumer stream (apex's documented alternative), and slots are released by
+  our own events. Consequence: use the batch on the stream that was current when
+  ``next()`` returned it (or call ``record_stream`` yourself).
+* **A new stream per copy.** Cached blocks are not shared across streams
+  (Fuser#5767), so there is one side stream per prefetcher, created once.
+* **Many small copies.** All leaves of a batch cross in one DMA from one slot.
+
+On a CPU device the same code runs (flatten, slot ring, growth, unflatten) with
+plain, non-pinned slots and synchronous copies, so CI exercises the bookkeeping.
+Without ``device=`` the loader does not use a prefetcher at all.
+
+Ordering: with ``lookahead=L`` up to L batches beyond the one being returned are
+pulled from the source. A source that raises is re-raised, with its original
+traceback, at the position where its batch would have arrived.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
+from typing import Any, Generic, TypeVar, cast
+
+import torch
+
+from fastload.errors import ConfigError, LoaderError
+from fastload.stats import StatsCollector
+
+__all__ = ["DevicePrefetcher"]
+
+T = TypeVar("T")
+
+ALIGN = 256  # bytes; every leaf starts at a multiple (any dtype view; vectorised kernels)
+_GRAIN = 64 * 1024  # slot sizes are rounded up to this
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+# --- nesting: the same container rules as torch.utils.data._utils.pin_memory ---------
+
+
+def collect_tensors(data: Any, out: list[torch.Tensor]) -> None:
+    """Append every tensor leaf of ``data`` to ``out`` in depth-first order."""
+    if isinstance(data, torch.Tensor):
+        out.append(data)
+    elif isinstance(data, (str, bytes)):
+        return
+    elif isinstance(data, Mapping):
+        for v in data.values():
+            collect_tensors(v, out)
+    elif isinstance(data, (tuple, Sequence)):
+        for v in data:
+            collect_tensors(v, out)
+
+
+def rebuild(data: Any, new: Iterator[torch.Tensor]) -> Any:
+    """Return ``data`` with its tensor leaves replaced, in order, by ``new``'s items.
+
+    Containers are rebuilt as torch's ``pin_memory`` rebuilds them: the same mapping,
+    namedtuple, tuple or sequence type where it can be constructed, else dict / list.
+    """
+    if isinstance(data, torch.Tensor):
+        return next(new)
+    if isinstance(data, (str, bytes)):
+        return data
+    if isinstance(data, Mapping):
+        items = {k: rebuild(v, new) for k, v in data.items()}
+        if type(data) is dict:
+            return items
+        try:
+            if isinstance(data, MutableMapping):
+                clone = copy.copy(data)
+                clone.update(items)
+                return clone
+            return type(data)(items)  # type: ignore[call-arg]
+        except TypeError:
+            return items
+    if isinstance(data, tuple):
+        if hasattr(data, "_fields"):  # namedtuple
+            return type(data)(*(rebuild(v, new) for v in data))
+        return type(data)(rebuild(v, new) for v in data)
+    if isinstance(data, Sequence):
+        values = [rebuild(v, new) for v in data]
+        if type(data) is list:
+            return values
+        try:
+            if isinstance(data, MutableSequence):
+                seq: MutableSequence[Any] = copy.copy(data)
+                for i, v in enumerate(values):
+                    seq[i] = v
+                return seq
+            return type(data)(values)  # type: ignore[call-arg]
+        except TypeError:
+            return values
+    return data
+
+
+# --- backends -------------------------------------------------------------------------
+
+
+class _Slot:
+    """One staging buffer of the ring."""
+
+    __slots__ = ("buf", "busy", "done", "ready", "start", "timed_bytes", "timed_s")
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.busy = False  # holds a staged batch not yet handed to the consumer
+        self.done: Any = None  # event: the slot's last copy has completed
+        self.ready: Any = None  # event: consumer stream reached the copy's issue point
+        self.start: Any = None
+        self.timed_bytes = 0  # a copy whose duration is not yet recorded
+        self.timed_s = 0.0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buf is None else int(self.buf.numel())
+
+
+class _HostBackend:
+    """CPU device: plain slots and synchronous copies; events are always complete."""
+
+    pinned = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def init_events(self, slot: _Slot) -> None:
+        slot.done = None
+
+    def is_done(self, slot: _Slot) -> bool:
+        return True
+
+    def transfer(self, slot: _Slot, used: int) -> torch.Tensor:
+        buf = cast(torch.Tensor, slot.buf)  # acquired slots always hold a buffer
+        t0 = time.perf_counter()
+        out = torch.empty(used, dtype=torch.uint8)
+        out.copy_(buf[:used])
+        slot.timed_bytes, slot.timed_s = used, time.perf_counter() - t0
+        return out
+
+    def copy_seconds(self, slot: _Slot) -> float:
+        return slot.timed_s
+
+    def hand_over(self, slot: _Slot) -> None:
+        return None
+
+    def move(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if t.device == self.device else t.to(self.device)
+
+
+class _CudaBackend(_HostBackend):
+    """CUDA device: pinned slots, one side stream, event-released slots."""
+
+    pinned = True
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.stream = torch.cuda.Stream(device=device)  # ONE long-lived side stream
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def init_events(self, slot: _Slot) -> None:
+        slot.done = torch.cuda.Event(enable_timing=True)
+        slot.start = torch.cuda.Event(enable_timing=True)
+        slot.ready = torch.cuda.Event()
+
+    def is_done(self, slot: _Slot) -> bool:
+        return bool(slot.done.query())
+
+    def transfer(self, slot: _Slot, used: int) -> torch.Tensor:
+        buf = cast(torch.Tensor, slot.buf)  # acquired slots always hold a buffer
+        consumer = torch.cuda.current_stream(self.device)
+        # Allocated on the consumer stream, so its block is freed and reused in
+        # consumer-stream order: no record_stream needed.
+        out = torch.empty(used, dtype=torch.uint8, device=self.device)
+        # The block may have held a tensor that consumer kernels still read.
+        slot.ready.record(consumer)
+        self.stream.wait_event(slot.ready)
+        with torch.cuda.stream(self.stream):
+            slot.start.record(self.stream)
+            out.copy_(buf[:used], non_blocking=True)
+            slot.done.record(self.stream)
+        slot.timed_bytes = used
+        return out
+
+    def copy_seconds(self, slot: _Slot) -> float:
+        # Only called once slot.done has completed, so this never blocks.
+        return float(slot.start.elapsed_time(slot.done)) / 1e3
+
+    def hand_over(self, slot: _Slot) -> None:
+        torch.cuda.current_stream(self.device).wait_event(slot.done)
+
+    def move(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)
+
+
+# --- the prefetcher -------------------------------------------------------------------
+
+
+class _Staged:
+    __slots__ = ("batch", "slot", "error")
+
+    def __init__(self, batch: Any, slot: _Slot | None, error: BaseException | None = None) -> None:
+        self.batch = batch
+        self.slot = slot
+        self.error = error
+
+
+class DevicePrefetcher(Generic[T]):
+    """Move batches to ``device`` through a reused ring of (pinned) staging slots.
+
+    Use it on any iterable of batches, or let ``fastload.DataLoader(device=...)`` do it::
+
+        for images, labels in DevicePrefetcher(torch_loader, "cuda"):
+            loss = model(images).loss(labels)
+
+    The prefetcher is driven from the consumer's thread only (it starts no thread),
+    so a num_workers=0 loader still calls ``__getitem__`` in the calling thread.
+
+    Args:
+        source: Iterable of batches used by ``iter(prefetcher)``; optional when
+            :meth:`iterate` is called instead.
+        device: Target device: ``"cuda"``, ``"cuda:1"``, a ``torch.device``, or
+            ``"cpu"`` (runs the same ring with plain memory).
+        slots: Staging slots in the ring (>= 2): how many batches can be in transit.
+        lookahead: Batches pulled from the source beyond the one being returned
+            (0 to ``slots - 1``; default ``slots - 1``). 0 keeps the source's calls at
+            exactly the moments a plain loop would make them.
+        max_slot_bytes: Cap on one slot's size. A batch larger than the cap bypasses
+            the ring (a direct, unstaged copy), warns once and counts
+            ``oversize_batch``. None means no cap.
+        timeout: Seconds to wait for a slot's previous copy before raising LoaderError.
+        collector: Where ``stage`` and ``h2d`` are recorded (None: not recorded).
+
+    Raises:
+        ConfigError: Bad ``slots``/``lookahead``/``max_slot_bytes``, a CUDA device
+            without CUDA, or an unsupported device type.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[T] | None = None,
+        device: str | torch.device = "cuda",
+        *,
+        slots: int = 2,
+        lookahead: int | None = None,
+        max_slot_bytes: int | None = 2 * 1024**3,
+        timeout: float = 60.0,
+        collector: StatsCollector | None = None,
+    ) -> None:
+        if slots < 2:
+            raise ConfigError(f"slots={slots} must be >= 2 (one copying while one is in use)")
+        if max_slot_bytes is not None and max_slot_bytes <= 0:
+            raise ConfigError(f"max_slot_bytes={max_slot_bytes} must be > 0 or None")
+        if timeout <= 0:
+            raise ConfigError(f"timeout={timeout} must be > 0 seconds")
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    f"device={str(device)!r} but torch.cuda.is_available() is False; "
+                    "pass device='cpu' or device=None"
+                )
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            self._backend: _HostBackend = _CudaBackend(self.device)
+        elif self.device.type == "cpu":
+            self._backend = _HostBackend(self.device)
+        else:
+            raise ConfigError(
+                f"device={str(device)!r}: only 'cuda' and 'cpu' are supported; pass device=None "
+                "and move batches yourself"
+            )
+        self.source = source
+        self.slots = slots
+        self.lookahead = self._check_lookahead(lookahead)
+        self.max_slot_bytes = max_slot_bytes
+        self.timeout = timeout
+        self.collector = collector
+        self._ring = [_Slot() for _ in range(slots)]
+        for slot in self._ring:
+            self._backend.init_events(slot)
+        self._next_slot = 0
+        self._pass = 0
+        self._warned_oversize = False
+        #: Host slot buffers allocated so far (first use and every growth).
+        self.slot_allocations = 0
+        #: Batches staged through the ring.
+        self.copies = 0
+        #: Batches too large for ``max_slot_bytes`` that bypassed the ring.
+        self.oversize_batches = 0
+
+    def _check_lookahead(self, lookahead: int | None) -> int:
+        if lookahead is None:
+            return self.slots - 1
+        if not 0 <= lookahead <= self.slots - 1:
+            raise ConfigError(f"lookahead={lookahead} must be in [0, slots - 1 = {self.slots - 1}]")
+        return lookahead
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the slots are pinned host memory (True for CUDA devices)."""
+        return self._backend.pinned
+
+    @property
+    def slot_capacities(self) -> list[int]:
+        """Current size in bytes of each slot (0 before first use)."""
+        return [s.capacity for s in self._ring]
+
+    def __iter__(self) -> Iterator[T]:
+        if self.source is None:
+            raise ConfigError("DevicePrefetcher(source=None): call iterate(batches) instead")
+        return self.iterate(self.source)
+
+    def iterate(self, source: Iterable[T], lookahead: int | None = None) -> Iterator[T]:
+        """Return an iterator over ``source``'s batches, on the device.
+
+        Starting a new pass ends the previous one (the ring is shared): the old
+        iterator then raises LoaderError.
+        """
+        la = self.lookahead if lookahead is None else self._check_lookahead(lookahead)
+        self._pass += 1
+        for slot in self._ring:
+            slot.busy = False  # a superseded pass's batches are dropped; events still guard reuse
+        return _Pass(self, iter(source), la, self._pass)
+
+    # -- staging --------------------------------------------------------------------
+
+    def _acquire(self, need: int) -> _Slot:
+        slot = self._ring[self._next_slot]
+        if slot.busy:  # internal invariant: lookahead < slots keeps one slot free
+            raise LoaderError("DevicePrefetcher ring overrun (a bug in fastload)")
+        self._next_slot = (self._next_slot + 1) % self.slots
+        self._wait_done(slot)
+        self._record_copy(slot)
+        if slot.capacity < need:
+            cap = _round_up(max(need, 2 * slot.capacity), _GRAIN)
+            if self.max_slot_bytes is not None:
+                cap = max(min(cap, self.max_slot_bytes), need)  # need <= cap, checked by caller
+            slot.buf = None  # drop the old buffer first: peak memory is one slot, not two
+            slot.buf = self._backend.alloc(cap)
+            self.slot_allocations += 1
+        return slot
+
+    def _wait_done(self, slot: _Slot) -> None:
+        # Released by its copy's event; poll so the wait is bounded (Event.synchronize
+        # has no timeout). With >= 2 slots the copy is almost always complete already.
+        if self._backend.is_done(slot):
+            return
+        deadline = time.monotonic() + self.timeout
+        pause = 1e-5
+        while not self._backend.is_done(slot):
+            if time.monotonic() > deadline:
+                raise LoaderError(
+                    f"a host-to-device copy did not complete within timeout={self.timeout} s; "
+                    "the device may be hung or saturated. Raise DevicePrefetcher(timeout=...)"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def _record_copy(self, slot: _Slot) -> None:
+        if slot.timed_bytes and self.collector is not None:
+            self.collector.add(
+                "h2d", items=1, bytes=slot.timed_bytes, seconds=self._backend.copy_seconds(slot)
+            )
+        slot.timed_bytes = 0
+
+    def _stage(self, batch: Any) -> _Staged:
+        tensors: list[torch.Tensor] = []
+        collect_tensors(batch, tensors)
+        if not tensors:
+            return _Staged(batch, None)
+        t0 = time.perf_counter()
+        offsets: list[int] = []
+        used = 0
+        ringable = []
+        for t in tensors:
+            ok = t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized
+            ringable.append(ok)
+            if ok:
+                offsets.append(used)
+                used = _round_up(used + t.numel() * t.element_size(), ALIGN)
+            else:
+                offsets.append(-1)
+        if self.max_slot_bytes is not None and used > self.max_slot_bytes:
+            return self._oversize(batch, tensors, used)
+        if used == 0:  # only device / sparse tensors
+            moved = [self._backend.move(t) for t in tensors]
+            return _Staged(rebuild(batch, iter(moved)), None)
+        slot = self._acquire(used)
+        buf = cast(torch.Tensor, slot.buf)  # _acquire always leaves a buffer
+        with torch.no_grad():
+            for t, off, ok in zip(tensors, offsets, ringable):
+                if ok:
+                    n = t.numel() * t.element_size()
+                    buf[off : off + n].view(t.dtype).view(t.shape).copy_(t)
+            if self.collector is not None:
+                self.collector.add("stage", items=1, bytes=used, seconds=time.perf_counter() - t0)
+            out = self._backend.transfer(slot, used)
+            views = []
+            for t, off, ok in zip(tensors, offsets, ringable):
+                if ok:
+                    n = t.numel() * t.element_size()
+                    views.append(out[off : off + n].view(t.dtype).view(t.shape))
+                else:
+                    views.append(self._backend.move(t))
+        slot.busy = True
+        self.copies += 1
+        return _Staged(rebuild(batch, iter(views)), slot)
+
+    def _oversize(self, batch: Any, tensors: list[torch.Tensor], used: int) -> _Staged:
+        self.oversize_batches += 1
+        if self.collector is not None:
+            self.collector.count("oversize_batch")
+        if not self._warned_oversize:
+            self._warned_oversize = True
+            warnings.warn(
+                f"a batch needs {used} staging bytes, more than max_slot_bytes="
+                f"{self.max_slot_bytes}; such batches bypass the pinned ring (slower, "
+                "synchronous copies). Raise max_slot_bytes or lower the batch size",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        moved = [self._backend.move(t) for t in tensors]
+        return _Staged(rebuild(batch, iter(moved)), None)
+
+    def _deliver(self, staged: _Staged) -> Any:
+        slot = staged.slot
+        if slot is not None:
+            self._backend.hand_over(slot)  # consumer stream waits on the copy event
+            slot.busy = False
+        return staged.batch
+
+
+class _Pass(Iterator[T]):
+    """One pass of a DevicePrefetcher over a source iterator."""
+
+    def __init__(
+        self, owner: DevicePrefetcher[T], source: Iterator[T], lookahead: int, pass_id: int
+    ):
+        self._owner = owner
+        self._source = source
+        self._lookahead = lookahead
+        self._id = pass_id
+        self._queue: collections.deque[_Staged] = collections.deque()
+        self._exhausted = False
+
+    def __iter__(self) -> _Pass[T]:
+        return self
+
+    def __next__(self) -> T:
+        owner = self._owner
+        if owner._pass != self._id:
+            raise LoaderError(
+                "this DevicePrefetcher started a newer pass, which ended this one "
+                "(its staging ring is shared); iterate one pass at a time"
+            )
+        queue = self._queue
+        while not self._exhausted and len(queue) <= self._lookahead:
+            try:
+                batch = next(self._source)
+            except StopIteration:
+                self._exhausted = True
+                break
+            except Exception as err:  # re-raised in order, traceback intact
+                queue.append(_Staged(None, None, err))
+                self._exhausted = True
+                break
+            queue.append(owner._stage(batch))
+        if not queue:
+            raise StopIteration
+        staged = queue.popleft()
+        if staged.error is not None:
+            failure, staged.error = staged.error, None
+            raise failure
+        return owner._deliver(staged)  # type: ignore[no-any-return]

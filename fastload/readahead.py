@@ -1,0 +1,193 @@
+"""Parallel, bounded read-ahead of index batches in the loader's own process.
+
+This is the ``num_workers=0`` fast path of :class:`fastload.DataLoader` for
+datasets that expose ``read_batch(indices) -> list`` (fastload's datasets do), or
+for any map-style dataset when the user opts in with ``read_ahead=N``.
+
+The consumer thread pulls index batches from the sampler (so sampler RNG draws
+stay in the consumer thread), splits each into up to ``threads`` chunks, and
+submits ``read_fn(chunk)`` to a thread pool, keeping ``ahead`` batches beyond
+the one being returned in flight.
+``next()`` waits for the oldest batch's chunks (in bounded slices), joins them
+in index order and collates them in the consumer thread.
+
+Errors: a chunk's exception is re-raised by ``next()`` for that batch, in its
+original form and traceback (``Future.result`` re-raises the same object); later
+batches are unaffected, as with torch's single-process iterator.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from fastload.errors import LoaderError
+from fastload.stats import _ACTIVE, StatsCollector, nbytes
+
+__all__ = ["ReadAhead"]
+
+#: Seconds between liveness reports while a read is outstanding and no timeout is set.
+STALL_WARN_S = 60.0
+
+
+class ReadAhead(Iterator[Any]):
+    """Iterate collated batches, reading ``ahead`` batches ahead on ``threads`` threads.
+
+    Args:
+        indices: Iterator of index lists (``auto_collation``) or single indices.
+        read_fn: ``read_fn(list_of_indices) -> list_of_samples`` (same length, same order);
+            called concurrently from pool threads.
+        collate_fn: Applied in the consumer thread to the list of samples (auto-collation)
+            or to the single sample.
+        auto_collation: Whether ``indices`` yields lists (batch mode).
+        threads: Pool size (>= 1); also the most chunks a batch is split into.
+        ahead: Batches read beyond the one ``next()`` returns (>= 0; 0 reads each
+            batch, in parallel chunks, inside its own ``next()``).
+        timeout: Seconds a batch may take before LoaderError; 0 waits indefinitely but
+            warns every STALL_WARN_S seconds.
+        collector: Records ``read`` (in pool threads, which are made to see it as the
+            active collector) and ``collate``.
+        post: Applied to each collated batch (pin memory), or None.
+        name: Used in error messages (the dataset's type name).
+    """
+
+    def __init__(
+        self,
+        indices: Iterator[Any],
+        read_fn: Callable[[list[Any]], Sequence[Any]],
+        collate_fn: Callable[[Any], Any],
+        *,
+        auto_collation: bool,
+        threads: int,
+        ahead: int,
+        timeout: float = 0.0,
+        collector: StatsCollector | None = None,
+        post: Callable[[Any], Any] | None = None,
+        name: str = "dataset",
+    ) -> None:
+        self._indices = indices
+        self._read_fn = read_fn
+        self._collate = collate_fn
+        self._auto = auto_collation
+        self._threads = max(1, threads)
+        self._ahead = max(0, ahead)
+        self._timeout = timeout
+        self._collector = collector
+        self._post = post
+        self._name = name
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            max_workers=self._threads, thread_name_prefix="fastload-read"
+        )
+        self._pending: collections.deque[list[Future[Sequence[Any]]]] = collections.deque()
+        self._exhausted = False
+
+    def __iter__(self) -> ReadAhead:
+        return self
+
+    def _task(self, chunk: list[Any]) -> Sequence[Any]:
+        col = self._collector
+        if col is None:
+            out = self._read_fn(chunk)
+        else:
+            token = _ACTIVE.set(col)  # datasets record into the loader's collector
+            t0 = time.perf_counter()
+            try:
+                out = self._read_fn(chunk)
+            finally:
+                _ACTIVE.reset(token)
+            dt = time.perf_counter() - t0
+            col.add("read", items=len(chunk), bytes=nbytes(out), seconds=dt)
+        if len(out) != len(chunk):
+            raise LoaderError(
+                f"{self._name}.read_batch returned {len(out)} samples for {len(chunk)} indices; "
+                "it must return exactly one sample per index, in order"
+            )
+        return out
+
+    def _fill(self) -> None:
+        pool = self._pool
+        while pool is not None and not self._exhausted and len(self._pending) <= self._ahead:
+            try:
+                idx = next(self._indices)
+            except StopIteration:
+                self._exhausted = True
+                return
+            batch = list(idx) if self._auto else [idx]
+            step = max(1, math.ceil(len(batch) / self._threads))
+            chunks = [batch[i : i + step] for i in range(0, len(batch), step)] or [[]]
+            self._pending.append([pool.submit(self._task, c) for c in chunks])
+
+    def _wait(self, fut: Future[Sequence[Any]], started: float) -> Sequence[Any]:
+        warned_at = started
+        while True:
+            now = time.monotonic()
+            if self._timeout > 0:
+                left = started + self._timeout - now
+                if left <= 0:
+                    self.close()
+                    raise LoaderError(
+                        f"{self._name}.read_batch did not return within timeout="
+                        f"{self._timeout} s; the storage may be stalled. Raise timeout= "
+                        "or check the source's connectivity"
+                    )
+                slice_s = min(left, 1.0)
+            else:
+                slice_s = 1.0
+                if now - warned_at >= STALL_WARN_S:
+                    warned_at = now
+                    warnings.warn(
+                        f"{self._name}.read_batch has not returned for {now - started:.0f} s "
+                        "(still waiting; set timeout= on the DataLoader to fail instead)",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+            try:
+                return fut.result(timeout=slice_s)
+            except FutureTimeout:
+                continue
+
+    def __next__(self) -> Any:
+        self._fill()
+        if not self._pending:
+            self.close()
+            raise StopIteration
+        # `ahead` batches stay in flight while this one is finished and consumed.
+        futures = self._pending.popleft()
+        started = time.monotonic()
+        samples: list[Any] = []
+        for fut in futures:
+            samples.extend(self._wait(fut, started))
+        col = self._collector
+        t0 = time.perf_counter()
+        batch = self._collate(samples if self._auto else samples[0])
+        if col is not None:
+            col.add(
+                "collate",
+                items=len(samples),
+                bytes=nbytes(batch),
+                seconds=time.perf_counter() - t0,
+            )
+        if self._post is not None:
+            batch = self._post(batch)
+        return batch
+
+    def close(self) -> None:
+        """Cancel queued reads and let the pool's threads end (never blocks)."""
+        pool, self._pool = self._pool, None
+        for futures in self._pending:
+            for fut in futures:
+                fut.cancel()
+        self._pending.clear()
+        self._exhausted = True
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def __del__(self) -> None:
+        if getattr(self, "_pool", None) is not None:
+            self.close()

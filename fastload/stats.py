@@ -1,0 +1,405 @@
+"""Per-stage counters and timers, and the data-stall fraction.
+
+Every stage of the pipeline records what it did into a :class:`StatsCollector`:
+items, bytes and busy seconds per *stage*, plus plain event counters such as
+``cache_hit``. The :class:`~fastload.loader.DataLoader` owns one collector and
+makes it the *active* collector while its code, the dataset's ``__getitem__``
+and its ``read_batch`` calls run, so code deep inside a dataset or the cache
+reader records without holding a reference::
+
+    from fastload.stats import current_collector
+
+    col = current_collector()
+    col.add("cache_read", items=1, bytes=len(payload), seconds=dt)
+    col.count("cache_hit")
+    with col.timer("decode", items=1, bytes=len(raw)):
+        image = decode(raw)
+
+Outside any loader, :func:`current_collector` returns a process-wide default
+collector (:func:`default_collector`), so direct dataset use is counted too.
+
+Stage names are free-form; the canonical ones, in table order, are
+:data:`STAGES`. The loader itself records ``read`` (time producing samples:
+``__getitem__`` or ``read_batch``, which *contains* the sub-stages ``fetch``,
+``cache_read`` and ``decode`` that datasets record), ``collate``, ``stage``
+(host copy into a staging slot) and ``h2d``.
+
+Cost. ``add`` touches only the calling thread's own shard (a
+``threading.local``), so the hot path takes no lock; the shards are merged
+when :meth:`StatsCollector.snapshot` is called. The benchmark
+``benchmarks/loader/bench.py`` measures the overhead (stats on vs off).
+
+Limits. With ``num_workers > 0`` the worker processes record into their own
+process-wide collector, which the parent does not see; the parent still
+records ``consumer_wait``, the loop wall time and ``h2d``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+__all__ = [
+    "STAGES",
+    "LoaderStats",
+    "StageStats",
+    "StatsCollector",
+    "current_collector",
+    "default_collector",
+    "nbytes",
+    "use_collector",
+]
+
+#: Canonical stage names, in the order the table prints them. Other names are allowed
+#: and print after these, sorted.
+STAGES: tuple[str, ...] = ("fetch", "cache_read", "decode", "read", "collate", "stage", "h2d")
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """What one stage did.
+
+    Attributes:
+        items: Items (samples, batches or requests; the stage decides) processed.
+        bytes: Bytes produced or moved by the stage.
+        seconds: Busy seconds, summed over every thread that ran the stage, so it can
+            exceed wall time when the stage runs in parallel.
+    """
+
+    items: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def items_per_s(self) -> float:
+        """Items per busy second (per thread, not aggregate); 0.0 when nothing was timed."""
+        return self.items / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Bytes per busy second (per thread, not aggregate); 0.0 when nothing was timed."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+
+_ZERO = StageStats()
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """A snapshot of a loader's counters; ``str()`` renders it as a table.
+
+    Attributes:
+        stages: Stage name -> :class:`StageStats`.
+        counters: Event name -> count (``cache_hit``, ``cache_miss``, ``oversize_batch``...).
+        batches: Batches handed to the consumer.
+        wait_seconds: Seconds the consumer spent inside ``next()`` waiting for a batch.
+        wall_seconds: Seconds from the start of each epoch's iteration to the most recent
+            batch, summed over epochs: the training loop's wall time.
+    """
+
+    stages: Mapping[str, StageStats] = field(default_factory=dict)
+    counters: Mapping[str, int] = field(default_factory=dict)
+    batches: int = 0
+    wait_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+    def stage(self, name: str) -> StageStats:
+        """Return the stats of stage ``name`` (all zero if it never recorded)."""
+        return self.stages.get(name, _ZERO)
+
+    @property
+    def data_stall_fraction(self) -> float:
+        """Fraction of the loop's wall time the consumer waited for data (0.0 to 1.0)."""
+        if self.wall_seconds <= 0:
+            return 0.0
+        return min(1.0, self.wait_seconds / self.wall_seconds)
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """``cache_hit / (cache_hit + cache_miss)``, or None when neither was counted."""
+        hits = self.counters.get("cache_hit", 0)
+        total = hits + self.counters.get("cache_miss", 0)
+        return hits / total if total else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return plain data for JSON output."""
+        return {
+            "batches": self.batches,
+            "wait_seconds": self.wait_seconds,
+            "wall_seconds": self.wall_seconds,
+            "data_stall_fraction": self.data_stall_fraction,
+            "cache_hit_rate": self.cache_hit_rate,
+            "counters": dict(self.counters),
+            "stages": {
+                name: {
+                    "items": s.items,
+                    "bytes": s.bytes,
+                    "seconds": s.seconds,
+                    "items_per_s": s.items_per_s,
+                    "bytes_per_s": s.bytes_per_s,
+                }
+                for name, s in self.stages.items()
+            },
+        }
+
+    def __str__(self) -> str:
+        names = [n for n in STAGES if n in self.stages]
+        names += sorted(n for n in self.stages if n not in STAGES)
+        rows = [("stage", "items", "MB", "busy s", "items/s", "MB/s")]
+        for name in names:
+            s = self.stages[name]
+            rows.append(
+                (
+                    name,
+                    str(s.items),
+                    f"{s.bytes / 1e6:.1f}",
+                    f"{s.seconds:.3f}",
+                    f"{s.items_per_s:.0f}",
+                    f"{s.bytes_per_s / 1e6:.1f}",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+            )
+            for r in rows
+        ]
+        lines.append(
+            f"batches {self.batches}; consumer waited {self.wait_seconds:.3f} s of "
+            f"{self.wall_seconds:.3f} s loop wall time: data stall {self.data_stall_fraction:.1%}"
+        )
+        rate = self.cache_hit_rate
+        if rate is not None:
+            lines.append(f"cache hit rate {rate:.1%}")
+        for name in sorted(self.counters):
+            lines.append(f"{name}: {self.counters[name]}")
+        return "\n".join(lines)
+
+
+class _Shard:
+    """One thread's counters; only its owner thread writes to it."""
+
+    __slots__ = ("stages", "counters", "batches", "wait", "wall", "thread")
+
+    def __init__(self, thread: threading.Thread | None) -> None:
+        # stage -> [items, bytes, seconds]; a list so the hot path mutates in place.
+        self.stages: dict[str, list[Any]] = {}
+        self.counters: dict[str, int] = {}
+        self.batches = 0
+        self.wait = 0.0
+        self.wall = 0.0
+        self.thread = thread
+
+    def merge_into(self, other: _Shard) -> None:
+        for name, rec in self.stages.items():
+            dst = other.stages.setdefault(name, [0, 0, 0.0])
+            dst[0] += rec[0]
+            dst[1] += rec[1]
+            dst[2] += rec[2]
+        for name, n in self.counters.items():
+            other.counters[name] = other.counters.get(name, 0) + n
+        other.batches += self.batches
+        other.wait += self.wait
+        other.wall += self.wall
+
+
+class StatsCollector:
+    """Thread-safe, cheap per-stage counters (per-thread shards merged on read).
+
+    Args:
+        enabled: When False every recording method returns at once.
+
+    Example:
+        >>> col = StatsCollector()
+        >>> col.add("cache_read", items=2, bytes=4096, seconds=0.5)
+        >>> col.count("cache_hit", 2)
+        >>> s = col.snapshot()
+        >>> (s.stage("cache_read").bytes, s.counters["cache_hit"])
+        (4096, 2)
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._shards: list[_Shard] = []
+        # Shards of finished threads are folded in here so the list stays short
+        # when thread pools come and go each epoch.
+        self._retired = _Shard(None)
+
+    def _shard(self) -> _Shard:
+        try:
+            return self._local.shard  # type: ignore[no-any-return]
+        except AttributeError:
+            shard = _Shard(threading.current_thread())
+            with self._lock:  # taken once per thread, never on the hot path
+                self._shards.append(shard)
+            self._local.shard = shard
+            return shard
+
+    def add(self, stage: str, *, items: int = 0, bytes: int = 0, seconds: float = 0.0) -> None:
+        """Record work done by ``stage``.
+
+        Args:
+            stage: Stage name, e.g. ``"fetch"``, ``"cache_read"``, ``"decode"`` (see STAGES).
+            items: Items processed.
+            bytes: Bytes produced or moved.
+            seconds: Busy seconds spent (wall time of this thread).
+        """
+        if not self.enabled:
+            return
+        stages = self._shard().stages
+        rec = stages.get(stage)
+        if rec is None:
+            stages[stage] = [items, bytes, seconds]
+        else:
+            rec[0] += items
+            rec[1] += bytes
+            rec[2] += seconds
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the event counter ``name`` (``cache_hit``, ``cache_miss``...)."""
+        if not self.enabled:
+            return
+        counters = self._shard().counters
+        counters[name] = counters.get(name, 0) + n
+
+    @contextmanager
+    def timer(self, stage: str, *, items: int = 0, bytes: int = 0) -> Iterator[None]:
+        """Time the ``with`` body and record it as ``add(stage, items, bytes, seconds)``.
+
+        The record is made even when the body raises, so failed work still shows up.
+        """
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(stage, items=items, bytes=bytes, seconds=time.perf_counter() - t0)
+
+    def record_batches(self, batches: int, wait_seconds: float, wall_seconds: float) -> None:
+        """Record batches handed to the consumer (called by the loader only).
+
+        Args:
+            batches: Batches handed out since the previous call.
+            wait_seconds: Time the consumer spent inside ``next()`` for them.
+            wall_seconds: Loop wall time they covered (since the previous call, or the
+                start of the epoch's iteration).
+        """
+        if not self.enabled:
+            return
+        shard = self._shard()
+        shard.batches += batches
+        shard.wait += wait_seconds
+        shard.wall += wall_seconds
+
+    def snapshot(self) -> LoaderStats:
+        """Merge every thread's shard into an immutable :class:`LoaderStats`."""
+        total = _Shard(None)
+        with self._lock:
+            live = []
+            for shard in self._shards:
+                if shard.thread is not None and not shard.thread.is_alive():
+                    # A dead thread can no longer write: fold it in for good.
+                    shard.merge_into(self._retired)
+                else:
+                    live.append(shard)
+            self._shards = live
+            self._retired.merge_into(total)
+            for shard in live:
+                shard.merge_into(total)
+        stages = {n: StageStats(int(r[0]), int(r[1]), float(r[2])) for n, r in total.stages.items()}
+        return LoaderStats(
+            stages=MappingProxyType(stages),
+            counters=MappingProxyType(dict(total.counters)),
+            batches=total.batches,
+            wait_seconds=total.wait,
+            wall_seconds=total.wall,
+        )
+
+    def reset(self) -> None:
+        """Forget everything recorded so far."""
+        with self._lock:
+            # A fresh threading.local makes every thread open a new shard on its next
+            # record; an increment racing with the reset lands in an orphaned shard.
+            self._local = threading.local()
+            self._shards = []
+            self._retired = _Shard(None)
+
+
+def nbytes(obj: Any) -> int:
+    """Bytes held by the tensors, arrays, bytes and nested containers in ``obj``.
+
+    Other leaves count 0. Used to fill the ``bytes`` column cheaply (no copies); it
+    runs once per batch, so the common containers are walked without generators.
+    """
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        total = 0
+        for v in obj:
+            total += nbytes(v)
+        return total
+    if kind is dict:
+        total = 0
+        for v in obj.values():
+            total += nbytes(v)
+        return total
+    if kind is str or obj is None or kind is int or kind is float:
+        return 0
+    if kind is bytes or kind is bytearray:
+        return len(obj)
+    n = getattr(obj, "nbytes", None)  # torch.Tensor, numpy.ndarray, memoryview
+    if isinstance(n, int):
+        return n
+    if isinstance(obj, Mapping):
+        return sum(nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(v) for v in obj)
+    return 0
+
+
+_DEFAULT = StatsCollector()
+_ACTIVE: ContextVar[StatsCollector | None] = ContextVar("fastload_active_collector", default=None)
+
+
+def default_collector() -> StatsCollector:
+    """Return the process-wide collector used when no loader is active."""
+    return _DEFAULT
+
+
+def current_collector() -> StatsCollector:
+    """Return the active collector: the running loader's, else :func:`default_collector`.
+
+    Cheap enough to call per item (one ``ContextVar.get``).
+    """
+    col = _ACTIVE.get()
+    return col if col is not None else _DEFAULT
+
+
+@contextmanager
+def use_collector(collector: StatsCollector) -> Iterator[StatsCollector]:
+    """Make ``collector`` the active collector of this thread for the ``with`` body."""
+    token = _ACTIVE.set(collector)
+    try:
+        yield collector
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _reset_after_fork() -> None:
+    # A worker forked while another thread held the default collector's lock would
+    # deadlock on its first record; and the parent's counts are not the child's.
+    global _DEFAULT
+    _DEFAULT = StatsCollector()
+    _ACTIVE.set(None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)

@@ -1,0 +1,177 @@
+"""DevicePrefetcher and DataLoader(device='cuda') on a real GPU."""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from _loader_helpers import DictDS, TensorDS  # noqa: E402
+
+from fastload.loader import DataLoader  # noqa: E402
+from fastload.prefetch import DevicePrefetcher  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _host_allocs() -> int | None:
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        return None
+    value = stats().get("num_host_alloc")
+    return None if value is None else int(value)
+
+
+def _to_cpu(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        assert batch.is_cuda
+        return batch.cpu()
+    if isinstance(batch, dict):
+        return {k: _to_cpu(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_cpu(v) for v in batch)
+    return batch
+
+
+def test_slots_reused_no_new_pinned_allocations_after_warmup() -> None:
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=3)
+    assert pf.pinned
+    batches = [{"x": torch.randn(256, 1024), "y": torch.arange(256)} for _ in range(8)]
+    list(pf.iterate(batches[:4]))  # warm-up: slots allocated here
+    torch.cuda.synchronize()
+    allocs, host = pf.slot_allocations, _host_allocs()
+    assert allocs == 3
+    for _ in range(5):
+        out = list(pf.iterate(batches))
+    torch.cuda.synchronize()
+    assert pf.slot_allocations == allocs
+    if host is not None:
+        assert _host_allocs() == host, "a pinned allocation happened after warm-up"
+    assert all(torch.equal(o["x"].cpu(), b["x"]) for o, b in zip(out, batches))
+
+
+def test_copy_runs_on_one_side_stream_without_blocking_the_host() -> None:
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=2)
+    side = pf._backend.stream  # type: ignore[attr-defined]
+    assert side != torch.cuda.current_stream()
+    data = [torch.full((1 << 20,), float(i)) for i in range(4)]
+    list(pf.iterate(data[:1]))
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time queued on the side stream
+    t0 = time.perf_counter()
+    it = pf.iterate(data, lookahead=0)
+    first = next(it)
+    host_s = time.perf_counter() - t0
+    assert host_s < 0.05, f"next() blocked the host for {host_s:.3f} s"
+    assert not side.query()  # the copy is queued behind the sleep on the side stream
+    assert pf._backend.stream is side  # type: ignore[attr-defined]
+    assert float(first.sum()) == 0.0  # the consumer stream waited on the copy's event
+    assert [float(t[0]) for t in it] == [1.0, 2.0, 3.0]
+
+
+def _delayed(batches: list[torch.Tensor], seed: int) -> Iterator[torch.Tensor]:
+    rng = random.Random(seed)
+    for b in batches:
+        time.sleep(rng.random() * 0.004)
+        yield b
+
+
+@pytest.mark.parametrize("slots,lookahead", [(2, 0), (2, 1), (3, 2)])
+def test_correct_under_random_producer_delays(slots: int, lookahead: int) -> None:
+    gen = torch.Generator().manual_seed(slots + lookahead)
+    batches = [
+        torch.randn(int(torch.randint(1, 64, (1,), generator=gen)), 257, generator=gen)
+        for _ in range(40)
+    ]
+    w = torch.randn(257, 33, device="cuda")
+    expected = [(b.cuda() @ w).cpu() for b in batches]
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=slots)
+    got = []
+    for b in pf.iterate(_delayed(batches, seed=lookahead), lookahead=lookahead):
+        got.append(b @ w)  # consumed on the current stream right away
+        torch.cuda._sleep(int(random.random() * 2_000_000))  # a step of random length
+    assert all(torch.allclose(g.cpu(), e) for g, e in zip(got, expected))
+
+
+def test_batches_used_on_a_non_default_stream() -> None:
+    s = torch.cuda.Stream()
+    batches = [torch.full((4096,), float(i)) for i in range(10)]
+    with torch.cuda.stream(s):
+        pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda")
+        sums = [b.sum() for b in pf.iterate(batches)]
+    s.synchronize()
+    assert [float(x) for x in sums] == [4096.0 * i for i in range(10)]
+
+
+def test_overlap_hides_copy_time_behind_compute() -> None:
+    n, mb = 12, 64
+    batches = [torch.randn(mb * 1024 * 256) for _ in range(n)]  # 64 MB each
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def step(x: torch.Tensor) -> None:
+        for _ in range(60):
+            torch.mm(a, a)
+        x.add_(1)
+
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=3)
+    resident = batches[0].cuda()
+    for x in pf.iterate(batches[:3], lookahead=2):  # warm-up: slots, kernels, clocks
+        step(x)
+    torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    for _ in pf.iterate(batches, lookahead=2):
+        pass
+    torch.cuda.synchronize()
+    t_copy = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step(resident)
+    torch.cuda.synchronize()
+    t_compute = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    for x in pf.iterate(batches, lookahead=2):
+        step(x)
+    torch.cuda.synchronize()
+    t_both = time.perf_counter() - t0
+    print(f"copy {t_copy:.3f} s, compute {t_compute:.3f} s, overlapped {t_both:.3f} s")
+    assert t_both < 0.8 * (t_copy + t_compute), (t_copy, t_compute, t_both)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataloader_device_cuda_matches_cpu_loader(num_workers: int) -> None:
+    kw = dict(batch_size=5, shuffle=True, num_workers=num_workers)
+    expected = list(
+        torch.utils.data.DataLoader(DictDS(), generator=torch.Generator().manual_seed(1), **kw)
+    )
+    loader = DataLoader(DictDS(), generator=torch.Generator().manual_seed(1), device="cuda", **kw)
+    got = [_to_cpu(b) for b in loader]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert (
+            torch.equal(g["x"], e["x"]) and torch.equal(g["a"], e["a"]) and g["name"] == e["name"]
+        )
+    s = loader.stats()
+    assert s.stage("h2d").items >= len(got) - 2 and s.stage("h2d").seconds > 0
+
+
+def test_dataloader_read_batch_path_on_cuda() -> None:
+    class RB(TensorDS):
+        def read_batch(self, indices: list[int]) -> list[Any]:
+            return [self[i] for i in indices]
+
+    got = [
+        _to_cpu(b) for b in DataLoader(RB(40), batch_size=8, device="cuda", prefetch_to_device=3)
+    ]
+    expected = list(torch.utils.data.DataLoader(TensorDS(40), batch_size=8))
+    assert all(torch.equal(g[0], e[0]) and torch.equal(g[1], e[1]) for g, e in zip(got, expected))

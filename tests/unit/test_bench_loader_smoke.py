@@ -1,0 +1,41 @@
+"""The loader benchmark runs end to end at tiny sizes (so it cannot rot)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import io
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "loader" / "bench.py"
+
+
+def test_bench_main_tiny(tmp_path: Path, capsys: object) -> None:
+    spec = importlib.util.spec_from_file_location("loader_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.csv"
+    args = bench.parse_args(
+        [
+            "--samples", "64", "--min-batches", "2", "--batch-sizes", "1,8", "--repeats", "1",
+            "--read-samples", "16", "--read-latency-ms", "0.1", "--read-batch-size", "4",
+            "--read-threads", "2", "--device-batches", "2", "--device-batch-size", "2",
+            "--device-compute", "1", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert bench.main(args) == 0
+    text = out.read_text()
+    assert "# python:" in text and "# torch:" in text
+    rows = list(
+        csv.DictReader(
+            io.StringIO("".join(x for x in text.splitlines(True) if not x.startswith("#")))
+        )
+    )
+    cases = {(r["case"], r["variant"], r["batch_size"]) for r in rows}
+    assert ("overhead", "torch", "8") in cases and ("overhead", "fastload_stats_on", "1") in cases
+    assert ("stats", "on_vs_off", "8") in cases
+    assert any(c[0] == "read_batch" and c[1].startswith("fastload") for c in cases)
+    assert any(c[0] == "device" for c in cases)
+    assert all(float(r["seconds"]) > 0 for r in rows if r["variant"] != "skipped")
+    assert bench.main(bench.parse_args(["--cases", "nope"])) == 2

@@ -1,0 +1,227 @@
+"""StatsCollector, LoaderStats and the loader's own recording."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _loader_helpers import ReadBatchDS, TensorDS
+
+from fastload.loader import DataLoader
+from fastload.stats import (
+    LoaderStats,
+    StageStats,
+    StatsCollector,
+    current_collector,
+    default_collector,
+    nbytes,
+    use_collector,
+)
+
+
+def test_add_count_timer_snapshot() -> None:
+    col = StatsCollector()
+    col.add("fetch", items=2, bytes=100, seconds=0.5)
+    col.add("fetch", items=1, bytes=50, seconds=0.25)
+    col.count("cache_hit")
+    col.count("cache_hit", 2)
+    col.count("cache_miss")
+    with col.timer("decode", items=3, bytes=30):
+        time.sleep(0.01)
+    s = col.snapshot()
+    assert s.stage("fetch") == StageStats(3, 150, 0.75)
+    assert s.stage("fetch").items_per_s == pytest.approx(4.0)
+    assert s.stage("fetch").bytes_per_s == pytest.approx(200.0)
+    assert s.stage("decode").items == 3 and s.stage("decode").seconds >= 0.01
+    assert s.stage("absent") == StageStats()
+    assert dict(s.counters) == {"cache_hit": 3, "cache_miss": 1}
+    assert s.cache_hit_rate == pytest.approx(0.75)
+
+
+def test_timer_records_even_when_the_body_raises() -> None:
+    col = StatsCollector()
+    with pytest.raises(ZeroDivisionError), col.timer("decode", items=1):
+        1 / 0  # noqa: B018
+    assert col.snapshot().stage("decode").items == 1
+
+
+def test_disabled_collector_records_nothing() -> None:
+    col = StatsCollector(enabled=False)
+    col.add("fetch", items=1)
+    col.count("x")
+    col.record_batches(1, 1.0, 2.0)
+    assert col.snapshot() == LoaderStats()
+
+
+def test_concurrent_threads_lose_no_counts() -> None:
+    col = StatsCollector()
+    n_threads, n_adds = 8, 2000
+    barrier = threading.Barrier(n_threads)
+
+    def work() -> None:
+        barrier.wait()
+        for _ in range(n_adds):
+            col.add("cache_read", items=1, bytes=3, seconds=0.001)
+            col.count("cache_hit")
+
+    threads = [threading.Thread(target=work) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    mid = col.snapshot()  # reading while writers run must not raise
+    for t in threads:
+        t.join(10)
+    assert mid.stage("cache_read").items <= n_threads * n_adds
+    s = col.snapshot()
+    assert s.stage("cache_read").items == n_threads * n_adds
+    assert s.stage("cache_read").bytes == 3 * n_threads * n_adds
+    assert s.counters["cache_hit"] == n_threads * n_adds
+    assert len(col._shards) == 0  # dead threads were folded into one retired shard
+    assert col.snapshot().stage("cache_read").items == n_threads * n_adds  # and kept
+
+
+def test_reset_forgets_everything() -> None:
+    col = StatsCollector()
+    col.add("fetch", items=5)
+    col.record_batches(1, 0.1, 0.2)
+    col.reset()
+    assert col.snapshot() == LoaderStats()
+    col.add("fetch", items=1)
+    assert col.snapshot().stage("fetch").items == 1
+
+
+def test_stall_fraction_table_and_json() -> None:
+    col = StatsCollector()
+    col.add("cache_read", items=10, bytes=2_000_000, seconds=0.5)
+    col.add("my_stage", items=1, seconds=0.1)
+    col.count("cache_miss")
+    col.record_batches(1, 0.25, 1.0)
+    col.record_batches(1, 0.25, 1.0)
+    s = col.snapshot()
+    assert s.batches == 2
+    assert s.data_stall_fraction == pytest.approx(0.25)
+    text = str(s)
+    lines = text.splitlines()
+    assert lines[0].split() == ["stage", "items", "MB", "busy", "s", "items/s", "MB/s"]
+    assert lines[1].split()[:3] == ["cache_read", "10", "2.0"]
+    assert lines[2].split()[0] == "my_stage"  # non-canonical stages after canonical ones
+    assert "data stall 25.0%" in text and "cache hit rate 0.0%" in text
+    data = json.loads(json.dumps(s.as_dict()))
+    assert data["stages"]["cache_read"]["bytes_per_s"] == pytest.approx(4e6)
+    assert LoaderStats().data_stall_fraction == 0.0 and LoaderStats().cache_hit_rate is None
+
+
+def test_nbytes_counts_nested_buffers() -> None:
+    obj = {
+        "t": torch.zeros(4, dtype=torch.float32),
+        "a": np.zeros(3, dtype=np.int16),
+        "b": [b"xy", "str", 7],
+    }
+    assert nbytes(obj) == 16 + 6 + 2
+
+
+def test_active_collector_scoping() -> None:
+    assert current_collector() is default_collector()
+    mine = StatsCollector()
+    with use_collector(mine):
+        assert current_collector() is mine
+        seen: list[StatsCollector] = []
+        t = threading.Thread(target=lambda: seen.append(current_collector()))
+        t.start()
+        t.join()
+        assert seen == [default_collector()]  # not inherited by other threads
+    assert current_collector() is default_collector()
+
+
+class _RecordingDS(TensorDS):
+    """Records into whatever collector is active, as fastload datasets do."""
+
+    def __getitem__(self, i: int) -> Any:
+        current_collector().add("cache_read", items=1, bytes=12, seconds=0.0)
+        current_collector().count("cache_hit" if i % 2 else "cache_miss")
+        return super().__getitem__(i)
+
+
+class _RecordingReadBatch(ReadBatchDS):
+    def read_batch(self, indices: list[int]) -> list[Any]:
+        current_collector().add("fetch", items=len(indices), bytes=100 * len(indices))
+        return super().read_batch(indices)
+
+
+def test_loader_records_dataset_stages_and_its_own() -> None:
+    loader = DataLoader(_RecordingDS(10), batch_size=4)
+    assert len(list(loader)) == 3
+    s = loader.stats()
+    assert s.batches == 3
+    assert s.stage("cache_read").items == 10 and s.stage("cache_read").bytes == 120
+    assert s.counters["cache_hit"] == 5 and s.counters["cache_miss"] == 5
+    assert s.stage("read").items == 10 and s.stage("collate").items == 10
+    assert s.stage("collate").bytes == nbytes(next(iter(DataLoader(TensorDS(10), batch_size=10))))
+    assert 0 < s.wait_seconds <= s.wall_seconds
+    assert default_collector().snapshot().stage("cache_read").items == 0  # nothing leaked
+    loader.reset_stats()
+    assert loader.stats().batches == 0
+
+
+def test_read_batch_threads_record_into_the_loader() -> None:
+    loader = DataLoader(_RecordingReadBatch(12), batch_size=4, read_threads=3)
+    list(loader)
+    s = loader.stats()
+    assert s.stage("fetch").items == 12 and s.stage("fetch").bytes == 1200
+    assert s.stage("read").items == 12 and s.stage("collate").items == 12
+
+
+def test_device_stages_recorded() -> None:
+    loader = DataLoader(TensorDS(12), batch_size=3, device="cpu")
+    list(loader)
+    s = loader.stats()
+    assert s.stage("stage").items == 4
+    assert s.stage("h2d").items >= 2
+
+
+def test_stats_false_records_nothing() -> None:
+    loader = DataLoader(_RecordingDS(8), batch_size=4, stats=False)
+    list(loader)
+    assert loader.stats() == LoaderStats()
+    # the dataset's records then go to the process-wide collector
+    assert default_collector().snapshot().stage("cache_read").items >= 8
+    default_collector().reset()
+
+
+class _SlowDS(TensorDS):
+    def __getitem__(self, i: int) -> Any:
+        time.sleep(0.004)
+        return super().__getitem__(i)
+
+
+def test_data_stall_fraction_tells_slow_data_from_slow_step() -> None:
+    slow_data = DataLoader(_SlowDS(12), batch_size=4)
+    for _ in slow_data:
+        pass  # no compute: the loop only waits for data
+    fast_data = DataLoader(TensorDS(12), batch_size=4)
+    for _ in fast_data:
+        time.sleep(0.03)  # a long training step
+    assert slow_data.stats().data_stall_fraction > 0.8
+    assert fast_data.stats().data_stall_fraction < 0.3
+
+
+def _child_counts(q: Any) -> None:
+    q.put(dict(default_collector().snapshot().counters))
+
+
+def test_forked_child_starts_with_a_fresh_default_collector() -> None:
+    default_collector().count("parent_only")
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_counts, args=(q,))
+    p.start()
+    counts = q.get(timeout=20)
+    p.join(20)
+    assert counts == {}
+    assert default_collector().snapshot().counters["parent_only"] == 1
+    default_collector().reset()
