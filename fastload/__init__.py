@@ -31,17 +31,24 @@ from fastload.fs import FastloadFileSystem, open
 from fastload.reader import Reader
 from fastload.source import RemoteItem, Source
 from fastload.stage import StageReport, stage
+from fastload.stats import LoaderStats, StatsCollector, current_collector
 
 __version__ = "0.1.0"
 
 # name -> "module:attr"; imported lazily because these need torch.
 _LAZY = {
+    "ArrayDataset": "fastload.dataset:ArrayDataset",
     "DataLoader": "fastload.loader:DataLoader",
     "DevicePrefetcher": "fastload.prefetch:DevicePrefetcher",
-    "LoaderStats": "fastload.stats:LoaderStats",
+    "FileDataset": "fastload.dataset:FileDataset",
+    "ResumableSampler": "fastload.sampler:ResumableSampler",
+    "ShardedSampler": "fastload.sampler:ShardedSampler",
+    "TarDataset": "fastload.dataset:TarDataset",
+    "TokenDataset": "fastload.dataset:TokenDataset",
 }
 
 __all__ = [
+    "ArrayDataset",
     "Cache",
     "CacheError",
     "CacheFullError",
@@ -55,16 +62,23 @@ __all__ = [
     "DevicePrefetcher",
     "FastloadError",
     "FastloadFileSystem",
+    "FileDataset",
     "LoaderError",
     "LoaderStats",
     "Reader",
     "RemoteChangedError",
     "RemoteItem",
     "RemoteNotFoundError",
+    "ResumableSampler",
     "Settings",
+    "ShardedSampler",
     "Source",
     "SourceError",
     "StageReport",
+    "StatsCollector",
+    "TarDataset",
+    "TokenDataset",
+    "current_collector",
     "format_size",
     "open",
     "parse_size",

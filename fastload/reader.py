@@ -24,18 +24,16 @@ import builtins
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from fastload.cache import Cache, entry_key
 from fastload.config import Settings, format_size
 from fastload.errors import CacheFullError, CacheLimitError, ConfigError, RemoteChangedError
 from fastload.source import RemoteItem, Source
+from fastload.stats import current_collector
 
 _log = logging.getLogger("fastload")
 
-# A recorder receives (stage, items, bytes, seconds); the loader's stats plug in here.
-Recorder = Callable[[str, int, int, float], None]
 
 
 def manifest_key(root: str, pattern: str | None) -> str:
@@ -65,7 +63,6 @@ class Reader:
         self._lock = threading.Lock()
         self._inflight: dict[str, threading.Lock] = {}
         self._warned_limit = False
-        self.recorder: Recorder | None = None
         self.hits = 0
         self.misses = 0
 
@@ -165,7 +162,7 @@ class Reader:
         data = self.cache.get(key)
         if data is not None:
             self.hits += 1
-            self._record("cache_read", len(data), time.perf_counter() - t0)
+            self._record("cache_read", "cache_hit", len(data), time.perf_counter() - t0)
             return data
         # One fetch per block per process even when threads miss together.
         with self._lock:
@@ -199,7 +196,7 @@ class Reader:
                 "recorded size; the object changed since it was listed; fix: `fastload cache --refresh` or refresh=True"
             )
         self.misses += 1
-        self._record("fetch", len(data), time.perf_counter() - t0)
+        self._record("fetch", "cache_miss", len(data), time.perf_counter() - t0)
         if store:
             self.store_block(item, block, data)
         return data
@@ -228,9 +225,12 @@ class Reader:
                 "each epoch (raise --cache-limit / FASTLOAD_CACHE_LIMIT to cache it all)"
             )
 
-    def _record(self, stage: str, nbytes: int, seconds: float) -> None:
-        if self.recorder is not None:
-            self.recorder(stage, 1, nbytes, seconds)
+    @staticmethod
+    def _record(stage: str, counter: str, nbytes: int, seconds: float) -> None:
+        # Goes to the running loader's collector (fastload.stats), else the process default.
+        collector = current_collector()
+        collector.add(stage, items=1, bytes=nbytes, seconds=seconds)
+        collector.count(counter)
 
     # -- whole objects and ranges ---------------------------------------------
 
