@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import http.server
+import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -81,7 +83,10 @@ def main() -> int:
         head = f.read(4)
     print(f"fastload.open({items[0].url.rsplit('/', 1)[-1]!r}) -> JPEG magic {head[:3].hex()} (served from cache)")
     _loader_epoch(url, settings)
-    print(f"\ndemo files are in {work} (delete when done)")
+    if "--keep" in sys.argv:
+        print(f"\ndemo files kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
