@@ -140,6 +140,7 @@ class ArrayDataset(_CachedDataset):
             item = self.items[0]
             head = self.reader.read_range(item, 0, min(item.size, _NPY_HEADER_MAX))
             self.dtype, self.shape, fortran, self.offset = _parse_npy_header(head, item.url)
+            self.row_dtype: np.dtype = self.dtype
             if fortran or not self.shape:
                 raise DecodeError(f"{item.url}: need a C-ordered array with at least one dimension")
             self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
@@ -157,8 +158,7 @@ class ArrayDataset(_CachedDataset):
             item = self.items[0]
             start = self.offset + index * self.row_bytes
             raw = self.reader.read_range(item, start, start + self.row_bytes)
-            assert self.dtype is not None
-            arr = np.frombuffer(raw, dtype=self.dtype).reshape(self.shape[1:])
+            arr = np.frombuffer(raw, dtype=self.row_dtype).reshape(self.shape[1:])
         else:
             item = self.items[index]
             raw = self.reader.read(item)

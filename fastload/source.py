@@ -298,19 +298,21 @@ class Source:
         return self._call(once, url)
 
     def _call(self, fn: Callable[[], T], url: str) -> T:
-        settings, last = self.settings, None
-        for attempt in range(settings.retries):
+        settings = self.settings
+        attempt = 0
+        while True:
             try:
                 return fn()
             except Exception as err:
                 if not _is_transient(err):
                     raise self.translate(err, url) from err
                 last = err
-                if attempt + 1 < settings.retries:
-                    # Full jitter keeps many workers from retrying in lockstep.
-                    delay = min(settings.backoff_max_s, settings.backoff_s * 2**attempt)
-                    time.sleep(random.uniform(0, delay))
-        assert last is not None
+            attempt += 1
+            if attempt >= settings.retries:
+                break
+            # Full jitter keeps many workers from retrying in lockstep.
+            delay = min(settings.backoff_max_s, settings.backoff_s * 2 ** (attempt - 1))
+            time.sleep(random.uniform(0, delay))
         raise SourceError(
             f"{url}: failed after {settings.retries} attempts; last cause: "
             f"{self.scrub(f'{type(last).__name__}: {last}')}; fix: check the server, or raise "
