@@ -87,6 +87,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "pipelines":  # a subpackage: `fastload.pipelines.ImageClassification(...)`
+        package = importlib.import_module("fastload.pipelines")
+        globals()[name] = package
+        return package
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'fastload' has no attribute {name!r}")

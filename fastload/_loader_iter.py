@@ -103,7 +103,7 @@ class _LoaderIter(Iterator[Any]):
 
     __slots__ = (
         "_next", "_progress", "_collector", "_collate", "_fetch", "_length", "_keep",
-        "_mark", "_last", "_wait", "_batches", "__weakref__",
+        "_mark", "_last", "_wait", "_batches", "_report", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -115,6 +115,7 @@ class _LoaderIter(Iterator[Any]):
         fetch: _TimedNext | None,
         length: Callable[[], int],
         keep: Any,
+        report: Callable[[], None] | None = None,
     ) -> None:
         self._next = nxt
         self._progress = progress
@@ -126,6 +127,7 @@ class _LoaderIter(Iterator[Any]):
         self._mark = self._last = time.perf_counter()
         self._wait = 0.0
         self._batches = 0
+        self._report = report  # live stats (log_every / summary_writer), called per batch
 
     def __iter__(self) -> _LoaderIter:
         return self
@@ -159,6 +161,8 @@ class _LoaderIter(Iterator[Any]):
         n = self._batches = self._batches + 1
         if n >= FLUSH_EVERY:
             self.flush()
+        if self._report is not None:
+            self._report()
         return batch
 
     def flush(self) -> None:

@@ -1,4 +1,4 @@
-"""The ``fastload`` command line: ``cache``, ``info``/``ls``, ``clear``, ``evict``.
+"""The ``fastload`` command line: ``cache``, ``info``/``ls``, ``clear``, ``evict``, ``diagnose``, ``bench``.
 
 Exit codes: 0 success, 1 failure (a :class:`FastloadError`, or bad entries that
 could not be repaired), 2 usage error (argparse). ``--json`` prints one JSON
@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     evict = sub.add_parser("evict", parents=[common], help="evict least-recently-used entries")
     evict.add_argument("--to", type=_size_arg, required=True, dest="to_bytes", help="target size, e.g. 10GB")
+
+    from fastload.diagnose.cli import add_parsers  # argparse only; the probes load on use
+
+    add_parsers(sub, common, size_arg=_size_arg, json_arg=_json_arg)
     return parser
 
 
@@ -198,7 +202,20 @@ def cmd_evict(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"cache": cmd_cache, "info": cmd_info, "ls": cmd_info, "clear": cmd_clear, "evict": cmd_evict}
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from fastload.diagnose.cli import diagnose_command
+
+    return diagnose_command(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from fastload.diagnose.cli import bench_command
+
+    return bench_command(args)
+
+
+COMMANDS = {"cache": cmd_cache, "info": cmd_info, "ls": cmd_info, "clear": cmd_clear, "evict": cmd_evict,
+            "diagnose": cmd_diagnose, "bench": cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -89,6 +89,12 @@ class DataLoader(tud.DataLoader[T_co]):
             in to background reads: ``__getitem__`` (or ``__getitems__``) then runs on
             ``read_threads`` threads and must be thread-safe and draw no global RNG.
         max_slot_bytes: Cap on one device staging slot (see DevicePrefetcher).
+        log_every: Every ``log_every`` batches, log the interval's :meth:`stats` (batches/s,
+            data stall, cache hits, slowest stage) at INFO on the ``fastload.live`` logger.
+        summary_writer: Anything with ``add_scalar(tag, value, step)`` (e.g. a TensorBoard
+            ``SummaryWriter``): the same interval stats as ``fastload/...`` scalars, every
+            ``log_every`` batches (100 when ``log_every`` is None). See
+            :mod:`fastload.diagnose.live`.
 
     The ``read_batch`` hook. A map-style dataset may define
     ``read_batch(self, indices: list[int]) -> list`` returning the samples for
@@ -147,6 +153,8 @@ class DataLoader(tud.DataLoader[T_co]):
         read_threads: int | None = None,
         read_ahead: int | None = None,
         max_slot_bytes: int | None = 2 * 1024**3,
+        log_every: int | None = None,
+        summary_writer: Any = None,
     ) -> None:
         if prefetch_to_device < 1:
             raise ConfigError(f"prefetch_to_device={prefetch_to_device} must be >= 1")
@@ -154,6 +162,10 @@ class DataLoader(tud.DataLoader[T_co]):
             raise ConfigError(f"read_threads={read_threads} must be >= 0 (0 disables read_batch)")
         if read_ahead is not None and read_ahead < 0:
             raise ConfigError(f"read_ahead={read_ahead} must be >= 0")
+        if log_every is not None and log_every < 1:
+            raise ConfigError(f"log_every={log_every} must be >= 1 (or None to not log)")
+        if not stats and (log_every is not None or summary_writer is not None):
+            raise ConfigError("log_every= and summary_writer= report the stats; they need stats=True")
         if device is not None:
             dev = torch.device(device)
             if dev.type == "cuda" and not torch.cuda.is_available():
@@ -234,6 +246,15 @@ class DataLoader(tud.DataLoader[T_co]):
         self._fl_pending_start: list[torch.Tensor] | None = None
         self._fl_live: weakref.ref[_LoaderIter] | None = None
         self._fl_epoch = 0
+        self.log_every = log_every
+        self.summary_writer = summary_writer
+        self._fl_live_stats = None
+        if log_every is not None or summary_writer is not None:
+            from fastload.diagnose.live import DEFAULT_WRITE_EVERY, LiveStats
+
+            self._fl_live_stats = LiveStats(
+                self.stats, log_every or DEFAULT_WRITE_EVERY, log=log_every is not None, writer=summary_writer
+            )
 
     # -- index order --------------------------------------------------------------------
 
@@ -372,7 +393,9 @@ class DataLoader(tud.DataLoader[T_co]):
             nxt = self._fl_prefetcher.iterate(feed, lookahead=lookahead).__next__
         progress = _Progress(start, gen_start)
         self._fl_progress = progress
-        it = _LoaderIter(nxt, progress, collector, timed, fetch, lambda: len(self), source)
+        it = _LoaderIter(
+            nxt, progress, collector, timed, fetch, lambda: len(self), source, self._fl_live_stats
+        )
         self._fl_live = weakref.ref(it)
         return it
 

@@ -1,0 +1,126 @@
+"""Live stats: ``DataLoader(log_every=N, summary_writer=w)``.
+
+Every N batches the loader's :meth:`~fastload.loader.DataLoader.stats` is
+snapshotted and the *interval* since the previous report (not the running
+total, which hides a recent stall) is
+
+* logged through :mod:`logging` (logger ``fastload.live``): one INFO line with
+  batches/s, the data-stall fraction, the cache hit rate and the slowest stage,
+  and the full stats table at DEBUG;
+* written as scalars to ``summary_writer`` when one is given: anything with
+  ``add_scalar(tag, value, step)``, e.g. ``torch.utils.tensorboard.SummaryWriter``
+  (fastload does not depend on tensorboard).
+
+Scalars (``step`` is the number of batches the loader has handed out, over all
+epochs): ``fastload/batches_per_s``, ``fastload/data_stall``,
+``fastload/cache_hit_rate`` (when the interval read through the cache), and per
+stage ``fastload/<stage>/items_per_s`` and ``fastload/<stage>/MBps`` (per busy
+second, as in the stats table).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from fastload.stats import STAGES, LoaderStats
+
+__all__ = ["DEFAULT_WRITE_EVERY", "LiveStats", "interval"]
+
+_log = logging.getLogger("fastload.live")
+#: Batches between writes to a summary writer when ``log_every`` is not given.
+DEFAULT_WRITE_EVERY = 100
+
+
+def interval(now: LoaderStats, before: LoaderStats | None) -> dict[str, Any]:
+    """What happened between two snapshots of one loader, as plain numbers."""
+    b = before or LoaderStats()
+    batches = now.batches - b.batches
+    wall = now.wall_seconds - b.wall_seconds
+    wait = now.wait_seconds - b.wait_seconds
+    hits = now.counters.get("cache_hit", 0) - b.counters.get("cache_hit", 0)
+    misses = now.counters.get("cache_miss", 0) - b.counters.get("cache_miss", 0)
+    stages = {}
+    for name, s in now.stages.items():
+        old = b.stage(name)
+        items, nbytes, secs = s.items - old.items, s.bytes - old.bytes, s.seconds - old.seconds
+        if items or secs:
+            stages[name] = {
+                "items": items,
+                "items_per_s": items / secs if secs > 0 else 0.0,
+                "MBps": nbytes / secs / 1e6 if secs > 0 else 0.0,
+            }
+    return {
+        "batches": batches,
+        "batches_per_s": batches / wall if wall > 0 else 0.0,
+        "data_stall": min(1.0, wait / wall) if wall > 0 else 0.0,
+        "cache_hit_rate": hits / (hits + misses) if hits + misses else None,
+        "stages": stages,
+    }
+
+
+def _slowest(stages: dict[str, dict[str, Any]]) -> str | None:
+    timed = {n: s for n, s in stages.items() if s["items_per_s"] > 0 and n in STAGES and n != "read"}
+    return min(timed, key=lambda n: timed[n]["items_per_s"]) if timed else None
+
+
+class LiveStats:
+    """Called by the loader's iterator after each batch; reports every ``every`` batches.
+
+    Args:
+        stats: Returns the loader's current :class:`LoaderStats` (a bound method is
+            held weakly, so the reporter does not keep its loader alive).
+        every: Batches between reports.
+        log: Write an INFO line per report.
+        writer: ``add_scalar(tag, value, step)`` target, or None.
+    """
+
+    def __init__(self, stats: Callable[[], LoaderStats], every: int, *, log: bool, writer: Any = None) -> None:
+        if every < 1:
+            raise ValueError(f"report interval {every} must be >= 1")
+        if writer is not None and not callable(getattr(writer, "add_scalar", None)):
+            raise TypeError(f"summary_writer {writer!r} has no add_scalar(tag, value, step) method")
+        self._stats: Callable[[], Callable[[], LoaderStats] | None]
+        if hasattr(stats, "__self__"):
+            self._stats = weakref.WeakMethod(stats)  # type: ignore[arg-type]
+        else:
+            self._stats = lambda: stats
+        self.every = every
+        self.log = log
+        self.writer = writer
+        self.step = 0
+        self._last: LoaderStats | None = None
+
+    def __call__(self) -> None:
+        self.step += 1
+        if self.step % self.every == 0:
+            self.report()
+
+    def report(self) -> dict[str, Any] | None:
+        """Snapshot now, log and write the interval since the last report; returns it."""
+        fn = self._stats()
+        if fn is None:
+            return None
+        now = fn()
+        iv = interval(now, self._last)
+        self._last = now
+        if self.log:
+            slow = _slowest(iv["stages"])
+            slow_text = f", slowest stage {slow} {iv['stages'][slow]['items_per_s']:.0f} items/s" if slow else ""
+            hit = iv["cache_hit_rate"]
+            hit_text = "" if hit is None else f", cache hits {hit:.0%}"
+            _log.info("fastload: batch %d: %.1f batches/s, data stall %.1f%%%s%s", self.step, iv["batches_per_s"],
+                      100 * iv["data_stall"], hit_text, slow_text)
+            _log.debug("fastload: stats at batch %d (totals)\n%s", self.step, now)
+        if self.writer is not None:
+            add = self.writer.add_scalar
+            add("fastload/batches_per_s", iv["batches_per_s"], self.step)
+            add("fastload/data_stall", iv["data_stall"], self.step)
+            if iv["cache_hit_rate"] is not None:
+                add("fastload/cache_hit_rate", iv["cache_hit_rate"], self.step)
+            for name, s in iv["stages"].items():
+                add(f"fastload/{name}/items_per_s", s["items_per_s"], self.step)
+                add(f"fastload/{name}/MBps", s["MBps"], self.step)
+        return iv

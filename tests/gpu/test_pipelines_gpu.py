@@ -1,0 +1,100 @@
+"""GPU paths of fastload.pipelines: DALI mixed decode, nvCOMP inflate, torchvision nvJPEG.
+
+Each is checked against the CPU path that tests/unit/test_pipelines.py pins, on
+the same real photos. Skipped (with the reason) without CUDA, and per test without
+DALI or an importable torchvision.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fastload import codec
+from fastload.config import Settings
+from fastload.pipelines import (
+    ArrayPipeline,
+    CompressedArrayDataset,
+    ImageClassification,
+    _registry,
+    available,
+)
+from fastload.samples import make_image_folder, make_uint8_arrays
+
+pytestmark = pytest.mark.gpu
+needs_dali = pytest.mark.skipif(not available("dali"), reason="nvidia-dali not installed")
+needs_torchvision = pytest.mark.skipif(not available("torchvision.io"), reason="torchvision does not import here")
+STD255 = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
+# nvJPEG's IDCT and colour conversion are not libjpeg-turbo's: allow a few levels, not more.
+GPU_MAX_LEVELS = 8.0
+GPU_MEAN_LEVELS = 1.0
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("photos")
+    paths = make_image_folder(root, n=16, classes=4)
+    return [{"data": p.read_bytes(), "label": i % 4, "url": str(p)} for i, p in enumerate(paths)]
+
+
+def _levels(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.float().cpu() - b.float().cpu()).abs() * STD255
+
+
+def _check_close(gpu: dict[str, Any], cpu: dict[str, Any]) -> None:
+    assert gpu["image"].device.type == "cuda" and gpu["label"].device.type == "cuda"
+    diff = _levels(gpu["image"], cpu["image"])
+    assert diff.max().item() <= GPU_MAX_LEVELS and diff.mean().item() <= GPU_MEAN_LEVELS
+    assert torch.equal(gpu["label"].cpu(), cpu["label"])
+
+
+@needs_dali
+def test_dali_mixed_decode_matches_cpu(samples: list[dict[str, Any]]) -> None:
+    gpu = ImageClassification(train=False, device="cuda", backend="dali")(samples)
+    cpu = ImageClassification(train=False, device="cpu", backend="dali")(samples)
+    _check_close(gpu, cpu)
+    train = ImageClassification(train=True, device="cuda", backend="dali", seed=1, dtype="float16")
+    out = train(samples)["image"]
+    assert out.shape == (16, 3, 224, 224) and out.dtype == torch.float16 and out.is_cuda
+    bad = [dict(s) for s in samples[:3]]
+    bad[1]["data"] = bad[1]["data"][:1000]
+    skipped = ImageClassification(train=False, device="cuda", backend="dali", on_error="skip")(bad)
+    assert skipped["image"].shape[0] == 2 and skipped["url"] == [bad[0]["url"], bad[2]["url"]]
+
+
+@needs_dali
+def test_dali_inflate_round_trip_bit_exact(tmp_path: Path) -> None:
+    make_uint8_arrays(tmp_path / "arrs", n=12, shape=(224, 224, 3))
+    ds = CompressedArrayDataset(str(tmp_path / "arrs"), settings=Settings(cache_dir=tmp_path / "c", chunk_bytes=32768))
+    samples = [ds[i] for i in range(len(ds))]
+    assert sum(codec.parse_header(s["payload"].data).codec == codec.LZ4 for s in samples) >= 8
+    pipe = ArrayPipeline(device="cuda", backend="dali")
+    out = pipe(samples)
+    want = np.stack([np.load(tmp_path / "arrs" / f"{i + 1:05d}.npy") for i in range(12)])
+    assert out["data"].is_cuda and np.array_equal(out["data"].cpu().numpy(), want)
+    half = ArrayPipeline(device="cuda", backend="dali", dtype="float16")(samples)["data"]
+    assert torch.equal(half.cpu(), torch.from_numpy(want).half())
+
+
+@needs_torchvision
+def test_torchvision_gpu_decode_matches_cpu(samples: list[dict[str, Any]]) -> None:
+    pipe = ImageClassification(train=False, device="cuda", backend="torch")
+    assert pipe(samples[:1]) and pipe._torch is not None and pipe._torch.gpu_decode
+    _check_close(pipe(samples), ImageClassification(train=False, device="cpu", backend="torch")(samples))
+
+
+def test_torch_backend_cuda_without_torchvision(samples: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pillow on CPU threads, the uint8 crop crosses the link, normalize on the GPU.
+    monkeypatch.setattr(_registry, "_failed", {"torchvision.io": "hidden by the test"})
+    monkeypatch.setattr(_registry, "_loaded", {k: v for k, v in _registry._loaded.items() if k != "torchvision.io"})
+    gpu = ImageClassification(train=False, device="cuda", backend="torch")(samples)
+    cpu = ImageClassification(train=False, device="cpu", backend="torch")(samples)
+    assert gpu["image"].is_cuda
+    assert _levels(gpu["image"], cpu["image"]).max().item() <= 1e-3  # same CPU decode and resize
+    arrays = [{"data": np.full((4, 4), i, np.uint8)} for i in range(3)]
+    out = ArrayPipeline(device="cuda", backend="torch", dtype="float32")(arrays)["data"]
+    assert out.is_cuda and out[:, 0, 0].tolist() == [0.0, 1.0, 2.0]

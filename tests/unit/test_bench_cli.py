@@ -1,0 +1,106 @@
+"""``fastload bench``: the real DataLoader over sample JPEGs, cold then warm, small."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fastload.cli import main
+from fastload.diagnose import _util
+from fastload.stats import default_collector
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from fastload.samples import make_image_folder
+
+    root = tmp_path_factory.mktemp("bench") / "train"
+    make_image_folder(root, n=N)
+    return root
+
+
+def _bench(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, Any]:
+    assert main(["bench", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_sample_runs_cold_then_warm(capsys):
+    r = _bench(capsys, ["--sample", "--sample-images", str(N), "--batch-size", "4", "--epochs", "2"])
+
+    assert r["fastload_bench"] == 1 and r["items"] == N
+    assert r["dataset"].startswith(f"{N} built-in sample JPEGs")
+    assert r["decode"] == "cpu, Pillow, to uint8 3x224x224"
+    cold, warm = r["runs"]
+    assert (cold["epoch"], cold["regime"], cold["cache_hit_rate"]) == (1, "cold", 0.0)
+    assert (warm["epoch"], warm["regime"], warm["cache_hit_rate"]) == (2, "warm", 1.0)
+    for run in (cold, warm):
+        assert run["loader"] == "fastload"
+        assert run["batches"] == N // 4 and run["samples"] == N
+        assert run["samples_per_s"] > 0
+        assert 0.0 <= run["data_stall_fraction"] <= 1.0
+        assert run["peak_rss_bytes"] > 50e6
+        assert len(run["wait_ms_per_batch"]) == N // 4
+        assert run["stages"]["decode"]["items"] == N
+        assert run["stages"]["decode"]["bytes"] == N * 3 * 224 * 224
+        assert run["loader_stats"]["batches"] == N // 4
+        assert run["limit"] in run["stages"]
+    # Cold epoch fetched every file; the warm one read them all from the cache.
+    assert cold["stages"]["fetch"]["items"] == N and "cache_read" not in cold["stages"]
+    assert warm["stages"]["cache_read"]["items"] == N and "fetch" not in warm["stages"]
+    assert cold["loader_stats"]["counters"] == {"cache_miss": N}
+    assert r["ru_maxrss_bytes"] >= cold["peak_rss_bytes"]
+
+
+def test_bench_compare_batches_and_step(capsys, folder):
+    leaked_before = default_collector().snapshot().stage("fetch").items
+    r = _bench(capsys, [str(folder), "--batch-size", "4", "--epochs", "2", "--batches", "2", "--compare",
+                        "--step-ms", "2"])
+
+    runs = {(x["loader"], x["epoch"]): x for x in r["runs"]}
+    assert set(runs) == {("fastload", 1), ("fastload", 2), ("torch", 1), ("torch", 2)}
+    for run in r["runs"]:
+        assert run["batches"] == 2 and run["samples"] == 8
+        assert run["consumer_per_s"] == pytest.approx(4 * 1000 / 2)
+    # --batches 2 with no shuffle: epoch 2 reads exactly what epoch 1 cached.
+    assert runs[("fastload", 2)]["cache_hit_rate"] == 1.0
+    assert runs[("fastload", 1)]["vs_torch"] == pytest.approx(
+        runs[("fastload", 1)]["samples_per_s"] / runs[("torch", 1)]["samples_per_s"])
+    # torch reads in the calling thread; its dataset's stages are recorded, not leaked.
+    assert runs[("torch", 1)]["stages"]["fetch"]["items"] == 8 and runs[("torch", 1)]["cache_hit_rate"] == 0.0
+    assert runs[("torch", 2)]["stages"]["cache_read"]["items"] == 8 and runs[("torch", 2)]["cache_hit_rate"] == 1.0
+    assert runs[("torch", 2)]["stages"]["decode"]["threads"] == 1
+    assert default_collector().snapshot().stage("fetch").items == leaked_before
+    assert r["url"] == str(folder)
+
+
+def test_bench_without_decode_moves_raw_bytes(capsys, folder):
+    r = _bench(capsys, [str(folder), "--batch-size", "6", "--epochs", "1", "--decode", "none"])
+
+    (run,) = r["runs"]
+    assert r["decode"] == "none (raw bytes)"
+    assert "decode" not in run["stages"] and run["samples"] == N
+    assert run["stages"]["fetch"]["bytes"] == sum(p.stat().st_size for p in folder.rglob("*.jpg"))
+
+
+def test_bench_human_output_and_plot(capsys, tmp_path, folder):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    assert main(["bench", str(folder), "--batch-size", "4", "--epochs", "2", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "fastload epoch 1 (cold): loader.stats()" in out and "fastload epoch 2 (warm)" in out
+    assert "slowest stage:" in out and f"plot: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_usage_errors(capsys, monkeypatch, tmp_path):
+    assert main(["bench"]) == 2
+    assert "give DATASET_OR_URL or --sample" in capsys.readouterr().err
+    assert main(["bench", "--sample", "--epochs", "0"]) == 2
+    monkeypatch.setitem(_util.OPTIONAL, "matplotlib", ("fastload_no_such_module", "pip install 'fastload[diag]'"))
+    assert main(["bench", "--sample", "--plot", str(tmp_path / "x.png")]) == 1
+    assert "pip install 'fastload[diag]'" in capsys.readouterr().err
