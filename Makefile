@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-all demo bench lint clean
+.PHONY: test test-all reliability-doc demo bench lint clean
 
 $(STAMP): pyproject.toml
 	@if [ ! -x $(BIN)/python ]; then \
@@ -30,8 +30,18 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# test-all also runs the `slow` tests: among them the reliability suite's full
+# counts (20 SIGKILLs of `fastload cache`, 30 soak epochs, 3000 fuzz examples...;
+# tests/reliability/faults.py lists them). `make test` runs the short version.
 test-all: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Runs tests/reliability (short and full counts), records what each fault trial
+# measured, and re-renders the table in docs/reliability.md from that record.
+reliability-doc: $(STAMP)
+	rm -f docs/reliability-results.json
+	FASTLOAD_RELIABILITY_RESULTS=docs/reliability-results.json $(BIN)/python -m pytest tests/reliability $(PYTEST_ARGS)
+	$(BIN)/python tests/reliability/render_doc.py
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

@@ -14,19 +14,30 @@ Contracts (DESIGN.md, "Contracts that matter"):
   wins; a loser deletes its own file). A reader therefore never finds a
   half-written file through the index, and a crash leaves at most an orphan
   file, which :meth:`Cache.check` deletes.
-* **Checked reads.** Every read checks the stored size, the header and the
-  xxh3 checksum. A bad or missing payload is dropped, counted (``corrupt``) and
-  reported as a miss, so the caller refetches it.
+* **Checked reads.** Every read checks the stored size and an xxh3 checksum of
+  the stored bytes (header included), then the header against the index. A bad
+  or missing payload is dropped, counted (``corrupt`` in the index and
+  ``cache_corrupt`` in the loader's stats) and reported as a miss, so the
+  caller refetches it.
 * **Identity.** Keys are hashes of (URL, size, version, block); file names are
   hashes too, so a remote name like ``../../x`` never reaches a path.
-* **Bounded.** A byte counter is reserved atomically before each write. When a
-  write would pass the limit, one process at a time (under ``evict.lock``) scans
-  the index and deletes least-recently-used entries down to 90% of the limit.
-  The scan costs O(entries) but runs once per ~10% of the limit written, so
-  the amortised cost per write is small; a read costs one index lookup, plus
-  one small index write at most every ``ATIME_RESOLUTION_S`` per entry (LRU
-  resolution). Concurrent writers can overshoot the limit by at most one entry
-  each until the next eviction.
+* **Bounded.** A byte counter is reserved atomically before each write, with a
+  reservation record (``r:<pid>:<nonce>``) that the publishing transaction
+  turns into the entry's bytes, or that a failed write gives back. The counter
+  therefore always covers published entries plus writes in flight, and never
+  passes the limit; payload bytes on disk exceed it by at most the one entry
+  an evictor has dropped but not yet unlinked (tests/reliability/
+  test_concurrency.py: 4 processes x 2 workers). When a write would pass the
+  limit, one process at a time (under ``evict.lock``) scans the index and
+  deletes least-recently-used entries down to 90% of the limit. The scan costs
+  O(entries) but runs once per ~10% of the limit written, so the amortised
+  cost per write is small; a read costs one index lookup, plus one small index
+  write at most every ``ATIME_RESOLUTION_S`` per entry (LRU resolution). A
+  writer that dies leaves its reservation behind; the next eviction returns
+  the reservations of dead processes.
+* **Full disk.** ENOSPC while writing a payload, or SQLite's "database or disk
+  is full" while indexing it, is a :class:`CacheFullError` (the reader then
+  streams); the half-written file is removed and nothing is published.
 """
 
 from __future__ import annotations
@@ -36,18 +47,22 @@ import fcntl
 import hashlib
 import logging
 import os
+import sqlite3
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import diskcache
 
-from fastload import codec
+from fastload import codec, gather
 from fastload.config import Settings, format_size
 from fastload.errors import CacheError, CacheFullError, CacheLimitError, CodecError
+from fastload.stats import current_collector
 
 _log = logging.getLogger("fastload")
 
@@ -55,6 +70,10 @@ ATIME_RESOLUTION_S = 10.0
 LOW_WATERMARK = 0.9
 _BYTES = "bytes"
 _CORRUPT = "corrupt"
+_RESERVED = "r:"
+# Reservations this process holds for writes in flight; any other reservation
+# under our PID was left behind by a failed release (a full disk) and is stale.
+_IN_FLIGHT: set[str] = set()
 
 
 def entry_key(url: str, size: int, version: str, block: int, block_bytes: int) -> str:
@@ -76,6 +95,8 @@ class Entry:
         checksum: xxh3_64 of the raw bytes.
         url: The remote URL (for listings and messages; never a path).
         block: Block index within the remote object.
+        stored_checksum: xxh3_64 of the whole stored payload; None for entries
+            written before it was recorded (they are checked as before).
     """
 
     key: str
@@ -86,6 +107,10 @@ class Entry:
     checksum: int
     url: str
     block: int
+    # The raw checksum alone missed flips that leave the decoded bytes intact: the
+    # header's reserved and chunk-size fields, and LZ4 match offsets that point at
+    # equal bytes (tests/reliability/test_bit_rot.py flips every byte).
+    stored_checksum: int | None = None
 
 
 class Cache:
@@ -104,9 +129,11 @@ class Cache:
             for folder in (self.root, self.data_dir, self.tmp_dir):
                 folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(self.root, 0o700)  # mkdir's mode is filtered by the umask
-            self.index = diskcache.Cache(str(self.root / "index"), eviction_policy="none", size_limit=2**62, timeout=60)
-        except OSError as err:
-            raise CacheError(f"cache dir {self.root} cannot be created or opened ({err}); fix: set FASTLOAD_CACHE_DIR to a writable folder") from err
+            self._diskcache = diskcache.Cache(str(self.root / "index"), eviction_policy="none", size_limit=2**62, timeout=60)
+            self.index = _GatedIndex(self._diskcache)
+        except (OSError, sqlite3.Error) as err:
+            error = CacheFullError if _disk_full(err) else CacheError
+            raise error(f"cache dir {self.root} cannot be created or opened ({err}); fix: free space there, or set FASTLOAD_CACHE_DIR to a writable folder") from err
         self._lock_path = self.root / "evict.lock"
         self._touched: dict[str, float] = {}
         self.corrupt_seen = 0
@@ -143,15 +170,66 @@ class Cache:
         try:
             if len(payload) != entry.stored:
                 raise CodecError(f"payload is {len(payload)} B, index says {entry.stored} B")
+            intact = entry.stored_checksum is not None
+            if intact and codec.checksum(payload) != entry.stored_checksum:
+                raise CodecError("stored checksum mismatch: the payload file changed on disk")
             info = codec.parse_header(payload)
-            if info.checksum != entry.checksum or info.raw_size != entry.raw:
+            if info.checksum != entry.checksum or info.raw_size != entry.raw or info.codec != entry.codec:
                 raise CodecError("payload header disagrees with the index")
-            raw = codec.decode(payload, info=info)
+            # Bytes identical to those written decode to what was encoded, so the
+            # second hash (of the larger raw bytes) is only needed for old entries.
+            raw = codec.decode(payload, verify=not intact, info=info)
         except CodecError as err:
             self._corrupt(entry, str(err))
             return None
         self._touch(key)
         return raw
+
+    def read_into(self, requests: Sequence[tuple[str, Sequence[tuple[int, int, int]]]], out: Any) -> list[int]:
+        """Copy byte ranges of many entries' raw bytes into ``out``, as one batch.
+
+        Each entry is checked exactly as :meth:`get` checks it, by
+        :func:`fastload.gather.gather` (C with the GIL released, or its
+        pure-Python fallback), and read once however many ranges it serves.
+
+        Args:
+            requests: ``(key, copies)`` pairs; a copy ``(src, length, dst)`` puts
+                ``raw[src:src+length]`` at byte ``dst`` of ``out``.
+            out: A writable, C-contiguous buffer (numpy array, bytearray, or the
+                numpy view of a pinned tensor).
+
+        Returns:
+            The positions in ``requests`` that missed: not cached, or bad and
+            dropped (counted, as in :meth:`get`). The caller fetches those.
+        """
+        missed: list[int] = []
+        where: list[int] = []
+        jobs: list[gather.Job] = []
+        entries = [self.entry(key) for key, _ in requests]
+        for i, ((_, copies), e) in enumerate(zip(requests, entries)):
+            if e is None:
+                missed.append(i)
+            elif any(src + n > e.raw for src, n, _ in copies):
+                self._corrupt(e, f"index says {e.raw} B, fewer than the block holds")
+                missed.append(i)
+            else:
+                path = str(self.data_dir / e.path)
+                jobs.append(gather.Job(path, e.stored, e.raw, e.codec, e.checksum, e.stored_checksum, copies))
+                where.append(i)
+        hits = []
+        for i, res in zip(where, gather.gather(jobs, out)):
+            e = entries[i]
+            assert e is not None
+            if res is None:
+                hits.append(e.key)
+            elif res[0] == "oserror":
+                raise OSError(res[1], os.strerror(res[1]), str(self.data_dir / e.path))
+            else:  # "missing" or "corrupt": dropped and refetched, as in get()
+                if res[0] == "corrupt" or self.index.get("e:" + e.key) is not None:
+                    self._corrupt(e, res[1])
+                missed.append(i)
+        self._touch_many(hits)
+        return sorted(missed)
 
     def contains(self, key: str) -> bool:
         """Cheap validity check (index record + file of the right size), no checksum."""
@@ -168,12 +246,37 @@ class Cache:
         now = time.time()
         if now - self._touched.get(key, 0.0) > ATIME_RESOLUTION_S:
             self._touched[key] = now
-            self.index.set("t:" + key, now)
+            try:
+                self.index.set("t:" + key, now)
+            except sqlite3.OperationalError as err:
+                # LRU order is advisory: a full disk must not turn a cache hit into a crash.
+                if not _disk_full(err):
+                    raise
+
+    def _touch_many(self, keys: list[str]) -> None:
+        # One index transaction for the batch's LRU writes, not one per key.
+        now = time.time()
+        if not any(now - self._touched.get(k, 0.0) > ATIME_RESOLUTION_S for k in keys):
+            return
+        try:
+            with self.index.transact():
+                for key in keys:
+                    self._touch(key)
+        except sqlite3.OperationalError as err:
+            if not _disk_full(err):  # LRU order is advisory, as in _touch
+                raise
 
     def _corrupt(self, entry: Entry, why: str) -> None:
-        self.drop(entry.key)
-        self.index.incr(_CORRUPT)
+        try:
+            self.drop(entry.key)
+            self.index.incr(_CORRUPT)
+        except sqlite3.OperationalError as err:
+            # On a full disk the index cannot record the drop; the caller still
+            # treats it as a miss and refetches, and the next read re-detects it.
+            if not _disk_full(err):
+                raise
         self.corrupt_seen += 1
+        current_collector().count("cache_corrupt")
         _log.warning(
             "cache entry for %s (block %d) was bad and is dropped; it will be refetched: %s", entry.url, entry.block, why
         )
@@ -195,27 +298,42 @@ class Cache:
                 f"cache limit {format_size(s.cache_limit_bytes)} is smaller than item {url!r} block {block} "
                 f"({format_size(n)}); fix: raise --cache-limit / FASTLOAD_CACHE_LIMIT, or lower FASTLOAD_BLOCK_SIZE"
             )
-        existing = self.entry(key)
-        if existing is not None:
-            return existing
-        self._reserve(n)
-        published = False
         try:
+            existing = self.entry(key)
+            if existing is not None:
+                return existing
+            token = self._reserve(n, url)
             rel = f"{key[:2]}/{key}-{uuid.uuid4().hex[:12]}.flp"
-            self._write_file(rel, payload, url)
-            info = codec.parse_header(payload)
-            rec = (rel, n, len(raw), info.codec, info.checksum, url, block)
-            with self.index.transact():
-                published = self.index.add("e:" + key, rec)
-                if published:
-                    self.index.set("t:" + key, time.time())
-            if not published:
-                (self.data_dir / rel).unlink(missing_ok=True)
-                return self.entry(key) or Entry(key, *rec)
-            return Entry(key, *rec)
-        finally:
-            if not published:
-                self.index.incr(_BYTES, -n)
+            published = False
+            try:
+                self._write_file(rel, payload, url)
+                info = codec.parse_header(payload)
+                rec = (rel, n, len(raw), info.codec, info.checksum, url, block, codec.checksum(payload))
+                with self.index.transact():
+                    added = self.index.add("e:" + key, rec)
+                    if added:
+                        self.index.set("t:" + key, time.time())
+                        self.index.delete(token)  # the reserved bytes are now the entry's
+                published = added  # only once COMMIT succeeded (it fails on a full disk)
+                if not published:
+                    return self.entry(key) or Entry(key, *rec)
+                return Entry(key, *rec)
+            finally:
+                # File first, then the reservation: disk use never exceeds the counter.
+                if not published:
+                    (self.data_dir / rel).unlink(missing_ok=True)
+                _IN_FLIGHT.discard(token)
+                if not published:
+                    self._release(token, n)
+        except sqlite3.OperationalError as err:
+            # SQLite reports ENOSPC as "database or disk is full"; it used to escape
+            # as a crash mid-epoch (tests/reliability/test_disk_full.py).
+            if not _disk_full(err):
+                raise
+            raise CacheFullError(
+                f"disk under {self.root} is full while indexing {url!r} ({err}); fix: free space, lower "
+                "--cache-limit below the free space, or move FASTLOAD_CACHE_DIR"
+            ) from err
 
     def _write_file(self, rel: str, payload: bytes, url: str) -> None:
         final = self.data_dir / rel
@@ -237,17 +355,38 @@ class Cache:
                 ) from err
             raise CacheError(f"cannot write cache entry for {url!r} under {self.root}: {err}") from err
 
-    def _reserve(self, n: int) -> None:
+    def _reserve(self, n: int, url: str) -> str:
+        """Count ``n`` bytes against the limit (evicting if needed); returns the reservation key."""
         limit = self.settings.cache_limit_bytes
+        token = f"{_RESERVED}{os.getpid()}:{uuid.uuid4().hex}"
         deadline = time.monotonic() + self.settings.lock_timeout_s
         while True:
             with self.index.transact():
                 if self.index.get(_BYTES, 0) + n <= limit:
                     self.index.incr(_BYTES, n)
-                    return
-            self.evict(int(min(limit - n, LOW_WATERMARK * limit)))
+                    self.index.set(token, n)
+                    _IN_FLIGHT.add(token)
+                    return token
+            if not self.evict(int(min(limit - n, LOW_WATERMARK * limit))):
+                # Everything left is other writers' bytes in flight: wait for them.
+                time.sleep(0.01)
             if time.monotonic() > deadline:
-                raise CacheFullError(f"could not free {format_size(n)} in the cache at {self.root} within the lock timeout")
+                raise CacheFullError(
+                    f"could not free {format_size(n)} for {url!r} in the cache at {self.root} within "
+                    f"{self.settings.lock_timeout_s:.0f} s (limit {format_size(limit)}, all of it in use by "
+                    "writes in flight); fix: raise --cache-limit / FASTLOAD_CACHE_LIMIT"
+                )
+
+    def _release(self, token: str, n: int) -> None:
+        """Give back a reservation whose write was not published."""
+        try:
+            with self.index.transact():
+                if self.index.pop(token, None) is not None:
+                    self.index.incr(_BYTES, -n)
+        except sqlite3.OperationalError as err:
+            # Left behind, the reservation is returned by the next eviction or check().
+            if not _disk_full(err):
+                raise
 
     # -- eviction and maintenance ---------------------------------------------
 
@@ -274,23 +413,41 @@ class Cache:
     def evict(self, to_bytes: int) -> int:
         """Delete least-recently-used entries until at most ``to_bytes`` remain; returns bytes freed."""
         with self._flock():
+            # No recount from the published records here: it used to forget the
+            # bytes of writes in flight, which then landed past the limit (one entry
+            # per concurrent writer). Only dead writers' reservations are returned.
+            freed = self._return_dead_reservations()
+            if self.volume() <= to_bytes:
+                return freed
             entries = list(self.entries())
-            total = sum(e.stored for e in entries)
-            # Recount from the published records while we hold the lock: it repairs
-            # drift left by crashed writers. Writes in flight elsewhere drop out of
-            # the count until the next eviction, which bounds the overshoot to one
-            # entry per concurrent writer.
-            self.index.set(_BYTES, total)
-            if total <= to_bytes:
-                return 0
             atimes = {e.key: self.index.get("t:" + e.key, 0.0) for e in entries}
-            freed = 0
             for e in sorted(entries, key=lambda e: atimes[e.key]):
-                if total - freed <= to_bytes:
+                if self.volume() <= to_bytes:
                     break
                 if self.drop(e.key):
                     freed += e.stored
             return freed
+
+    def _reservations(self) -> list[tuple[str, int]]:
+        out = []
+        for k in list(self.index.iterkeys()):
+            if isinstance(k, str) and k.startswith(_RESERVED):
+                n = self.index.get(k)
+                if n is not None:
+                    out.append((k, int(n)))
+        return out
+
+    def _return_dead_reservations(self) -> int:
+        """Return reservations of dead writers, and our own that no write holds any more."""
+        freed, me = 0, str(os.getpid())
+        for token, n in self._reservations():
+            pid = token.split(":")[1]
+            if (pid == me and token not in _IN_FLIGHT) or (pid != me and not _alive(pid)):
+                with self.index.transact():
+                    if self.index.pop(token, None) is not None:
+                        self.index.incr(_BYTES, -n)
+                        freed += n
+        return freed
 
     def _flock(self) -> _FileLock:
         return _FileLock(self._lock_path, self.settings.lock_timeout_s)
@@ -310,7 +467,7 @@ class Cache:
             orphans = 0
             cutoff = time.time() - 60
             # Files come and go under other processes while we scan: a vanished
-            # file is skipped (tests/integration/test_stage_kill.py races four stagers).
+            # file is skipped (tests/reliability/test_stage_kill.py races four stagers).
             for path in self.data_dir.glob("*/*.flp"):
                 rel = f"{path.parent.name}/{path.name}"
                 if rel not in known and _mtime(path) < cutoff:
@@ -322,8 +479,12 @@ class Cache:
                 if not _alive(pid) or _mtime(path) < time.time() - max_tmp_age_s:
                     path.unlink(missing_ok=True)
                     stale += 1
-            total = sum(e.stored for e in self.entries())
-            self.index.set(_BYTES, total)
+            self._return_dead_reservations()
+            # One transaction, so no write publishes or reserves between the two sums;
+            # live reservations stay counted (their writes are still coming).
+            with self.index.transact():
+                total = sum(e.stored for e in self.entries()) + sum(n for _, n in self._reservations())
+                self.index.set(_BYTES, total)
         return {"orphans": orphans, "stale_tmp": stale, "bytes": total}
 
     def clear(self) -> None:
@@ -334,6 +495,13 @@ class Cache:
                 path.unlink(missing_ok=True)
             for path in self.tmp_dir.glob("*.part"):
                 path.unlink(missing_ok=True)
+
+
+def _disk_full(err: BaseException) -> bool:
+    """ENOSPC/EDQUOT, or SQLite's wording for them."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(err, sqlite3.OperationalError) and "full" in str(err)
 
 
 def _mtime(path: Path) -> float:
@@ -351,6 +519,204 @@ def _alive(pid: str) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class _ForkGate:
+    """Index operations hold it (shared, re-entrant per thread); ``fork()`` waits for them.
+
+    SQLite keeps its lock bookkeeping in process memory. A child forked while a
+    thread of its parent was inside an index write inherits "this process holds
+    the write lock" with no thread left to release it, so every write in the
+    child is SQLITE_BUSY until diskcache's 60 s timeout: a DataLoader worker
+    forked while an abandoned epoch's read-ahead threads were still caching hung
+    for 60 s and died (tests/reliability/test_hostile_input.py, corrupt JPEG).
+    ``os.register_at_fork`` makes the forking thread wait (``WAIT_S`` at most, then
+    it warns and forks) until no index operation is in flight. Operations take
+    milliseconds; a longer wait means a gc finalizer blocked inside one.
+    """
+
+    WAIT_S = 5.0
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._forking = False
+        self._depth = threading.local()
+
+    def enter(self) -> None:
+        """Start an index operation (nested calls, e.g. get inside transact, never wait)."""
+        depth = self._depth
+        n = getattr(depth, "n", 0)
+        if n == 0:
+            with self._cond:
+                while self._forking:
+                    self._cond.wait()
+                self._active += 1
+        depth.n = n + 1
+
+    def try_enter(self) -> bool:
+        """:meth:`enter` without waiting for a fork (False: do not operate)."""
+        depth = self._depth
+        n = getattr(depth, "n", 0)
+        if n == 0:
+            # A timeout, not a block: a finalizer may run in the very thread that holds
+            # the lock (a gc pass inside enter(), or in the forking thread).
+            if not self._cond.acquire(timeout=0.05):
+                return False
+            try:
+                if self._forking:
+                    return False
+                self._active += 1
+            finally:
+                self._cond.release()
+        depth.n = n + 1
+        return True
+
+    def leave(self) -> None:
+        depth = self._depth
+        depth.n -= 1
+        if depth.n == 0:
+            with self._cond:
+                self._active -= 1
+                if self._forking and not self._active:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def before_fork(self) -> None:
+        with self._cond:
+            self._forking = True
+            deadline = time.monotonic() + self.WAIT_S
+            while self._active and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            if self._active:
+                _log.warning(
+                    "forking with %d cache index operation(s) in flight after %.0f s; the child "
+                    "may find the index locked", self._active, self.WAIT_S,
+                )
+
+    def after_fork_parent(self) -> None:
+        with self._cond:
+            self._forking = False
+            self._cond.notify_all()
+
+    def after_fork_child(self) -> None:
+        self._reset()  # the child has one thread and no operation in flight
+
+
+_FORK_GATE = _ForkGate()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_FORK_GATE.before_fork,
+        after_in_parent=_FORK_GATE.after_fork_parent,
+        after_in_child=_FORK_GATE.after_fork_child,
+    )
+
+
+class _GatedIndex:
+    """The diskcache index: every call, whole transaction, connection open and close
+    inside :data:`_FORK_GATE`; each thread's connection closed when the thread ends."""
+
+    def __init__(self, inner: diskcache.Cache) -> None:
+        self._inner = inner
+        self._thread = threading.local()
+
+    def bind_thread(self) -> None:
+        # diskcache opens one SQLite connection per thread and keeps it in a reference
+        # cycle, so a thread that exits leaves its connection (2 fds and its page
+        # cache) until a full gc: the loader reads from a fresh thread pool each epoch,
+        # +8 fds and ~1 MB RSS per epoch (tests/reliability/test_soak.py). A closer in
+        # our own thread-local dies with the thread and closes that connection.
+        if getattr(self._thread, "closer", None) is None:
+            with _FORK_GATE.shared():  # opening runs PRAGMAs
+                con = getattr(self._inner, "_con", None)  # diskcache's per-thread connection
+            self._thread.closer = _ConnectionCloser(con) if isinstance(con, sqlite3.Connection) else False
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+        return _gated_call(self, attr)
+
+    @contextmanager
+    def transact(self, retry: bool = False) -> Iterator[None]:
+        self.bind_thread()
+        with _FORK_GATE.shared(), self._inner.transact(retry):
+            yield
+
+    def close(self) -> None:
+        with _FORK_GATE.shared():  # no bind_thread: it would open a connection to close it
+            self._inner.close()
+
+    def iterkeys(self, reverse: bool = False) -> Iterator[Any]:
+        # Materialised inside the gate: a generator would read outside it.
+        self.bind_thread()
+        with _FORK_GATE.shared():
+            return iter(list(self._inner.iterkeys(reverse)))
+
+
+def _gated_call(index: _GatedIndex, fn: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        index.bind_thread()
+        _FORK_GATE.enter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _FORK_GATE.leave()
+
+    return call
+
+
+def _gated_method(name: str) -> Any:
+    # The hot calls as plain methods: __getattr__ builds a closure per access.
+    def method(self: _GatedIndex, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self._thread, "closer", None) is None:
+            self.bind_thread()
+        _FORK_GATE.enter()
+        try:
+            return getattr(self._inner, name)(*args, **kwargs)
+        finally:
+            _FORK_GATE.leave()
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("get", "set", "add", "delete", "pop", "incr"):
+    setattr(_GatedIndex, _name, _gated_method(_name))
+
+
+class _ConnectionCloser:
+    """Closes one thread's SQLite connection when that thread's locals are freed."""
+
+    def __init__(self, con: sqlite3.Connection) -> None:
+        self.con = con
+        self.pid = os.getpid()
+
+    def __del__(self) -> None:
+        if os.getpid() != self.pid:
+            # A forked child drops its parent's threads (and their locals) before the
+            # at-fork hooks run: the parent's connection is not the child's to close.
+            return
+        # Closing the last connection checkpoints the WAL: that takes locks too. Never
+        # wait here (see try_enter); a connection left open is closed by the gc later.
+        if not _FORK_GATE.try_enter():
+            return
+        try:
+            self.con.close()
+        except sqlite3.Error:
+            pass  # freed from another thread (a gc pass): the gc closes it then
+        finally:
+            _FORK_GATE.leave()
 
 
 class _FileLock:

@@ -144,7 +144,7 @@ class Settings:
 
         Recognised: FASTLOAD_CACHE_DIR, FASTLOAD_CACHE_LIMIT, FASTLOAD_BLOCK_SIZE,
         FASTLOAD_CHUNK_SIZE, FASTLOAD_LZ4_LEVEL, FASTLOAD_WORKERS, FASTLOAD_RETRIES,
-        FASTLOAD_BACKOFF_S, FASTLOAD_TIMEOUT_S.
+        FASTLOAD_BACKOFF_S, FASTLOAD_BACKOFF_MAX_S, FASTLOAD_TIMEOUT_S.
         """
         env = dict(os.environ if env is None else env)
         values: dict[str, Any] = {}
@@ -157,6 +157,8 @@ class Settings:
             "FASTLOAD_WORKERS": ("workers", int),
             "FASTLOAD_RETRIES": ("retries", int),
             "FASTLOAD_BACKOFF_S": ("backoff_s", float),
+            # The cap too, so every retry knob is reachable from the CLI (issue 7).
+            "FASTLOAD_BACKOFF_MAX_S": ("backoff_max_s", float),
             "FASTLOAD_TIMEOUT_S": ("request_timeout_s", float),
         }
         for name, (field, convert) in table.items():

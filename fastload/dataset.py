@@ -12,12 +12,16 @@ stats can name it. They work with ``fastload.DataLoader`` and with torch's own.
 * :class:`TarDataset` - WebDataset-style tar shards, members grouped by key.
 
 ``read_batch(indices)`` is the fast-path hook ``fastload.DataLoader`` uses to
-read many samples from threads (cache reads and LZ4 release the GIL).
+read many samples from threads. File, array and token datasets assemble a batch
+with :meth:`Reader.read_into`: every cache block the batch touches is read,
+checked and decoded once, into one buffer, by ``fastload._native`` with the GIL
+released (or its pure-Python fallback), and samples are views or slices of it.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import tarfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +36,16 @@ from fastload.source import RemoteItem
 
 Transform = Callable[[Any], Any]
 _NPY_HEADER_MAX = 64 * 1024
+_ALIGN = 64  # sample offsets in a batch buffer, as .npy aligns its data
+
+
+def _batch_buffer(sizes: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+    """One uninitialised buffer for a batch of ``sizes`` bytes, and each sample's offset."""
+    offsets, pos = [], 0
+    for size in sizes:
+        offsets.append(pos)
+        pos += -(-size // _ALIGN) * _ALIGN
+    return np.empty(pos, dtype=np.uint8), offsets
 
 
 class _CachedDataset(torch.utils.data.Dataset):
@@ -47,12 +61,28 @@ class _CachedDataset(torch.utils.data.Dataset):
             raise ConfigError(f"no objects match {pattern!r} under {url}; check the URL and the pattern")
         self.reader.warn_if_oversized(self.items)
 
-    def _apply(self, value: Any) -> Any:
-        return self.transform(value) if self.transform is not None else value
+    def _apply(self, value: Any, url: str | None = None) -> Any:
+        if self.transform is None:
+            return value
+        try:
+            return self.transform(value)
+        except Exception as err:
+            # The transform's own error, type and traceback kept (a caller may catch
+            # it), plus the sample it failed on: a corrupt JPEG deep in an epoch was
+            # otherwise anonymous (tests/reliability/test_hostile_input.py).
+            url = url or (value.get("__url__") if isinstance(value, dict) else None)
+            if url is not None:
+                err.add_note(f"fastload: the transform failed on {url}; fix: check or remove that file, or make the transform handle bad input")
+            raise
 
     def read_batch(self, indices: Sequence[int]) -> list[Any]:
         """Samples for ``indices``, in order (called from loader threads)."""
         return [self[i] for i in indices]
+
+    def _own_getitem(self, cls: type[_CachedDataset]) -> bool:
+        # A subclass that reads its samples another way (pipelines.CompressedArrayDataset
+        # hands out payloads) keeps the one-by-one read_batch above.
+        return type(self).__getitem__ is cls.__getitem__
 
 
 class FileDataset(_CachedDataset):
@@ -100,10 +130,26 @@ class FileDataset(_CachedDataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         item = self.items[index]
-        sample: dict[str, Any] = {"data": self._apply(self.reader.read(item)), "url": item.url}
+        return self._sample(index, item, self.reader.read(item))
+
+    def _sample(self, index: int, item: RemoteItem, data: bytes) -> dict[str, Any]:
+        sample: dict[str, Any] = {"data": self._apply(data, item.url), "url": item.url}
         if self.label is not None:
             sample["label"] = self.label_of(index)
         return sample
+
+    def read_batch(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """``[self[i] for i in indices]``, with the files read as one batch."""
+        if not self._own_getitem(FileDataset):
+            return super().read_batch(indices)
+        items = [self.items[i] for i in indices]
+        out, offsets = _batch_buffer([item.size for item in items])
+        self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], out)
+        view = out.data
+        return [
+            self._sample(index, item, bytes(view[off : off + item.size]))
+            for index, item, off in zip(indices, items, offsets)
+        ]
 
 
 def _parse_npy_header(head: bytes, url: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
@@ -118,7 +164,10 @@ def _parse_npy_header(head: bytes, url: str) -> tuple[np.dtype, tuple[int, ...],
     except (ValueError, EOFError) as err:
         raise DecodeError(f"{url}: not a valid .npy header ({err}); fix: write it with numpy.save") from err
     if dtype.hasobject:
-        raise DecodeError(f"{url}: .npy holds Python objects (dtype {dtype}); fastload never unpickles remote bytes")
+        raise DecodeError(
+            f"{url}: .npy holds Python objects (dtype {dtype}); fastload never unpickles remote bytes; "
+            "fix: save a numeric or fixed-size string dtype"
+        )
     return dtype, tuple(shape), bool(fortran), buf.tell()
 
 
@@ -142,19 +191,30 @@ class ArrayDataset(_CachedDataset):
             self.dtype, self.shape, fortran, self.offset = _parse_npy_header(head, item.url)
             self.row_dtype: np.dtype = self.dtype
             if fortran or not self.shape:
-                raise DecodeError(f"{item.url}: need a C-ordered array with at least one dimension")
-            self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+                raise DecodeError(
+                    f"{item.url}: need a C-ordered array with at least one dimension; "
+                    "fix: numpy.save(path, numpy.ascontiguousarray(a))"
+                )
+            # Python ints: np.prod(dtype=int64) wrapped around on a hostile shape such as
+            # (2, 2**62, 4), passed the size check and failed later in reshape.
+            self.row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
             if self.offset + self.shape[0] * self.row_bytes > item.size:
-                raise DecodeError(f"{item.url}: header says {self.shape} {self.dtype} but the file is only {item.size} B")
+                raise DecodeError(
+                    f"{item.url}: header says {self.shape} {self.dtype} but the file is only {item.size} B; "
+                    "fix: rewrite it with numpy.save (the header disagrees with the data)"
+                )
 
     def __len__(self) -> int:
         return self.shape[0] if self.single else len(self.items)
 
+    def _row(self, index: int) -> int:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} rows")
+        return index % len(self)
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         if self.single:
-            if not -len(self) <= index < len(self):
-                raise IndexError(f"index {index} out of range for {len(self)} rows")
-            index %= len(self)
+            index = self._row(index)
             item = self.items[0]
             start = self.offset + index * self.row_bytes
             raw = self.reader.read_range(item, start, start + self.row_bytes)
@@ -162,12 +222,40 @@ class ArrayDataset(_CachedDataset):
         else:
             item = self.items[index]
             raw = self.reader.read(item)
-            dtype, shape, fortran, offset = _parse_npy_header(raw[:_NPY_HEADER_MAX], item.url)
-            count = int(np.prod(shape, dtype=np.int64))
-            if offset + count * dtype.itemsize != len(raw):
-                raise DecodeError(f"{item.url}: header says {shape} {dtype} but the payload is {len(raw) - offset} B")
-            arr = np.frombuffer(raw, dtype=dtype, offset=offset, count=count).reshape(shape, order="F" if fortran else "C")
+            arr = _npy_array(memoryview(raw), 0, len(raw), item.url)
         return {"data": self._apply(arr), "url": item.url, "index": index}
+
+    def read_batch(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """``[self[i] for i in indices]``, read as one batch; rows are views of one array."""
+        if not self._own_getitem(ArrayDataset):
+            return super().read_batch(indices)
+        if self.single:
+            rows, item, n = [self._row(i) for i in indices], self.items[0], self.row_bytes
+            out = np.empty((len(rows), *self.shape[1:]), dtype=self.row_dtype)
+            starts = [self.offset + r * n for r in rows]
+            self.reader.read_into([(item, a, a + n, k * n) for k, a in enumerate(starts)], out)
+            return [{"data": self._apply(out[k]), "url": item.url, "index": r} for k, r in enumerate(rows)]
+        items = [self.items[i] for i in indices]
+        buf, offsets = _batch_buffer([item.size for item in items])
+        self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], buf)
+        return [
+            {"data": self._apply(_npy_array(buf.data, off, item.size, item.url)), "url": item.url, "index": index}
+            for index, item, off in zip(indices, items, offsets)
+        ]
+
+
+def _npy_array(buf: memoryview, start: int, size: int, url: str) -> np.ndarray:
+    """The array in the ``size``-byte .npy file at ``buf[start:]``."""
+    head = bytes(buf[start : start + min(size, _NPY_HEADER_MAX)])
+    dtype, shape, fortran, offset = _parse_npy_header(head, url)
+    count = math.prod(shape)  # Python ints: no int64 wrap-around on a hostile shape
+    if offset + count * dtype.itemsize != size:
+        raise DecodeError(
+            f"{url}: header says {shape} {dtype} but the payload is {size - offset} B; "
+            "fix: rewrite it with numpy.save (the header disagrees with the data)"
+        )
+    arr = np.frombuffer(buf, dtype=dtype, offset=start + offset, count=count)
+    return arr.reshape(shape, order="F" if fortran else "C")
 
 
 class TokenDataset(_CachedDataset):
@@ -202,14 +290,27 @@ class TokenDataset(_CachedDataset):
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def _window(self, index: int) -> int:
         if not -self._len <= index < self._len:
             raise IndexError(f"window {index} out of range for {self._len} windows")
-        index %= self._len
+        return index % self._len
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        index = self._window(index)
         item, size = self.items[0], self.dtype.itemsize
         start = index * self.stride * size
         raw = self.reader.read_range(item, start, start + self.seq_len * size)
         return {"data": self._apply(np.frombuffer(raw, dtype=self.dtype)), "url": item.url, "index": index}
+
+    def read_batch(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """``[self[i] for i in indices]``, read as one batch; windows are rows of one array."""
+        if not self._own_getitem(TokenDataset):
+            return super().read_batch(indices)
+        windows, item = [self._window(i) for i in indices], self.items[0]
+        out = np.empty((len(windows), self.seq_len), dtype=self.dtype)
+        n, step = self.seq_len * self.dtype.itemsize, self.stride * self.dtype.itemsize
+        self.reader.read_into([(item, w * step, w * step + n, k * n) for k, w in enumerate(windows)], out)
+        return [{"data": self._apply(out[k]), "url": item.url, "index": w} for k, w in enumerate(windows)]
 
 
 class TarDataset(_CachedDataset):
@@ -250,7 +351,7 @@ class TarDataset(_CachedDataset):
                     key = (base[0] + "/" + stem) if len(base) == 2 else stem
                     groups.setdefault(key, []).append((ext if dot else "", member.offset_data, member.size))
         except tarfile.TarError as err:
-            raise DecodeError(f"{item.url}: not a readable tar shard ({err})") from err
+            raise DecodeError(f"{item.url}: not a readable tar shard ({err}); fix: check or rebuild that shard") from err
         index = list(groups.items())
         self.reader.cache.index.set(cache_key, index)
         return index

@@ -21,9 +21,13 @@ shard or .npy file fetches only the blocks it touches.
 from __future__ import annotations
 
 import builtins
+import contextvars
 import logging
+import os
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastload.cache import Cache, entry_key
@@ -62,6 +66,8 @@ class Reader:
         self._sources: dict[str, Source] = {}
         self._lock = threading.Lock()
         self._inflight: dict[str, threading.Lock] = {}
+        self._pool: ThreadPoolExecutor | None = None  # concurrent misses (_read_blocks)
+        self._pool_pid = 0
         self._warned_limit = False
         self.hits = 0
         self.misses = 0
@@ -231,6 +237,68 @@ class Reader:
         collector = current_collector()
         collector.add(stage, items=1, bytes=nbytes, seconds=seconds)
         collector.count(counter)
+
+    def read_into(self, requests: Sequence[tuple[RemoteItem, int, int, int]], out: Any) -> None:
+        """Bytes ``[start, end)`` of each item into ``out`` at byte ``dst``, as one batch.
+
+        The batch-assembly path of the datasets' ``read_batch``: the blocks the
+        requests touch are read through :meth:`Cache.read_into` (checked and decoded
+        once per call however many ranges they serve, in C when it is built), and
+        only the blocks that miss go through :meth:`read_block` (fetched, stored).
+
+        Args:
+            requests: ``(item, start, end, dst)`` with ``0 <= start <= end <= item.size``.
+            out: A writable, C-contiguous buffer (see :func:`fastload.gather.gather`).
+        """
+        bb = self.settings.block_bytes
+        plan: dict[str, tuple[RemoteItem, int, builtins.list[tuple[int, int, int]]]] = {}
+        for item, start, end, dst in requests:
+            if not 0 <= start <= end <= item.size:
+                raise ConfigError(f"range [{start}, {end}) of {item.url} ({item.size} B) is invalid")
+            for block in range(start // bb, -(-end // bb)) if end > start else ():
+                base = block * bb
+                lo, hi = max(start, base), min(end, base + bb)
+                step = plan.get(key := self.key(item, block))
+                if step is None:
+                    step = plan[key] = (item, block, [])
+                step[2].append((lo - base, hi - lo, dst + lo - start))
+        keys = list(plan)
+        t0 = time.perf_counter()
+        missed = self.cache.read_into([(k, plan[k][2]) for k in keys], out)
+        if len(missed) < len(keys):
+            hit = set(keys) - {keys[i] for i in missed}
+            spans = [self.block_span(plan[k][0], plan[k][1]) for k in hit]
+            nbytes = sum(b - a for a, b in spans)
+            self.hits += len(hit)
+            collector = current_collector()
+            collector.add("cache_read", items=len(hit), bytes=nbytes, seconds=time.perf_counter() - t0)
+            collector.count("cache_hit", len(hit))
+        if missed:
+            view = memoryview(out).cast("B")
+            steps = [plan[keys[i]] for i in missed]
+            for (_, _, copies), data in zip(steps, self._read_blocks([(it, b) for it, b, _ in steps])):
+                for lo, n, dst in copies:
+                    view[dst : dst + n] = data[lo : lo + n]
+
+    def _read_blocks(self, blocks: builtins.list[tuple[RemoteItem, int]]) -> Iterator[bytes]:
+        """:meth:`read_block` of each, the misses of one call fetched concurrently.
+
+        One after another, every miss of a loader thread's chunk waited a full round
+        trip: 8 read threads kept only 8 requests in flight, ~380 items/s with 20 ms to
+        first byte (benchmarks/peers, link 1gbit+20ms). Up to ``Settings.workers``
+        requests now overlap; each task runs in a copy of the caller's context, so the
+        loader's stats collector still sees the fetches.
+        """
+        if len(blocks) < 2:
+            return (self.read_block(item, block) for item, block in blocks)
+        with self._lock:
+            if self._pool is None or self._pool_pid != os.getpid():
+                # A forked child inherits the pool without its threads: start a new one.
+                self._pool = ThreadPoolExecutor(self.settings.workers, thread_name_prefix="fastload-fetch")
+                self._pool_pid = os.getpid()
+            pool = self._pool
+        futures = [pool.submit(contextvars.copy_context().run, self.read_block, item, block) for item, block in blocks]
+        return (f.result() for f in futures)
 
     # -- whole objects and ranges ---------------------------------------------
 

@@ -87,6 +87,10 @@ class NginxServer:
             Its URL is then reachable only from inside that namespace.
         workers: nginx ``worker_processes``.
         start_timeout_s: How long to wait for nginx to accept connections.
+        unix_socket: Also listen on a Unix socket in the private temp dir
+            (:attr:`unix_socket_path`). A proxy inside a shaped namespace reaches
+            nginx through it without the bytes crossing the shaped loopback twice
+            (benchmarks/peers).
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class NginxServer:
         netns: str | None = None,
         workers: int = 2,
         start_timeout_s: float = 15.0,
+        unix_socket: bool = False,
     ) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
@@ -107,6 +112,7 @@ class NginxServer:
         self.netns = netns
         self.workers = workers
         self.start_timeout_s = start_timeout_s
+        self.unix_socket = unix_socket
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmp: Path | None = None
 
@@ -116,6 +122,11 @@ class NginxServer:
         if self.port is None or self._proc is None:
             raise ServerError("NginxServer.url is only known after start()")
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def unix_socket_path(self) -> Path | None:
+        """The Unix socket nginx also listens on (``unix_socket=True``), else None."""
+        return self._tmp / "nginx.sock" if (self.unix_socket and self._tmp is not None) else None
 
     @property
     def pid(self) -> int | None:
@@ -185,6 +196,14 @@ class NginxServer:
             f"    {kind}_temp_path {_nginx_quote(tmp / kind)};"
             for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
         )
+        unix_path = Path(f"unix:{tmp / 'nginx.sock'}")
+        # Behind a proxy nginx cannot know the client's port, so its folder redirects
+        # ("/dir" -> "/dir/") must be relative to reach the client through the proxy.
+        unix_listen = (
+            f"\n        listen {_nginx_quote(unix_path)};\n        absolute_redirect off;"
+            if self.unix_socket
+            else ""
+        )
         conf = f"""
 daemon off;
 worker_processes {int(self.workers)};
@@ -201,7 +220,7 @@ http {{
     tcp_nopush on;
     keepalive_requests 100000;
     server {{
-        listen {self.host}:{int(self.port or 0)};
+        listen {self.host}:{int(self.port or 0)};{unix_listen}
         server_name localhost;
         root {_nginx_quote(self.root)};
         location / {{ autoindex on; autoindex_format html; etag on; }}

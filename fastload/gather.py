@@ -1,0 +1,357 @@
+"""Batch assembly: byte ranges of many cache payloads, checked and decoded into one buffer.
+
+A dataset's ``read_batch`` turns its samples into *jobs*, one per cache payload
+(block) the batch touches, each with the ranges of that payload's raw bytes it
+needs and where they go in one writable output buffer. :func:`gather` then does,
+for every job, what :meth:`fastload.cache.Cache.get` does for one key (read the
+file, check its size, its stored checksum, its header against the index, decode
+LZ4, verify) and copies the ranges into place. A block that serves several
+samples is read and decoded once.
+
+Two implementations produce identical bytes and identical results:
+
+* **native** - ``fastload._native`` (native/_native.c): ``pread`` and LZ4 decode
+  straight into the output buffer, with the GIL released and the jobs split
+  across a small thread pool. LZ4 and xxh3 are not linked into it; this module
+  finds ``LZ4_decompress_safe`` and ``XXH3_64bits`` at run time in libraries that
+  are already installed (:func:`_resolve`), binds them, and self-tests the result.
+* **python** - the fallback below, used when the extension is not built, when
+  binding or the self-test fails, or when ``FASTLOAD_PURE_PYTHON=1`` (read here,
+  once, at import: :func:`_load`).
+
+The output buffer may be any writable C-contiguous buffer: a numpy array, a
+``bytearray``, or the numpy view of a pinned torch tensor (so a batch can be
+assembled directly in a host-to-device staging slot).
+
+Results, one per job, are the same from both: ``None`` when the ranges were
+copied, ``("missing", message)`` when the payload file is gone,
+``("corrupt", message)`` when a check failed (the caller drops the entry and
+refetches it, as ``Cache.get`` does), or ``("oserror", errno)`` for any other
+I/O error (the caller raises it). tests/unit/test_gather.py runs both on good
+and corrupt payloads; native/fuzz.py fuzzes them against each other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import lz4.block
+
+from fastload import codec
+from fastload.errors import CodecError
+
+__all__ = ["Job", "backend", "gather", "gather_native", "gather_python", "info", "use_backend"]
+
+Result = tuple[str, Any] | None
+_INT_MAX = 2**31 - 1
+
+
+class Job(NamedTuple):
+    """One payload of a batch and the ranges of its raw bytes to copy out.
+
+    Attributes:
+        path: The payload file.
+        stored: Its size on disk, from the index.
+        raw: Its decoded size, from the index.
+        codec: ``codec.RAW`` or ``codec.LZ4``, from the index.
+        checksum: xxh3_64 of the raw bytes, from the index.
+        stored_checksum: xxh3_64 of the whole payload file, or None for entries
+            written before it was recorded.
+        copies: ``(src, length, dst)``: ``raw[src:src+length]`` goes to
+            ``out[dst:dst+length]`` (byte offsets).
+    """
+
+    path: str
+    stored: int
+    raw: int
+    codec: int
+    checksum: int
+    stored_checksum: int | None
+    copies: Sequence[tuple[int, int, int]]
+
+
+# -- the pure-Python fallback ---------------------------------------------------------
+
+
+def gather_python(jobs: Sequence[Job], out: Any, threads: int | None = None) -> list[Result]:
+    """The fallback: :func:`gather` in Python, in the calling thread (``threads`` is ignored)."""
+    view = _output(out).cast("B")
+    _check_copies(jobs, len(view))
+    results: list[Result] = []
+    for job in jobs:
+        try:
+            with open(job.path, "rb") as f:
+                payload = f.read()
+        except FileNotFoundError:
+            results.append(("missing", "payload file is missing"))
+            continue
+        except OSError as err:
+            results.append(("oserror", err.errno))
+            continue
+        try:
+            _copy_out(payload, job, view)
+        except CodecError as err:
+            results.append(("corrupt", str(err)))
+            continue
+        results.append(None)
+    return results
+
+
+def _output(out: Any) -> memoryview:
+    view = memoryview(out)
+    if view.readonly or not view.c_contiguous:
+        raise BufferError("the output of gather must be a writable, C-contiguous buffer")
+    return view
+
+
+def _check_copies(jobs: Sequence[Job], out_len: int) -> None:
+    # The same argument checks as the native parser, before any I/O.
+    for job in jobs:
+        for src, n, dst in job.copies:
+            if min(src, n, dst) < 0 or src + n > job.raw:
+                raise ValueError(f"copy of {n} B at {src} is outside the {job.raw} B payload")
+            if dst + n > out_len:
+                raise ValueError(f"copy of {n} B to {dst} is outside the {out_len} B output buffer")
+
+
+def _copy_out(payload: bytes, job: Job, out: memoryview) -> None:
+    """What Cache.get checks, in its order; then the ranges into ``out``."""
+    if len(payload) != job.stored:
+        raise CodecError(f"payload is {len(payload)} B, index says {job.stored} B")
+    intact = job.stored_checksum is not None
+    if intact and codec.checksum(payload) != job.stored_checksum:
+        raise CodecError("stored checksum mismatch: the payload file changed on disk")
+    info = codec.parse_header(payload)
+    if info.checksum != job.checksum or info.raw_size != job.raw or info.codec != job.codec:
+        raise CodecError("payload header disagrees with the index")
+    copies = [c for c in job.copies if c[1]]
+    pv = memoryview(payload)
+    if info.codec == codec.RAW and intact:
+        body = info.body_offset
+        for src, n, dst in copies:
+            out[dst : dst + n] = pv[body + src : body + src + n]
+        return
+    if not intact or (len(copies) == 1 and copies[0][:2] == (0, info.raw_size)):
+        if info.codec == codec.LZ4 and max([*info.chunk_sizes, *info.chunk_raw_sizes()], default=0) > _INT_MAX:
+            # lz4.block takes C ints: codec.decode would raise OverflowError, not CodecError.
+            raise CodecError(f"LZ4 chunk at offset {info.body_offset} is corrupt: a chunk of {info.chunk_bytes} B is too large")
+        raw = codec.decode(payload, verify=not intact, info=info)
+        for src, n, dst in copies:
+            out[dst : dst + n] = raw[src : src + n]
+        return
+    # An intact LZ4 payload decodes to what was encoded (Cache.get skips the raw
+    # checksum for it too), so only the chunks that hold a wanted range are decoded.
+    offsets, raw_sizes, cb = info.chunk_offsets(), info.chunk_raw_sizes(), info.chunk_bytes
+    chunks: dict[int, bytes] = {}
+    for src, n, dst in copies:
+        for i in range(src // cb, (src + n - 1) // cb + 1):
+            part = chunks.get(i)
+            if part is None:
+                part = chunks[i] = _decode_chunk(pv, offsets[i], info.chunk_sizes[i], raw_sizes[i])
+            lo, hi = max(src, i * cb), min(src + n, i * cb + raw_sizes[i])
+            out[dst + lo - src : dst + hi - src] = part[lo - i * cb : hi - i * cb]
+
+
+def _decode_chunk(payload: memoryview, offset: int, size: int, raw_size: int) -> bytes:
+    # The messages are codec.decode's.
+    if size > _INT_MAX or raw_size > _INT_MAX:
+        raise CodecError(f"LZ4 chunk at offset {offset} is corrupt: a chunk of {raw_size} B is too large")
+    try:
+        part = lz4.block.decompress(payload[offset : offset + size], uncompressed_size=raw_size)
+    except lz4.block.LZ4BlockError as err:
+        raise CodecError(f"LZ4 chunk at offset {offset} is corrupt: {err}") from err
+    if len(part) != raw_size:
+        raise CodecError(f"LZ4 chunk at offset {offset} decoded to {len(part)} B, expected {raw_size} B")
+    return part
+
+
+# -- the native path ------------------------------------------------------------------
+
+
+def gather_native(jobs: Sequence[Job], out: Any, threads: int | None = None, *, _in_memory: bool = False) -> list[Result]:
+    """:func:`gather` in C (raises RuntimeError when the extension is unavailable)."""
+    native = _STATE["native"]
+    if native is None:
+        raise RuntimeError(f"fastload._native is unavailable: {_STATE['reason']}")
+    _output(out).release()  # the same BufferError as the fallback (numpy's own is a ValueError)
+    fn = native.gather_buffers if _in_memory else native.gather
+    results: list[Result] = fn(jobs, out, _threads(jobs, threads))
+    for i, res in enumerate(results):
+        if res is None:
+            continue
+        if res[0] == "meta":  # checked, decoded and copied; the metadata is not "{}"
+            results[i] = _check_meta(res[1])
+        elif res[0] == "nomem":
+            raise MemoryError(res[1])
+    return results
+
+
+def _check_meta(meta: bytes) -> Result:
+    # codec.parse_header's JSON checks, for the metadata the C code does not parse.
+    try:
+        value = json.loads(meta.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        return ("corrupt", f"payload metadata is not valid JSON: {err}")
+    if not isinstance(value, dict):
+        return ("corrupt", "payload metadata is not a JSON object")
+    return None
+
+
+def _threads(jobs: Sequence[Job], threads: int | None) -> int:
+    if threads is not None:
+        return max(1, threads)
+    # A thread per 256 KiB of payload at most: waking one costs some microseconds,
+    # as much as reading a few small payloads (benchmarks/native/bench.py).
+    total = sum(job.stored for job in jobs)
+    return max(1, min(os.cpu_count() or 1, 8, len(jobs), total >> 18))
+
+
+# -- choosing, resolving and self-testing -----------------------------------------------
+
+_STATE: dict[str, Any] = {"native": None, "reason": "", "lz4": "", "lz4_partial": "", "xxh3": "", "backend": "python"}
+_LIBS: list[ctypes.CDLL] = []  # keep the resolved libraries loaded
+
+
+def _module_file(name: str) -> list[str]:
+    try:
+        path = importlib.import_module(name).__file__
+    except ImportError:
+        return []
+    return [path] if path else []
+
+
+def _system_library(name: str, soname: str) -> list[str]:
+    found = ctypes.util.find_library(name)
+    return [found] if found else [soname]
+
+
+def _resolve(symbols: Sequence[str], libraries: Sequence[str]) -> tuple[int, str]:
+    """The address of the first of ``symbols`` exported by the first loadable of ``libraries``."""
+    tried = []
+    for path in libraries:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as err:
+            tried.append(f"{path}: {err}")
+            continue
+        for symbol in symbols:
+            try:
+                fn = getattr(lib, symbol)
+            except AttributeError:
+                continue
+            address = ctypes.cast(fn, ctypes.c_void_p).value
+            if address:
+                _LIBS.append(lib)
+                return address, f"{symbol} from {path}"
+        tried.append(f"{path}: exports none of {', '.join(symbols)}")
+    raise OSError("; ".join(tried) or "no library to look in")
+
+
+def _selftest(native: Any) -> None:
+    """Gather a few payloads with both implementations; any difference disables native."""
+    data = bytes(range(256)) * 40 + b"fastload" * 700  # 15,840 B: 4 LZ4 chunks
+    jobs = []
+    for payload in (codec.encode(data, chunk_bytes=4096, min_saving=0.0), codec.encode(data, min_saving=1.0)):
+        info = codec.parse_header(payload)
+        for stored_checksum in (codec.checksum(payload), None):
+            for copies in ([(0, len(data), 0)], [(5000, 3000, 100), (0, 10, 4000)]):
+                jobs.append(Job(payload, len(payload), len(data), info.codec, info.checksum, stored_checksum, copies))  # type: ignore[arg-type]
+    for job in jobs:
+        want, got = bytearray(len(data)), bytearray(len(data))
+        _copy_out(job.path, job, memoryview(want))  # type: ignore[arg-type]
+        result = native.gather_buffers([job], got, 1)
+        if result != [None] or got != want:
+            raise RuntimeError(f"self-test failed: result {result}, bytes equal: {got == want}")
+
+
+def _load() -> None:
+    """Pick the implementation once, at import: the one place FASTLOAD_PURE_PYTHON is read."""
+    if os.environ.get("FASTLOAD_PURE_PYTHON", "") not in ("", "0"):
+        _STATE["reason"] = "FASTLOAD_PURE_PYTHON is set"
+        return
+    try:
+        _native: Any = importlib.import_module("fastload._native")
+    except ImportError as err:
+        _STATE["reason"] = f"the extension is not built ({err}); reinstall with a C compiler to build it"
+        return
+    try:
+        lz4_addr, _STATE["lz4"] = _resolve(
+            ["LZ4_decompress_safe"], _module_file("lz4.block._block") + _system_library("lz4", "liblz4.so.1")
+        )
+        # The dispatching variant picks AVX2/AVX-512 at run time, as xxhash's own does.
+        xxh_addr, _STATE["xxh3"] = _resolve(
+            ["XXH3_64bits_dispatch", "XXH3_64bits"],
+            _module_file("xxhash._xxhash") + _system_library("xxhash", "libxxhash.so.0"),
+        )
+        # Optional: decodes a chunk only up to the last wanted byte (intact payloads).
+        try:
+            partial, _STATE["lz4_partial"] = _resolve(["LZ4_decompress_safe_partial"], [_STATE["lz4"].split(" from ", 1)[1]])
+        except OSError:
+            partial, _STATE["lz4_partial"] = 0, "not exported: wanted chunks are decoded in full"
+        _native.bind(lz4_addr, xxh_addr, partial)
+        _selftest(_native)
+    except (OSError, RuntimeError, ValueError, CodecError) as err:
+        _STATE["reason"] = f"LZ4/xxh3 could not be bound: {err}"
+        return
+    _STATE.update(native=_native, backend="native", reason="")
+
+
+def backend() -> str:
+    """``"native"`` or ``"python"``: what :func:`gather` uses."""
+    return str(_STATE["backend"])
+
+
+def info() -> dict[str, str]:
+    """The backend, why native is not used (if it is not), and where LZ4/xxh3 came from."""
+    return {k: str(_STATE[k]) for k in ("backend", "reason", "lz4", "lz4_partial", "xxh3")}
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Use ``"native"`` or ``"python"`` inside the block (tests and benchmarks; not thread-safe)."""
+    if name not in ("native", "python"):
+        raise ValueError(f"backend {name!r} is not 'native' or 'python'")
+    if name == "native" and _STATE["native"] is None:
+        raise RuntimeError(f"fastload._native is unavailable: {_STATE['reason']}")
+    before = _STATE["backend"]
+    _STATE["backend"] = name
+    try:
+        yield
+    finally:
+        _STATE["backend"] = before
+
+
+def gather(jobs: Sequence[Job], out: Any, threads: int | None = None) -> list[Result]:
+    """Check, decode and copy ranges of many payloads into ``out``; one result per job.
+
+    Args:
+        jobs: The payloads and their ranges (see :class:`Job`).
+        out: A writable, C-contiguous buffer that every copy fits in.
+        threads: Native threads for this call (default: one per 256 KiB of
+            payload, up to the CPU count and 8). The fallback runs in the calling
+            thread.
+
+    Raises:
+        ValueError: A copy lies outside its payload's raw size or the buffer
+            (checked before any I/O).
+        BufferError: ``out`` is read-only or not C-contiguous.
+        MemoryError: Scratch space for decoding could not be allocated.
+
+    >>> import numpy as np
+    >>> out = np.zeros(4, dtype=np.uint8)
+    >>> gather([], out)
+    []
+    """
+    if _STATE["backend"] == "native":
+        return gather_native(jobs, out, threads)
+    return gather_python(jobs, out, threads)
+
+
+_load()

@@ -1,0 +1,23 @@
+"""Builds the optional C extension ``fastload._native`` (native/_native.c).
+
+Everything else about the package lives in pyproject.toml. The extension is
+``optional``: when it cannot be compiled (no C compiler, no Python headers), the
+install still succeeds and fastload runs its pure-Python fallback
+(fastload/gather.py). It links nothing but libc and pthreads; LZ4 and xxh3 are
+resolved at run time from the installed ``lz4`` and ``xxhash`` packages (see
+native/README.md).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "fastload._native",
+            sources=["native/_native.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        )
+    ],
+)

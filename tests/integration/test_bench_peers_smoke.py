@@ -1,0 +1,96 @@
+"""Smoke test for benchmarks/peers/bench.py, so the benchmark cannot rot.
+
+A ``--quick`` run (no shaping, the naive torch+fsspec peer and fastload, both
+modes, 20 images, peers from this interpreter instead of .venv-peers) must run
+end to end and report every field the results table needs. Speed itself is not
+checked: timing belongs in the benchmark (STYLE.md, "Tests").
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("PIL", reason="the benchmark's sample data needs Pillow")
+pytest.importorskip("sklearn", reason="the benchmark's sample data needs scikit-learn")
+pytest.importorskip("psutil", reason="the benchmark measures peak RSS with psutil")
+
+pytestmark = pytest.mark.integration  # real nginx, subprocesses
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "bench.py"
+
+
+def _load_bench() -> ModuleType:
+    # benchmarks/ is not a package and stays out of pytest's collection; load it by path.
+    spec = importlib.util.spec_from_file_location("fastload_bench_peers", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    return _load_bench()
+
+
+def test_parse_args_full_run_covers_every_peer_and_both_links(bench: ModuleType) -> None:
+    full = bench.parse_args([])
+    assert full.images == 3000 and full.epochs == 2
+    assert [link.name for link in full.links] == ["200mbit", "1gbit", "1gbit+20ms"]
+    assert [link.delay_ms for link in full.links] == [0, 0, 20]
+    assert set(full.peers) >= {"torch_fsspec", "fsspec_simplecache", "fsspec_filecache", "webdataset",
+                               "streaming", "litdata", "dali", "fastload"}
+    assert full.links[1].burst == "1mb" and full.links[0].burst == "128kb"  # tbf needs rate/HZ at 1 Gbit
+    quick = bench.parse_args(["--quick"])
+    assert quick.peers == ["torch_fsspec", "fastload"] and [link.name for link in quick.links] == ["none"]
+
+
+def test_quick_run_reports_every_peer_mode_and_epoch(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str], nginx_server: Any
+) -> None:
+    # nginx_server is requested only for its skip-or-fail check; the benchmark runs its own.
+    out = tmp_path / "out"
+    args = bench.parse_args(["--quick", "--images", "20", "--out", str(out), "--work-dir", str(tmp_path)])
+    assert bench.main(args) == 0
+
+    res = json.loads((out / "results.json").read_text())
+    assert json.loads(capsys.readouterr().out) == res  # stdout carries exactly the JSON
+    assert list(tmp_path.glob("fastload-bench-peers-*")) == []  # work folder removed
+    assert res["dataset"]["images"] == 20 and 50_000 < res["dataset"]["avg_jpeg_bytes"] < 200_000
+
+    runs = {(r["peer"], r["mode"]): r for r in res["runs"]}
+    assert set(runs) == {(p, m) for p in ("torch_fsspec", "fastload") for m in ("raw", "decode")}
+    for (peer, mode), run in runs.items():
+        assert "error" not in run, run.get("error")
+        assert [e["epoch"] for e in run["epochs"]] == [1, 2]
+        for epoch in run["epochs"]:
+            assert epoch["samples"] == 20 and epoch["complete"] and epoch["samples_per_s"] > 0
+            if mode == "decode":
+                assert epoch["delivered_bytes"] == 20 * 224 * 224 * 3
+        assert run["peak_rss_mb"] > 0
+        # fastload caches the JPEGs (raw, plus headers and its index); the naive peer has no cache.
+        if peer == "fastload":
+            assert run["cache_bytes"] >= res["dataset"]["jpeg_bytes"]
+        else:
+            assert run["cache_bytes"] == 0
+
+    assert res["links"][0]["limit"]["mb_s"] > 0
+    assert set(res["ceilings"]) == {"raw", "decode"}
+    targets = res["targets"]
+    assert {"cold_vs_link[none]", "warm_vs_best_peer[none,raw]", "warm_vs_disk[none,raw]"} <= set(targets)
+
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 8 and {r["epoch"] for r in rows} == {"1", "2"}
+    md = (out / "results.md").read_text()
+    assert "| fastload |" in md and "## Machine" in md and "## Targets" in md
+    assert (out / "results.png").stat().st_size > 1000
