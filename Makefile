@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 .PHONY: test test-all reliability-doc demo bench lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py native/_native.c
 	@if [ ! -x $(BIN)/python ]; then \
 	  if $(PY) -c "import sys, torch; sys.exit(sys.prefix != sys.base_prefix)" 2>/dev/null; then \
 	    $(PY) -m venv --system-site-packages $(VENV); \
@@ -27,8 +27,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# The second run forces the pure-Python fallback of fastload._native on the tests that use it.
 test: lint
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	FASTLOAD_PURE_PYTHON=1 $(BIN)/python -m pytest -m "not slow" -p no:cacheprovider tests/unit/test_gather.py tests/unit/test_cache.py tests/unit/test_dataset.py tests/unit/test_loader_datasets.py tests/unit/test_bench_native_smoke.py $(PYTEST_ARGS)
 
 # test-all also runs the `slow` tests: among them the reliability suite's full
 # counts (20 SIGKILLs of `fastload cache`, 30 soak epochs, 3000 fuzz examples...;
