@@ -171,3 +171,20 @@ class Settings:
                 raise ConfigError(f"environment variable {name}={raw!r} is invalid: {err}") from err
         settings = cls(**values)
         return settings.replace(**overrides) if overrides else settings
+
+
+def default_read_threads() -> int:
+    """The DataLoader's default ``read_threads``: this process's CPUs, 2 to 8.
+
+    Remote requests of a batch overlap on fsspec's event loop, not one per thread,
+    so threads only need to cover the CPU work (checks, copies, decode). More cost
+    switches and GIL handoffs: on 2 cores a cold epoch ran at 615 objects/s with 8
+    threads and 937/s with 2, a warm one at ~11,000/s and ~20,000/s
+    (docs/loader.md).
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 2
+    return max(2, min(8, cpus))
+

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import math
+import sqlite3
 import tarfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,14 +53,46 @@ class _CachedDataset(torch.utils.data.Dataset):
     """Shared plumbing: a reader, a recorded listing, a CPU transform hook."""
 
     def __init__(self, url: str, pattern: str | None, *, transform: Transform | None, storage_options: dict[str, Any] | None,
-                 settings: Settings | None, refresh: bool) -> None:
+                 settings: Settings | None, refresh: bool, lazy_sizes: bool = False) -> None:
         self.url = url
+        self.pattern = pattern
         self.transform = transform
         self.reader = Reader(settings, storage_options)
-        self.items: list[RemoteItem] = self.reader.list(url, pattern, refresh=refresh)
+        # lazy_sizes: a listing without sizes (HTTP) is completed by each item's first
+        # GET when it is read (Reader.complete_first), not by a HEAD per item up front.
+        # A refresh re-checks every item now, so no pin of the old listing is trusted.
+        lazy = lazy_sizes and not refresh
+        self.items: list[RemoteItem] = self.reader.list(url, pattern, refresh=refresh, complete=not lazy)
         if not self.items:
             raise ConfigError(f"no objects match {pattern!r} under {url}; check the URL and the pattern")
-        self.reader.warn_if_oversized(self.items)
+        self._manifest_due = any(i.size < 0 for i in self.items)
+        self.items = self.reader.pinned(self.items)
+        self._unsized = sum(1 for i in self.items if i.size < 0)
+        self._save_if_sized()
+        self.reader.warn_if_oversized([i for i in self.items if i.size >= 0])
+
+    def _sized(self, indices: Sequence[int]) -> list[RemoteItem]:
+        """The items at ``indices``, each with its size (completed on first read)."""
+        items = [self.items[i] for i in indices]
+        if self._unsized and any(i.size < 0 for i in items):
+            items = self.reader.complete_first(self.reader.pinned(items))
+            for i, item in zip(indices, items):
+                if self.items[i].size < 0:
+                    self.items[i] = item
+                    self._unsized -= 1
+            self._save_if_sized()
+        return items
+
+    def _save_if_sized(self) -> None:
+        # Once every size is known here, the listing becomes the recorded manifest, so
+        # the next dataset over this URL (any process) starts with sizes.
+        if self._unsized == 0 and self._manifest_due:
+            self._manifest_due = False
+            try:
+                self.reader.save_manifest(self.reader.manifest_root(self.url), self.pattern, self.items)
+            except sqlite3.OperationalError as err:
+                if "full" not in str(err):  # a full disk only costs the next dataset a listing
+                    raise
 
     def _apply(self, value: Any, url: str | None = None) -> Any:
         if self.transform is None:
@@ -78,6 +111,11 @@ class _CachedDataset(torch.utils.data.Dataset):
     def read_batch(self, indices: Sequence[int]) -> list[Any]:
         """Samples for ``indices``, in order (called from loader threads)."""
         return [self[i] for i in indices]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        # torch's fetcher (in DataLoader workers, or torch's own loader) asks for a
+        # whole batch through this hook: one batched read, misses fetched together.
+        return self.read_batch(indices)
 
     def _own_getitem(self, cls: type[_CachedDataset]) -> bool:
         # A subclass that reads its samples another way (pipelines.CompressedArrayDataset
@@ -107,7 +145,8 @@ class FileDataset(_CachedDataset):
     def __init__(self, url: str, pattern: str | None = None, *, label: str | Callable[[str], Any] | None = None,
                  transform: Transform | None = None, storage_options: dict[str, Any] | None = None,
                  settings: Settings | None = None, refresh: bool = False) -> None:
-        super().__init__(url, pattern, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
+        super().__init__(url, pattern, transform=transform, storage_options=storage_options, settings=settings,
+                         refresh=refresh, lazy_sizes=True)
         root = self.reader.manifest_root(url) + "/"
         self.relpaths = [i.url[len(root):] if i.url.startswith(root) else i.url for i in self.items]
         self.label = label
@@ -129,7 +168,7 @@ class FileDataset(_CachedDataset):
         return self.label(rel) if callable(self.label) else None
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        item = self.items[index]
+        item = self._sized([index])[0]
         return self._sample(index, item, self.reader.read(item))
 
     def _sample(self, index: int, item: RemoteItem, data: bytes) -> dict[str, Any]:
@@ -142,7 +181,7 @@ class FileDataset(_CachedDataset):
         """``[self[i] for i in indices]``, with the files read as one batch."""
         if not self._own_getitem(FileDataset):
             return super().read_batch(indices)
-        items = [self.items[i] for i in indices]
+        items = self._sized(indices)
         out, offsets = _batch_buffer([item.size for item in items])
         self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], out)
         view = out.data

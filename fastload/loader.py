@@ -27,6 +27,7 @@ import torch
 import torch.utils.data as tud
 
 from fastload._loader_iter import _Calls, _LoaderIter, _Progress, _TimedCollate, _TimedNext
+from fastload.config import default_read_threads
 from fastload.errors import ConfigError, LoaderError
 from fastload.prefetch import DevicePrefetcher
 from fastload.readahead import ReadAhead
@@ -38,7 +39,7 @@ __all__ = ["DataLoader"]
 T_co = TypeVar("T_co", covariant=True)
 
 STATE_VERSION = 1
-DEFAULT_READ_THREADS = 8
+DEFAULT_READ_THREADS = default_read_threads()
 DEFAULT_READ_AHEAD = 2  # batches, for datasets with read_batch
 
 
@@ -83,7 +84,7 @@ class DataLoader(tud.DataLoader[T_co]):
             DistributedSampler). Otherwise, when ``generator`` is None, seeds a private
             generator for shuffling.
         stats: Record per-stage counters (see :meth:`stats`); costs well under 2%.
-        read_threads: Threads for the read_batch hook (default 8); 0 disables the hook.
+        read_threads: Threads for the read_batch hook (default: the CPUs, 2 to 8); 0 disables the hook.
         read_ahead: Batches read ahead of the consumer on the read_batch path (default
             2). For a plain map-style dataset with ``num_workers=0``, a value > 0 opts
             in to background reads: ``__getitem__`` (or ``__getitems__``) then runs on

@@ -24,9 +24,10 @@ import builtins
 import contextvars
 import logging
 import os
+import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -147,6 +148,52 @@ class Reader:
                     out.append({"root": root, "pattern": pattern or None, **rec})
         return out
 
+    # -- sizeless items (HTTP listings) ---------------------------------------
+
+    def pinned(self, items: builtins.list[RemoteItem]) -> builtins.list[RemoteItem]:
+        """``items``, those without a size filled in from their pins where pinned (one index query)."""
+        need = ["u:" + i.url for i in items if i.size < 0]
+        if not need:
+            return items
+        pins = self.cache.index.get_many(need)
+        out = []
+        for item in items:
+            pin = pins.get("u:" + item.url) if item.size < 0 else None
+            out.append(item if pin is None else RemoteItem(item.url, int(pin[0]), str(pin[1])))
+        return out
+
+    def complete_first(self, items: builtins.list[RemoteItem]) -> builtins.list[RemoteItem]:
+        """``items`` with sizes: each sizeless one completed by the GET of its first block.
+
+        An HTTP listing has no sizes; a HEAD per object before its GET cost a round trip
+        and ~0.5 ms of CPU each, before the first byte moved (benchmarks/peers). Here the
+        GETs of a batch overlap (:meth:`Source.read_first_many`); their first blocks are
+        cached and their fingerprints pinned, so other processes and epochs find them.
+        """
+        todo = [i for i, item in enumerate(items) if item.size < 0]
+        if not todo:
+            return items
+        t0 = time.perf_counter()
+        got = self.source(items[todo[0]].url).read_first_many([items[i] for i in todo], self.settings.block_bytes)
+        self.misses += len(got)
+        collector = current_collector()
+        collector.add("fetch", items=len(got), bytes=sum(len(d) for _, d in got), seconds=time.perf_counter() - t0)
+        collector.count("cache_miss", len(got))
+        # Pins first: a process killed between the two then refetches only blocks it
+        # never cached, not ones it cached but cannot find again (tests/reliability/test_train_kill.py).
+        try:
+            with self.cache.index.transact():
+                for item, _ in got:
+                    self.cache.index.set("u:" + item.url, (item.size, item.version))
+        except sqlite3.OperationalError as err:
+            if "full" not in str(err):  # pins save a request later; a full disk must not fail the read
+                raise
+        self.store_blocks([((item, 0), data) for item, data in got])
+        out = list(items)
+        for i, (item, _) in zip(todo, got):
+            out[i] = item
+        return out
+
     # -- blocks ---------------------------------------------------------------
 
     def blocks(self, item: RemoteItem) -> range:
@@ -185,27 +232,41 @@ class Reader:
 
     def fetch_block(self, item: RemoteItem, block: int, *, store: bool = True) -> bytes:
         """Fetch one block from the remote and (if ``store``) cache it; counts a miss."""
-        start, end = self.block_span(item, block)
-        t0 = time.perf_counter()
-        src = self.source(item.url)
-        whole = start == 0 and end == item.size
-        try:
-            data = src.read(item.url, 0 if whole else start, None if whole else end)
-        except FileNotFoundError as err:
-            raise RemoteChangedError(
-                f"{item.url}: listed (or staged) but now missing on the remote ({err}); fix: re-list with "
-                "refresh=True / `fastload cache --refresh`"
-            ) from err
-        if len(data) != end - start:
-            raise RemoteChangedError(
-                f"{item.url}: remote now returns {len(data)} B for block {block}, expected {end - start} B from its "
-                "recorded size; the object changed since it was listed; fix: `fastload cache --refresh` or refresh=True"
-            )
-        self.misses += 1
-        self._record("fetch", "cache_miss", len(data), time.perf_counter() - t0)
+        data = self.fetch_blocks([(item, block)])[0]
         if store:
             self.store_block(item, block, data)
         return data
+
+    def fetch_blocks(self, blocks: builtins.list[tuple[RemoteItem, int]]) -> builtins.list[bytes]:
+        """Fetch blocks from the remote, their requests overlapping (Source.read_many); counts misses."""
+        if not blocks:
+            return []
+        t0 = time.perf_counter()
+        spans = [self.block_span(item, block) for item, block in blocks]
+        ranges: builtins.list[tuple[str, int, int | None, int]] = [
+            (item.url, start, None if start == 0 and end == item.size else end, end - start)
+            for (item, _), (start, end) in zip(blocks, spans)
+        ]
+        got: builtins.list[bytes] = []
+        for (item, block), (start, end), data in zip(blocks, spans, self.source(blocks[0][0].url).read_many(ranges)):
+            if isinstance(data, FileNotFoundError):
+                raise RemoteChangedError(
+                    f"{item.url}: listed (or staged) but now missing on the remote ({data}); fix: re-list with "
+                    "refresh=True / `fastload cache --refresh`"
+                ) from data
+            if isinstance(data, Exception):
+                raise data
+            if len(data) != end - start:
+                raise RemoteChangedError(
+                    f"{item.url}: remote now returns {len(data)} B for block {block}, expected {end - start} B from its "
+                    "recorded size; the object changed since it was listed; fix: `fastload cache --refresh` or refresh=True"
+                )
+            got.append(data)
+        self.misses += len(got)
+        collector = current_collector()
+        collector.add("fetch", items=len(got), bytes=sum(len(d) for d in got), seconds=time.perf_counter() - t0)
+        collector.count("cache_miss", len(got))
+        return got
 
     def store_block(self, item: RemoteItem, block: int, data: bytes) -> None:
         """Cache a fetched block; a cache that cannot hold it degrades to streaming."""
@@ -280,25 +341,72 @@ class Reader:
                 for lo, n, dst in copies:
                     view[dst : dst + n] = data[lo : lo + n]
 
-    def _read_blocks(self, blocks: builtins.list[tuple[RemoteItem, int]]) -> Iterator[bytes]:
-        """:meth:`read_block` of each, the misses of one call fetched concurrently.
+    def _read_blocks(self, blocks: builtins.list[tuple[RemoteItem, int]]) -> builtins.list[bytes]:
+        """:meth:`read_block` of each, the misses of one call fetched concurrently and stored together.
 
         One after another, every miss of a loader thread's chunk waited a full round
         trip: 8 read threads kept only 8 requests in flight, ~380 items/s with 20 ms to
-        first byte (benchmarks/peers, link 1gbit+20ms). Up to ``Settings.workers``
-        requests now overlap; each task runs in a copy of the caller's context, so the
-        loader's stats collector still sees the fetches.
+        first byte (benchmarks/peers, link 1gbit+20ms). Now they overlap: on fsspec's
+        event loop for async stores (HTTP, S3, GCS: :meth:`fetch_blocks`), else on a pool
+        of ``Settings.workers`` threads, each task in a copy of the caller's context so
+        the loader's stats collector still sees the fetches. The fetched blocks are then
+        cached by one :meth:`Cache.put_many` (two index transactions, not two per block).
         """
         if len(blocks) < 2:
-            return (self.read_block(item, block) for item, block in blocks)
+            return [self.read_block(item, block) for item, block in blocks]
+        # Claim each block's fetch without waiting: a block another thread is fetching
+        # is read after ours (a cache hit by then), so two threads never wait on each other.
+        mine: builtins.list[tuple[int, str, threading.Lock]] = []
         with self._lock:
             if self._pool is None or self._pool_pid != os.getpid():
                 # A forked child inherits the pool without its threads: start a new one.
                 self._pool = ThreadPoolExecutor(self.settings.workers, thread_name_prefix="fastload-fetch")
                 self._pool_pid = os.getpid()
             pool = self._pool
-        futures = [pool.submit(contextvars.copy_context().run, self.read_block, item, block) for item, block in blocks]
-        return (f.result() for f in futures)
+            for i, (item, block) in enumerate(blocks):
+                key = self.key(item, block)
+                gate = self._inflight.setdefault(key, threading.Lock())
+                if gate.acquire(blocking=False):
+                    mine.append((i, key, gate))
+        out: builtins.list[bytes | None] = [None] * len(blocks)
+        try:
+            if mine and getattr(self.source(blocks[0][0].url).fs, "async_impl", False):
+                # One call, the requests overlapping on fsspec's event loop (no thread each).
+                for (i, _, _), data in zip(mine, self.fetch_blocks([blocks[i] for i, _, _ in mine])):
+                    out[i] = data
+            else:
+                futures = {i: pool.submit(contextvars.copy_context().run, self._fetch_unstored, blocks[i]) for i, _, _ in mine}
+                error: BaseException | None = None
+                for i, future in futures.items():
+                    try:
+                        out[i] = future.result()
+                    except BaseException as err:  # the others still finish and are stored
+                        error = error or err
+                if error is not None:
+                    self.store_blocks([(blocks[i], out[i]) for i, _, _ in mine if out[i] is not None])
+                    raise error
+            self.store_blocks([(blocks[i], out[i]) for i, _, _ in mine if out[i] is not None])
+        finally:
+            with self._lock:
+                for _, key, gate in mine:
+                    self._inflight.pop(key, None)
+                    gate.release()
+        return [data if data is not None else self.read_block(*blocks[i]) for i, data in enumerate(out)]
+
+    def _fetch_unstored(self, block: tuple[RemoteItem, int]) -> bytes:
+        return self.fetch_block(*block, store=False)
+
+    def store_blocks(self, fetched: builtins.list[tuple[tuple[RemoteItem, int], bytes | None]]) -> None:
+        """Cache fetched blocks in one batch; a cache that cannot hold them degrades to streaming."""
+        batch = [(self.key(item, block), data, item.url, block) for (item, block), data in fetched if data is not None]
+        if not batch:
+            return
+        try:
+            self.cache.put_many(batch)
+        except CacheLimitError:
+            raise
+        except CacheFullError as err:
+            self._warn_streaming(f"cache cannot store {batch[0][2]} and {len(batch) - 1} more ({err}); serving them without caching")
 
     # -- whole objects and ranges ---------------------------------------------
 

@@ -356,6 +356,31 @@ class Source:
 
         return self._call(once, url)
 
+    def read_many(self, ranges: builtins.list[tuple[str, int, int | None, int]]) -> builtins.list[bytes | Exception]:
+        """``url[start:end]`` (``end`` None: to the end) of each ``(url, start, end, expect)``,
+        their requests overlapping on fsspec's event loop; a failed one's error in its place.
+
+        Threads that each wait on one request cost a context switch or more per object
+        and contend for the GIL: a cold epoch ran at 615 objects/s with 8 read threads
+        and 16 fetch threads, 937/s with 2 read threads (unshaped loopback, 108 KB).
+        A range whose request fails is retried alone through :meth:`read` (backoff,
+        timeout, error translation); what that raises is returned for it.
+        """
+        fs: Any = self.fs
+        results: builtins.list[Any] = [None] * len(ranges)
+        if len(ranges) > 1 and getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
+            paths = [(fs._strip_protocol(url), start, end) for url, start, end, _ in ranges]
+            results = fsspec.asyn.sync(fs.loop, _gather_ranges, fs, paths, self.settings.request_timeout_s)
+        out: builtins.list[bytes | Exception] = []
+        for (url, start, end, expect), res in zip(ranges, results):
+            if res is None or isinstance(res, BaseException) or len(res) != expect:
+                try:
+                    res = self.read(url, start, end, expect=expect)
+                except Exception as err:
+                    res = err
+            out.append(res if isinstance(res, Exception) else bytes(res))
+        return out
+
     def _call(self, fn: Callable[[], T], url: str) -> T:
         settings = self.settings
         attempt = 0
@@ -498,6 +523,16 @@ async def _http_get_first(fs: Any, url: str, nbytes: int, timeout_s: float) -> t
             if r.headers.get(field):
                 info[field] = r.headers[field]
     return info, body
+
+
+async def _gather_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], timeout_s: float) -> list[Any]:
+    async def one(path: str, start: int, end: int | None) -> bytes:
+        # Bounded like Source.read's requests (asyncio's own timeout for stores that take no kwarg).
+        if start == 0 and end is None:
+            return await asyncio.wait_for(fs._cat_file(path), timeout_s)
+        return await asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout_s)
+
+    return await asyncio.gather(*(one(*r) for r in ranges), return_exceptions=True)
 
 
 async def _gather_first(fs: Any, urls: list[str], nbytes: int, timeout_s: float) -> list[Any]:

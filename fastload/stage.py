@@ -209,7 +209,7 @@ class _Progress:
             self.bar.set_postfix(items=f"{self.done}/{self.items}", refresh=False)
 
 
-CHUNK = 4  # sizeless HTTP items whose GETs one staging thread keeps in flight (_fetch_all)
+CHUNK = 16  # sizeless HTTP items whose GETs one staging thread keeps in flight (_fetch_all)
 
 
 def _fetch_all(reader: Reader, items: list[RemoteItem], workers: int, report: StageReport, show: bool, label: str,
@@ -236,6 +236,7 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], workers: int, report: St
         return None
 
     def finish(index: int, item: RemoteItem, first: bytes | None) -> list[tuple[RemoteItem, int]]:
+        """Account for ``item``, whose first block is already cached when ``first`` is given."""
         if item.size != items[index].size:
             with progress.lock:
                 progress.bar.total += item.size
@@ -244,7 +245,6 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], workers: int, report: St
         if first is None:
             do_block(item, blocks[0])
         else:
-            reader.cache.put(reader.key(item, blocks[0]), first, url=item.url, block=blocks[0])
             progress.fetched(len(first))
         if len(blocks) == 1:
             progress.item_done()
@@ -259,10 +259,14 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], workers: int, report: St
         # doubled the per-item latency (2 x 20 ms to first byte on the cloud link of
         # benchmarks/peers). The chunk's GETs overlap (Source.read_first_many), so each
         # thread keeps CHUNK requests in flight. A pinned URL may be cached: HEAD it.
-        pinned = [i for i in indices if reader.cache.index.get("u:" + items[i].url) is not None]
+        pins = reader.cache.index.get_many(["u:" + items[i].url for i in indices])
+        pinned = [i for i in indices if "u:" + items[i].url in pins]
         fresh = [i for i in indices if i not in pinned]
         rest = [r for i in pinned for r in (do_item(i) or [])]
-        for i, (item, first) in zip(fresh, src.read_first_many([items[i] for i in fresh], reader.settings.block_bytes)):
+        got = src.read_first_many([items[i] for i in fresh], reader.settings.block_bytes)
+        # One cache batch for the chunk: two index transactions, not two per item.
+        reader.cache.put_many([(reader.key(item, 0), first, item.url, 0) for item, first in got])
+        for i, (item, first) in zip(fresh, got):
             rest += finish(i, item, first)
         return rest
 

@@ -182,12 +182,18 @@ def _dataset(opts: BenchOptions, url: str, cache_dir: Path) -> Any:
     return FileDataset(url, opts.pattern, storage_options=opts.storage_options, settings=settings)
 
 
+def _avg_size(ds: Any) -> float:
+    # Items an HTTP listing left sizeless are pinned by the epochs' reads (any process).
+    sizes = [i.size for i in ds.reader.pinned(ds.items) if i.size >= 0]
+    return sum(sizes) / len(sizes) if sizes else 0.0
+
+
 def _wants_decode(opts: BenchOptions, ds: Any) -> bool:
     if opts.decode != "auto":
         return opts.decode == "cpu"
     item = ds.items[0]
     # Straight from the source, not through the cache: epoch 1 must stay cold.
-    head = ds.reader.source(item.url).read(item.url, 0, min(item.size, 16))
+    head = ds.reader.source(item.url).read(item.url, 0, 16 if item.size < 0 else min(item.size, 16))
     return head[:3] == b"\xff\xd8\xff"
 
 
@@ -268,7 +274,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         "dataset": what,
         "url": url if not opts.sample else None,
         "items": len(ds),
-        "avg_item_bytes": sum(i.size for i in ds.items) / len(ds.items),
+        "avg_item_bytes": _avg_size(ds),
         "batch_size": opts.batch_size,
         "num_workers": opts.num_workers,
         "read_threads": threads,

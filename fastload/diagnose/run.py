@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastload.config import Settings
+from fastload.config import Settings, default_read_threads
 from fastload.diagnose import compute, disk, env, gpu, link, storage
 from fastload.diagnose._util import guarded, skipped
 from fastload.diagnose.verdict import Inputs, make_verdict
@@ -69,7 +69,7 @@ class Options:
     link_payload: str = "fp32"
     decode_on: str = "cpu"
     cache: bool = True
-    read_threads: int = 8
+    read_threads: int = field(default_factory=default_read_threads)
     step_ms: float | None = None
     batch_size: int | None = None
     gpu: bool = True

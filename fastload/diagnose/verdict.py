@@ -49,7 +49,7 @@ CLASS_OF = {
     "gpu_decode": "gpu",
     "model": "compute",
 }
-DEFAULT_READ_THREADS = 8  # fastload.loader.DEFAULT_READ_THREADS (not imported: that needs torch)
+DEFAULT_READ_THREADS = 8  # Inputs' default: fastload.config.default_read_threads() on 8 or more CPUs
 DEFAULT_STAGE_WORKERS = 16  # Settings.workers
 CLOSE = 1.15  # two stages within 15% of each other are "balanced"
 #: A100 + DALI mixed decode, about 7,000 img/s (limits.md section 3), quoted when unmeasured.

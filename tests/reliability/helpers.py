@@ -45,7 +45,7 @@ def payload_files(cache_dir: Path) -> list[Path]:
 def payload_bytes(cache_dir: Path) -> int:
     """Bytes of payload files and in-progress temp files (races with deleters are skipped)."""
     total = 0
-    for folder, pattern in (("data", "*/*.flp"), ("tmp", "*.part")):
+    for folder, pattern in (("data", "*/*.flp"), ("data", "*/*.part"), ("tmp", "*.part")):
         base = cache_dir / folder
         if not base.exists():
             continue

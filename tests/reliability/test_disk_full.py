@@ -61,7 +61,7 @@ def test_full_disk_streams_training_and_fails_staging_clearly(
         entries = _entries(settings)  # read-only: the disk is full
         assert 0 < len(entries) < N  # it cached what fit, and streamed the rest
         assert {p.name for p in payload_files(settings.cache_dir)} == {Path(e[0]).name for e in entries}  # no orphan
-        assert not list((settings.cache_dir / "tmp").glob("*.part"))  # no half-written file
+        assert not list(settings.cache_dir.glob("**/*.part"))  # no half-written file
         for rel, stored, *_ in entries:  # no corrupt entry
             assert (settings.cache_dir / "data" / rel).stat().st_size == stored
         cached.append(len(entries))

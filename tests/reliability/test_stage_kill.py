@@ -91,7 +91,7 @@ def assert_complete(cache_dir: Path, root: Path, files: dict[str, bytes]) -> Non
     entries = list(cache.entries())
     assert len(entries) == len(files)  # no duplicates from racing or resumed writers
     assert cache.volume() == sum(e.stored for e in entries)
-    assert not list(cache.tmp_dir.glob("*.part"))
+    assert not cache.temp_files()
 
 
 @pytest.mark.parametrize(

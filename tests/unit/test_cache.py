@@ -159,9 +159,11 @@ def test_check_removes_stale_temp_and_orphan_files(settings: Settings) -> None:
     orphan.parent.mkdir(exist_ok=True)
     orphan.write_bytes(b"x")
     os.utime(orphan, (1, 1))
+    torn = cache.data_dir / "ab" / "999999999-cafe.part"  # a payload write that died beside its folder's payloads
+    torn.write_bytes(b"half")
     result = cache.check()
-    assert result["stale_tmp"] == 1 and result["orphans"] == 1
-    assert not stale.exists() and not orphan.exists()
+    assert result["stale_tmp"] == 2 and result["orphans"] == 1
+    assert not stale.exists() and not orphan.exists() and not torn.exists()
     assert cache.get("k") == b"data" * 100
 
 
