@@ -209,7 +209,8 @@ class _Progress:
             self.bar.set_postfix(items=f"{self.done}/{self.items}", refresh=False)
 
 
-CHUNK = 16  # sizeless HTTP items whose GETs one staging thread keeps in flight (_fetch_all)
+CHUNK = 32  # sizeless HTTP items whose GETs one staging thread keeps in flight (_fetch_all)
+CHUNK_THREADS = 4  # threads that run those chunks
 
 
 def _fetch_all(reader: Reader, items: list[RemoteItem], workers: int, report: StageReport, show: bool, label: str,
@@ -270,14 +271,16 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], workers: int, report: St
             rest += finish(i, item, first)
         return rest
 
-    with progress.bar, ThreadPoolExecutor(workers) as pool:
+    # Chunks keep CHUNK requests each in flight on the event loop, so a few threads
+    # suffice; 16 of them cost more in switches than they added (benchmarks/peers).
+    with progress.bar, ThreadPoolExecutor(workers) as pool, ThreadPoolExecutor(min(workers, CHUNK_THREADS)) as chunk_pool:
         # Each item's first block is fetched by the task that completes the item;
         # the other blocks of a large object fan out to the pool afterwards.
         sizeless = [i for i, item in enumerate(items) if item.size < 0] if one_request else []
         chunks = [sizeless[k : k + CHUNK] for k in range(0, len(sizeless), CHUNK)]
         others = sorted(set(range(len(items))) - set(sizeless))
         futures: set[Future[list[tuple[RemoteItem, int]] | None]] = {pool.submit(do_item, i) for i in others}
-        futures |= {pool.submit(do_chunk, c) for c in chunks}
+        futures |= {chunk_pool.submit(do_chunk, c) for c in chunks}
         while futures:
             done, futures = wait(futures, return_when=FIRST_EXCEPTION)
             for f in done:

@@ -98,8 +98,9 @@ def test_interrupted_stage_reruns_with_heads_and_skips_what_is_cached(
 
 
 def test_misses_of_one_batch_are_fetched_concurrently(tmp_path: Path, settings: Settings) -> None:
+    # A store without an event loop (here file://, its fetches stubbed slow): a thread pool.
     reader = Reader(settings)
-    items = [RemoteItem(f"http://example.invalid/{i}.bin", 1000, "v1") for i in range(8)]
+    items = [RemoteItem(f"file://{tmp_path}/{i}.bin", 1000, "v1") for i in range(8)]
     lock, active, peak = threading.Lock(), [0], [0]
 
     def slow_fetch(item: RemoteItem, block: int, *, store: bool = True) -> bytes:
@@ -109,16 +110,86 @@ def test_misses_of_one_batch_are_fetched_concurrently(tmp_path: Path, settings: 
         time.sleep(0.05)  # one round trip to a remote
         with lock:
             active[0] -= 1
-        data = item.url[-5].encode() * item.size
-        reader.store_block(item, block, data)
-        return data
+        return item.url[-5].encode() * item.size
 
     reader.fetch_block = slow_fetch  # type: ignore[method-assign]
     out = bytearray(8000)
     reader.read_into([(item, 0, 1000, 1000 * k) for k, item in enumerate(items)], out)
     assert bytes(out) == b"".join(str(k).encode() * 1000 for k in range(8))
     assert peak[0] > 1  # overlapped, not one after another
-    assert reader.cache.get(reader.key(items[3], 0)) == b"3" * 1000
+    assert reader.cache.get(reader.key(items[3], 0)) == b"3" * 1000  # stored by the batch
+
+
+def test_http_misses_of_one_batch_go_out_together_on_the_event_loop(
+    tmp_path: Path, nginx_server: Callable, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = _tree(tmp_path / "www")
+    server = nginx_server(tmp_path / "www")
+    reader = Reader(settings)
+    items = [reader.stat(f"{server.url}/{rel}") for rel in sorted(files) if not rel.endswith("f00.bin")]
+    heads = _requests(server, "HEAD")
+    calls: list[int] = []
+    gather = fastload.source._gather_ranges
+
+    async def counting(fs: object, ranges: list, timeout_s: float) -> list:
+        calls.append(len(ranges))
+        return await gather(fs, ranges, timeout_s)
+
+    monkeypatch.setattr(fastload.source, "_gather_ranges", counting)
+    sizes = [i.size for i in items]
+    out = bytearray(sum(sizes))
+    offsets = [sum(sizes[:k]) for k in range(len(items))]
+    reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], out)
+    rels = [r for r in sorted(files) if not r.endswith("f00.bin")]
+    assert bytes(out) == b"".join(files[r] for r in rels)
+    assert calls == [len(items)]  # one batch of requests, no thread per request
+    assert _requests(server, "GET") == len(items) and _requests(server, "HEAD") == heads
+    assert all(reader.cache.contains(reader.key(i, 0)) for i in items)  # cached by one put_many
+
+
+def test_file_dataset_over_http_sends_one_get_per_object_and_no_head(
+    tmp_path: Path, nginx_server: Callable, settings: Settings
+) -> None:
+    files = _tree(tmp_path / "www")
+    server = nginx_server(tmp_path / "www")
+    url = server.url + "/"
+    ds = fastload.FileDataset(url, pattern="**/*.bin", settings=settings)
+    assert all(i.size < 0 for i in ds.items)  # an HTTP listing has no sizes: none asked for yet
+    root = ds.reader.manifest_root(url) + "/"
+    loader = fastload.DataLoader(ds, batch_size=4, collate_fn=lambda b: b)
+    got = {s["url"][len(root):]: s["data"] for batch in loader for s in batch}
+    assert got == files
+    assert _requests(server, "HEAD") == 0
+    # One GET per object (its first block gives size and version), plus the 200 kB one's other blocks.
+    assert _requests(server, "GET") == len(files) + 3
+    # Every size is known now: the listing became the manifest, so a new dataset lists nothing.
+    listings = _requests(server, "GET", suffix="/")
+    again = fastload.FileDataset(url, pattern="**/*.bin", settings=settings)
+    assert all(i.size >= 0 for i in again.items) and _requests(server, "GET", suffix="/") == listings
+    server.stop()  # the second epoch needs no server
+    assert {s["url"][len(root):]: s["data"] for b in fastload.DataLoader(again, batch_size=4, collate_fn=lambda b: b) for s in b} == files
+
+
+def test_lookahead_fetches_ahead_without_fetching_twice(
+    tmp_path: Path, nginx_server: Callable, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = _tree(tmp_path / "www", n=24)
+    server = nginx_server(tmp_path / "www")
+    ds = fastload.FileDataset(server.url + "/", pattern="**/*.bin", settings=settings)
+    started: list[int] = []
+    prefetch = ds.reader.prefetch
+
+    def counting(items: list[RemoteItem]) -> int:
+        n = prefetch(items)
+        started.append(n)
+        return n
+
+    monkeypatch.setattr(ds.reader, "prefetch", counting)
+    batches = list(fastload.DataLoader(ds, batch_size=4, shuffle=True, seed=3, collate_fn=lambda b: b))
+    plain = list(fastload.DataLoader(ds, batch_size=4, shuffle=True, seed=3, collate_fn=lambda b: b))
+    assert [[s["url"] for s in b] for b in batches] == [[s["url"] for s in b] for b in plain]  # same order
+    assert sum(started) == len(files)  # every file fetched ahead once (the 200 kB one: its first block); none when cached
+    assert _requests(server, "GET") == len(files) + 3 and _requests(server, "HEAD") == 0  # nothing twice
 
 
 def test_read_first_many_overlaps_gets_and_names_a_missing_object(

@@ -1,0 +1,82 @@
+"""Batched cache operations: put_many, get_many, the per-process entry memo."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastload.cache import Cache
+from fastload.config import Settings, default_read_threads
+from fastload.errors import CacheLimitError
+
+
+@pytest.fixture()
+def settings(tmp_path: Path) -> Settings:
+    return Settings(cache_dir=tmp_path / "cache", cache_limit_bytes=10**8)
+
+
+def _blob(i: int, n: int = 5000) -> bytes:
+    return os.urandom(n // 2) + bytes([i % 256]) * (n - n // 2)
+
+
+def test_put_many_stores_each_block_and_serves_existing_ones(settings: Settings) -> None:
+    cache = Cache(settings)
+    first = cache.put("k1", b"old", url="mem://1")
+    blobs = {f"k{i}": _blob(i) for i in range(1, 6)}
+    entries = cache.put_many([(k, v, f"mem://{k}", 0) for k, v in blobs.items()] + [("k3", blobs["k3"], "mem://k3", 0)])
+    assert [e.key for e in entries] == ["k1", "k2", "k3", "k4", "k5", "k3"]
+    assert entries[0] == first  # first writer wins: the existing entry is served, not replaced
+    assert cache.get("k1") == b"old"
+    for k in ("k2", "k3", "k4", "k5"):
+        assert cache.get(k) == blobs[k]
+    assert cache.volume() == sum(e.stored for e in cache.entries())  # bytes counted once each
+    assert not cache.temp_files()
+
+
+def test_put_many_refuses_an_item_over_the_limit_and_publishes_nothing(tmp_path: Path) -> None:
+    cache = Cache(Settings(cache_dir=tmp_path / "c", cache_limit_bytes=10_000))
+    with pytest.raises(CacheLimitError, match=r"mem://big.*block 0"):
+        cache.put_many([("a", _blob(1, 2000), "mem://a", 0), ("big", os.urandom(20_000), "mem://big", 0)])
+    assert list(cache.entries()) == [] and cache.volume() == 0
+
+
+def test_get_many_agrees_with_get(settings: Settings) -> None:
+    cache = Cache(settings)
+    cache.put_many([(f"k{i}", _blob(i), f"mem://{i}", 0) for i in range(700)])  # more than one IN chunk
+    keys = ["e:" + f"k{i}" for i in range(0, 700, 3)] + ["e:missing"]
+    got = cache.index.get_many(keys)
+    assert set(got) == set(keys) - {"e:missing"}
+    assert all(got[k] == cache.index.get(k) for k in got)
+
+
+def test_a_rewritten_entry_is_found_again_not_dropped(settings: Settings) -> None:
+    # Process A remembers an entry; process B (another Cache) drops it and writes it anew.
+    a, b = Cache(settings), Cache(settings)
+    a.put("k", b"x" * 3000, url="mem://k")
+    old = a.entry("k")
+    assert b.drop("k")
+    b.put("k", b"x" * 3000, url="mem://k")
+    assert b.entry("k") != old  # a new payload file
+    assert a.get("k") == b"x" * 3000  # A's memo is stale: it looks the entry up again
+    out = np.zeros(3000, dtype=np.uint8)
+    a._memo["k"] = old  # stale again, for the batch path
+    assert a.read_into([("k", [(0, 3000, 0)])], out) == []
+    assert bytes(out) == b"x" * 3000
+    assert a.corrupt_count() == 0 and a.corrupt_seen == 0  # a miss of the memo is not damage
+
+
+def test_a_payload_deleted_under_its_live_entry_is_still_counted_corrupt(settings: Settings) -> None:
+    cache = Cache(settings)
+    entry = cache.put("k", b"y" * 3000, url="mem://k")
+    (cache.data_dir / entry.path).unlink()
+    assert cache.get("k") is None
+    assert cache.corrupt_count() == 1 and cache.entry("k") is None
+
+
+def test_default_read_threads_is_the_cpus_between_2_and_8(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cpus, want in ((1, 2), (2, 2), (6, 6), (64, 8)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        assert default_read_threads() == want
