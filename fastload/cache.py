@@ -52,7 +52,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,6 +180,11 @@ class Cache:
             for name, rec in self.index.get_many(["e:" + k for k in todo]).items():
                 self._remember(Entry(name[2:], *rec))
         return [memo.get(k) for k in keys]
+
+    @property
+    def known(self) -> Mapping[str, Entry]:
+        """Entries this process has written or looked up (they may have gone since)."""
+        return self._memo
 
     def _remember(self, entry: Entry) -> Entry:
         if len(self._memo) >= MEMO_MAX:

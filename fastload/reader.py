@@ -41,6 +41,7 @@ _log = logging.getLogger("fastload")
 
 
 
+KEYS_MAX = 1 << 20  # cache keys remembered per Reader
 AHEAD_ITEMS = 512  # first blocks fetched ahead per Reader, at most (prefetch)
 AHEAD_ITEM_BYTES = 1 << 20  # larger objects are not fetched ahead: their transfer, not latency, dominates
 
@@ -73,6 +74,7 @@ class Reader:
         self._inflight: dict[str, threading.Lock] = {}
         self._pool: ThreadPoolExecutor | None = None  # concurrent misses (_read_blocks)
         self._pool_pid = 0
+        self._keys: dict[tuple[RemoteItem, int], str] = {}
         # First blocks being fetched ahead of their reads (prefetch): url -> (item, future).
         self._ahead: dict[str, tuple[RemoteItem, Future[Any]]] = {}
         self._ahead_pid = os.getpid()
@@ -218,8 +220,10 @@ class Reader:
         limit = min(self.settings.block_bytes, AHEAD_ITEM_BYTES)
         todo = [i for i in items if i.url not in self._ahead and i.size <= limit]
         todo = todo[: max(0, AHEAD_ITEMS - len(self._ahead))]
+        known = self.cache.known
+        todo = [i for i in todo if i.size < 0 or self.key(i, 0) not in known]  # cached here already: skip
         sized = [i for i in todo if i.size >= 0]
-        if sized:  # cached already: nothing to fetch
+        if sized:  # cached by another process: nothing to fetch either
             cached = {i.url for i, e in zip(sized, self.cache.entries_for([self.key(i, 0) for i in sized])) if e is not None}
             todo = [i for i in todo if i.url not in cached]
         started = 0
@@ -275,7 +279,13 @@ class Reader:
         return start, min(item.size, start + self.settings.block_bytes)
 
     def key(self, item: RemoteItem, block: int) -> str:
-        return entry_key(item.url, item.size, item.version, block, self.settings.block_bytes)
+        # Remembered: a sha256 per block per read was a tenth of a warm epoch's time.
+        key = self._keys.get((item, block))
+        if key is None:
+            if len(self._keys) >= KEYS_MAX:
+                self._keys.clear()
+            key = self._keys[(item, block)] = entry_key(item.url, item.size, item.version, block, self.settings.block_bytes)
+        return key
 
     def read_block(self, item: RemoteItem, block: int) -> bytes:
         """One block of ``item``: from the cache, or fetched, stored and returned."""
