@@ -199,6 +199,26 @@ class Cache:
 
     def get(self, key: str) -> bytes | None:
         """Return the raw bytes for ``key``, or None on a miss or a dropped bad entry."""
+        checked = self._checked_payload(key)
+        if checked is None:
+            return None
+        entry, payload, info = checked
+        try:
+            # Bytes identical to those written decode to what was encoded, so the
+            # second hash (of the larger raw bytes) is only needed for old entries.
+            return codec.decode(payload, verify=entry.stored_checksum is None, info=info)
+        except CodecError as err:
+            self._corrupt(entry, str(err))
+            return None
+
+    def read_payload(self, key: str) -> bytes | None:
+        """The stored payload of ``key`` (codec.py format, still compressed), checked as
+        :meth:`get` checks it; None on a miss or a dropped bad entry. For consumers that
+        decode elsewhere (the GPU's LZ4 inflate in pipelines/array.py)."""
+        checked = self._checked_payload(key)
+        return checked[1] if checked is not None else None
+
+    def _checked_payload(self, key: str) -> tuple[Entry, bytes, codec.PayloadInfo] | None:
         entry = self.entry(key)
         payload = None
         for _ in range(2):  # twice: the entry may have been rewritten since this process looked it up
@@ -215,20 +235,16 @@ class Cache:
         try:
             if len(payload) != entry.stored:
                 raise CodecError(f"payload is {len(payload)} B, index says {entry.stored} B")
-            intact = entry.stored_checksum is not None
-            if intact and codec.checksum(payload) != entry.stored_checksum:
+            if entry.stored_checksum is not None and codec.checksum(payload) != entry.stored_checksum:
                 raise CodecError("stored checksum mismatch: the payload file changed on disk")
             info = codec.parse_header(payload)
             if info.checksum != entry.checksum or info.raw_size != entry.raw or info.codec != entry.codec:
                 raise CodecError("payload header disagrees with the index")
-            # Bytes identical to those written decode to what was encoded, so the
-            # second hash (of the larger raw bytes) is only needed for old entries.
-            raw = codec.decode(payload, verify=not intact, info=info)
         except CodecError as err:
             self._corrupt(entry, str(err))
             return None
         self._touch(key)
-        return raw
+        return entry, payload, info
 
     def read_into(self, requests: Sequence[tuple[str, Sequence[tuple[int, int, int]]]], out: Any) -> list[int]:
         """Copy byte ranges of many entries' raw bytes into ``out``, as one batch.

@@ -68,10 +68,10 @@ class Payload:
 def read_payload(reader: Reader, item: RemoteItem) -> bytes:
     """The stored payload of a one-block object, read from the cache without decoding it.
 
-    A miss is fetched and stored through the reader first. The payload file's size
-    is checked against the index; a file that is missing or of the wrong size is
-    dropped and fetched again once, as :meth:`fastload.cache.Cache.get` does. When
-    the cache cannot hold the object (streaming), a raw payload is built in memory.
+    A miss is fetched and stored through the reader first. The payload is checked
+    as :meth:`fastload.cache.Cache.get` checks it (size, stored checksum, header);
+    a bad one is dropped and fetched again once. When the cache cannot hold the
+    object (streaming), a raw payload is built in memory.
 
     Raises:
         ConfigError: The object spans several cache blocks (raise FASTLOAD_BLOCK_SIZE).
@@ -86,29 +86,14 @@ def read_payload(reader: Reader, item: RemoteItem) -> bytes:
     key = reader.key(item, 0)
     data = b""
     for _ in range(2):
-        entry = cache.entry(key)
-        if entry is None:
-            data = reader.read_block(item, 0)  # a miss: fetched and stored (or served uncached)
-            entry = cache.entry(key)
-            if entry is None:
-                break
         t0 = time.perf_counter()
-        try:
-            with open(cache.data_dir / entry.path, "rb") as f:
-                payload = f.read()
-        except FileNotFoundError:
-            continue  # evicted by another process between lookup and open
-        if len(payload) != entry.stored:
-            cache.drop(key)  # a torn or replaced file: drop it and fetch again, as Cache.get does
-            continue
-        # Private, but it is how the cache keeps LRU order for reads; see the closing note.
-        cache._touch(key)
-        collector = current_collector()
-        collector.add("cache_read", items=1, bytes=len(payload), seconds=time.perf_counter() - t0)
-        collector.count("cache_hit")
-        return payload
-    if not data:
-        data = reader.read_block(item, 0)
+        payload = cache.read_payload(key)  # checked as Cache.get checks it; a bad one is dropped
+        if payload is not None:
+            collector = current_collector()
+            collector.add("cache_read", items=1, bytes=len(payload), seconds=time.perf_counter() - t0)
+            collector.count("cache_hit")
+            return payload
+        data = reader.read_block(item, 0)  # a miss: fetched and stored (or served uncached)
     return codec.encode(data, chunk_bytes=reader.settings.chunk_bytes, min_saving=1.0)
 
 

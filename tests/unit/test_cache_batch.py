@@ -80,3 +80,15 @@ def test_default_read_threads_is_the_cpus_between_2_and_8(monkeypatch: pytest.Mo
     for cpus, want in ((1, 2), (2, 2), (6, 6), (64, 8)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
         assert default_read_threads() == want
+
+
+def test_read_payload_is_checked_like_get(settings: Settings) -> None:
+    cache = Cache(settings)
+    entry = cache.put("k", _blob(7, 20_000), url="mem://k")
+    path = cache.data_dir / entry.path
+    assert cache.read_payload("k") == path.read_bytes()  # the stored (compressed) bytes, not decoded
+    damaged = bytearray(path.read_bytes())
+    damaged[-1] ^= 0x01
+    path.write_bytes(bytes(damaged))
+    assert cache.read_payload("k") is None  # bit rot is not shipped to a GPU decoder
+    assert cache.corrupt_count() == 1 and cache.entry("k") is None
