@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-all reliability-doc demo bench lint clean
+.PHONY: test test-all reliability-doc demo bench bench-cache lint clean
 
 $(STAMP): pyproject.toml setup.py native/_native.c
 	@if [ ! -x $(BIN)/python ]; then \
@@ -48,7 +48,13 @@ reliability-doc: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# The peers benchmark (benchmarks/peers/bench.py: ~20 min on 2 cores once its own
+# venv, .venv-peers, is built from requirements-peers.txt; root for the shaped
+# links). The other benchmarks: bench-cache, and python benchmarks/<name>/bench.py.
 bench: $(STAMP)
+	$(BIN)/python benchmarks/peers/bench.py
+
+bench-cache: $(STAMP)
 	$(BIN)/python benchmarks/cache/bench.py
 
 clean:

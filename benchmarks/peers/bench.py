@@ -84,7 +84,7 @@ FASTLOAD_PEERS = {"fastload", "fastload_stage", "fastload_uint8"}  # run from th
 S3_PEERS = {"streaming", "litdata"}
 # Each peer's recommended parallelism for 2 cores: torch's guidance is one worker
 # per core; DALI's num_threads likewise; fastload's default is num_workers=0 with
-# its read_batch threads (8 by default), which is what it recommends.
+# its read_batch threads (one per CPU by default), which is what it recommends.
 WORKERS = {"torch_fsspec": 2, "fsspec_simplecache": 2, "fsspec_filecache": 2, "webdataset": 2, "streaming": 2,
            "litdata": 2, "dali": 2, "fastload": 0, "fastload_stage": 0, "fastload_uint8": 0}
 DESCRIBE = {

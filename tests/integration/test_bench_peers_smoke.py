@@ -94,3 +94,18 @@ def test_quick_run_reports_every_peer_mode_and_epoch(
     md = (out / "results.md").read_text()
     assert "| fastload |" in md and "## Machine" in md and "## Targets" in md
     assert (out / "results.png").stat().st_size > 1000
+
+
+def test_cpu_per_object_reports_both_epochs(capsys: pytest.CaptureFixture[str]) -> None:
+    path = BENCH.with_name("cpu_per_object.py")
+    spec = importlib.util.spec_from_file_location("fastload_cpu_per_object", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--images", "30", "--read-threads", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["read_threads"] == 2
+    for epoch in ("cold", "warm"):
+        r = out[epoch]
+        assert r["objects"] == 30 and r["objects_per_s"] > 0
+        assert r["user_ms_per_object"] >= 0 and r["sys_ms_per_object"] >= 0

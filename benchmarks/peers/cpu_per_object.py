@@ -1,0 +1,80 @@
+"""CPU per object of fastload's cold and warm epochs, with the link out of the way.
+
+An nginx on the host loopback (unshaped) serves ``--images`` JPEGs like the
+peers benchmark's; a fresh cache per run. For the cold (read-through) epoch
+and a warm one it prints objects/s, user and sys CPU per object and context
+switches per object (getrusage of this process). This is what the profile in
+results/profile.md quotes; run it under ``py-spy`` or ``perf record -g`` for
+the breakdown.
+
+Usage::
+
+    python benchmarks/peers/cpu_per_object.py [--images 1500] [--read-threads 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import fastload
+from fastload._servers import NginxServer, nginx_available
+from fastload.config import Settings
+from fastload.samples import make_image_folder
+
+
+def _as_list(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+def _epoch(loader: Any) -> dict[str, float]:
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    n = sum(len(batch) for batch in loader)
+    r1, dt = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
+    return {
+        "objects": n,
+        "objects_per_s": round(n / dt),
+        "user_ms_per_object": round((r1.ru_utime - r0.ru_utime) / n * 1e3, 3),
+        "sys_ms_per_object": round((r1.ru_stime - r0.ru_stime) / n * 1e3, 3),
+        "switches_per_object": round((r1.ru_nvcsw - r0.ru_nvcsw + r1.ru_nivcsw - r0.ru_nivcsw) / n, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--images", type=int, default=1500)
+    p.add_argument("--read-threads", type=int, default=None, help="DataLoader read_threads (default: fastload's)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if not nginx_available():
+        print("nginx is not installed (apt-get install nginx)", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="fastload-cpu-"))
+    try:
+        make_image_folder(work / "www" / "train", n=args.images, quality=92)
+        with NginxServer(work / "www") as server:
+            ds = fastload.FileDataset(server.url + "/train/", pattern="**/*.jpg", label="parent",
+                                      settings=Settings(cache_dir=work / "cache"))
+            loader = fastload.DataLoader(ds, batch_size=64, collate_fn=_as_list, read_threads=args.read_threads)
+            out = {"cold": _epoch(loader), "warm": _epoch(loader), "read_threads": loader.read_threads}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for name in ("cold", "warm"):
+            r = out[name]
+            print(f"{name:5s} {r['objects_per_s']:>7,} objects/s  user {r['user_ms_per_object']:.2f} ms  "
+                  f"sys {r['sys_ms_per_object']:.2f} ms per object  {r['switches_per_object']:.1f} switches per object")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
