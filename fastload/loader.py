@@ -29,6 +29,7 @@ import torch.utils.data as tud
 from fastload._loader_iter import _Calls, _LoaderIter, _Progress, _TimedCollate, _TimedNext
 from fastload.config import default_read_threads
 from fastload.errors import ConfigError, LoaderError
+from fastload.lookahead import Lookahead, depth_for
 from fastload.prefetch import DevicePrefetcher
 from fastload.readahead import ReadAhead
 from fastload.sampler import ResumableSampler, RngSnapshot, ShardedSampler
@@ -326,8 +327,12 @@ class DataLoader(tud.DataLoader[T_co]):
             post = pin_memory
         ahead = DEFAULT_READ_AHEAD if self.read_ahead is None else self.read_ahead
         collector = self._fl_collector if self.stats_enabled else None
+        batches: Iterator[Any] = iter(self._index_sampler)
+        hint = getattr(self.dataset, "prefetch", None)
+        if callable(hint) and self._auto_collation:
+            batches = Lookahead(batches, hint, depth_for(self.batch_size))
         return ReadAhead(
-            iter(self._index_sampler),
+            batches,
             read_fn,
             self.collate_fn,  # type: ignore[arg-type]
             auto_collation=self._auto_collation,
