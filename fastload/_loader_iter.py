@@ -3,22 +3,34 @@
 It counts the batches handed to the consumer (for ``state_dict``), times the
 consumer's waits and the loop's wall time, splits torch's single-process fetch
 into reading and collating, and makes the loader's collector the active one
-while ``next()`` runs, so datasets and the cache record into it. Sums are kept
-in plain attributes and moved into the collector every FLUSH_EVERY batches.
+from the first ``next()`` until the pass ends, so datasets and the cache record
+into it. Sums are kept in plain attributes and moved into
+the collector every TICK_S seconds.
 """
 
 from __future__ import annotations
 
-import time
+import collections
+import itertools
+import random
 from collections.abc import Callable, Iterator
 from time import perf_counter
 from typing import Any
 
 import torch
 
-from fastload.stats import _ACTIVE, StatsCollector, nbytes
+from fastload.readahead import ReadAhead
+from fastload.stats import (
+    _ACTIVE,
+    StatsCollector,
+    _enter_loop,
+    _leave_loop,
+    _LoopScope,
+    _watch,
+    nbytes,
+)
 
-__all__ = ["BYTES_EVERY", "FLUSH_EVERY"]
+__all__ = ["TICK_S"]
 
 
 class _Calls(Iterator[Any]):
@@ -45,36 +57,95 @@ class _Progress:
 
 
 class _TimedCollate:
-    """Wraps torch's collate_fn in the single-process fetcher and sums its time.
+    """Splits torch's single-process fetch into reading and collating, at almost no cost.
 
-    It only adds to plain attributes; :class:`_LoaderIter` moves the sums into the
-    collector every FLUSH_EVERY batches, which keeps stats cheap on a loop over small
-    in-memory tensors (benchmarks/loader/bench.py measures it). Bytes are measured
-    on every BYTES_EVERY-th batch and scaled by the item count in between.
+    Item counts are exact. With torch's own BatchSampler every index batch holds
+    ``batch_size`` items except the epoch's last, so items are batches times
+    ``batch_size``, corrected when the most recent index batch (kept by a C-level tap
+    on torch's sampler iterator: ``filterfalse`` with a 1-slot deque's ``append``) is
+    short. Other batch samplers, and an IterableDataset (whose last batch can fall
+    short of its index batch), get a small wrapper that counts what each collate_fn
+    call receives. No Python code runs per batch otherwise, and no per-batch object
+    outlives its batch (a list of every index batch made the GC run: ~3%).
+
+    Seconds and bytes are sampled: collate_fn is timed, and its output measured, on
+    the first two batches and then on one timed batch in COLLATE_EVERY (:meth:`arm`,
+    called by :class:`_LoaderIter`); the items in between are priced at those batches'
+    seconds and bytes per item. Timing every batch cost ~3% of throughput at batch
+    size 1 (benchmarks/loader/bench.py, stats case). The first call's time is left
+    out: torch's first collate is several times slower than the rest.
+
+    Args:
+        source: torch's single-process iterator (its fetcher and sampler iterator are
+            instrumented in place).
+        per_batch: Items per index batch: ``batch_size`` for torch's BatchSampler, 1
+            without auto-collation, None to count every collate_fn call.
     """
 
-    __slots__ = ("fn", "auto", "calls", "per_item", "seconds", "items", "bytes")
+    __slots__ = (
+        "fetcher", "fn", "per_batch", "base", "recent", "short", "counted", "warm",
+        "s_items", "s_bytes", "s_timed", "s_seconds", "rate_s", "rate_b",
+    )  # fmt: skip
 
-    def __init__(self, fn: Callable[[Any], Any], auto: bool) -> None:
-        self.fn = fn
-        self.auto = auto
-        self.calls = 0
-        self.per_item = 0.0
-        self.seconds = 0.0
-        self.items = 0
-        self.bytes = 0.0
+    def __init__(self, source: Any, per_batch: int | None) -> None:
+        self.fetcher = source._dataset_fetcher
+        self.fn: Callable[[Any], Any] = self.fetcher.collate_fn
+        self.per_batch = per_batch
+        self.counted = 0  # items, when per_batch is None
+        self.warm = False  # whether collate_fn was sampled once already
+        self.s_items = 0  # sampled since the last take(): items, bytes, and seconds of
+        self.s_bytes = 0  # the s_timed items whose time counts (not the first call's)
+        self.s_timed = 0
+        self.s_seconds = 0.0
+        self.rate_s = 0.0  # collate seconds per item, at the latest samples
+        self.rate_b = 0.0  # bytes per item, at the latest samples
+        self.recent: collections.deque[Any] = collections.deque(maxlen=1)  # last index batch
+        self.short: Any = None  # the short index batch already subtracted
+        self.base: Callable[[Any], Any] = self.fn if per_batch is not None else self._counting
+        if per_batch is not None and per_batch > 1:
+            source._sampler_iter = itertools.filterfalse(self.recent.append, source._sampler_iter)
+        self.fetcher.collate_fn = self.base
 
-    def __call__(self, data: Any) -> Any:
+    def arm(self) -> None:
+        """Time the next collate_fn call (then the fetcher's own function is put back)."""
+        self.fetcher.collate_fn = self._sampled
+
+    def _counting(self, data: Any) -> Any:
+        self.counted += len(data)
+        return self.fn(data)
+
+    def _sampled(self, data: Any) -> Any:
+        self.fetcher.collate_fn = self.base
+        n = 1 if self.per_batch == 1 else len(data)
+        if self.per_batch is None:
+            self.counted += n
         t0 = perf_counter()
         out = self.fn(data)
-        self.seconds += perf_counter() - t0
-        n = len(data) if self.auto else 1
-        if self.calls % BYTES_EVERY == 0 and n:
-            self.per_item = nbytes(out) / n
-        self.calls += 1
-        self.items += n
-        self.bytes += n * self.per_item
+        if self.warm:  # torch's first collate is several times slower than the rest
+            self.s_seconds += perf_counter() - t0
+            self.s_timed += n
+        self.warm = True
+        self.s_items += n
+        self.s_bytes += nbytes(out)
         return out
+
+    def take(self, batches: int) -> tuple[int, float, float]:
+        """Items of the ``batches`` batches since the previous call, their seconds and bytes."""
+        per = self.per_batch
+        if per is None:
+            items, self.counted = self.counted, 0
+        else:
+            items = batches * per
+            idx = self.recent[0] if self.recent else None
+            if idx is not None and len(idx) < per and idx is not self.short and batches:
+                self.short = idx
+                items -= per - len(idx)
+        if self.s_timed:
+            self.rate_s = self.s_seconds / self.s_timed
+        if self.s_items:
+            self.rate_b = self.s_bytes / self.s_items
+        self.s_items, self.s_timed, self.s_seconds, self.s_bytes = 0, 0, 0.0, 0
+        return items, items * self.rate_s, items * self.rate_b
 
 
 class _TimedNext:
@@ -87,23 +158,49 @@ class _TimedNext:
         self.seconds = 0.0
 
     def __call__(self) -> Any:
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         try:
             return self.fn()
         finally:
-            self.seconds += time.perf_counter() - t0
+            self.seconds += perf_counter() - t0
 
 
-BYTES_EVERY = 8  # batches between exact byte counts of collated batches
-FLUSH_EVERY = 64  # batches between moves of the iterator's local sums into the collector
+# Seconds between moves of the iterator's sums into the collector.
+TICK_S = 0.05
+# Timed batches between timed, measured collate_fn calls (see _TimedCollate).
+COLLATE_EVERY = 16
+# Batches closer together than this are timed one in SAMPLE_EVERY, at random: two
+# clock reads per batch cost ~1.5% of a 20 us batch (benchmarks/loader/bench.py).
+FAST_BATCH_S = 100e-6
+SAMPLE_EVERY = 16
+# Untimed batches after each timed one: a fixed random draw with mean SAMPLE_EVERY - 1,
+# of prime length, so the timed batches don't follow a periodic loop (workers taking
+# turns) in step.
+_GAPS = tuple(random.Random(0).choices(range(2 * SAMPLE_EVERY - 1), k=61))
+_EVERY = itertools.repeat(0)  # the gaps when every batch is timed
+# Never active: a pass enters its own scope before its first batch.
+_NOT_ENTERED = _LoopScope(StatsCollector(enabled=False), None)
 
 
 class _LoaderIter(Iterator[Any]):
-    """The iterator ``iter(fastload.DataLoader)`` returns; counts batches and time."""
+    """The iterator ``iter(fastload.DataLoader)`` returns; counts batches and time.
+
+    Per batch it reads the clock twice (the consumer's wait) and adds to plain
+    attributes; the rest happens before a batch once per TICK_S (:meth:`_tick`). When
+    batches come faster than FAST_BATCH_S apart, only about one in SAMPLE_EVERY is
+    timed, picked at random, and the others are counted and charged the sampled mean
+    wait (tests/unit/test_stats.py::test_fast_loop_waits_are_sampled_and_scaled).
+
+    The loader's collector becomes the active one at the first ``next()`` and stays so
+    until the pass ends or the iterator is closed. It is checked again before the next
+    batch when any other scope starts or ends (:meth:`recheck`,
+    tests/unit/test_stats.py::test_loader_scope_lasts_the_pass).
+    """
 
     __slots__ = (
         "_next", "_progress", "_collector", "_collate", "_fetch", "_length", "_keep",
-        "_mark", "_last", "_wait", "_batches", "_report", "__weakref__",
+        "_mark", "_last", "_due", "_wait", "_flushed", "_report", "_scope", "_untimed",
+        "_gaps", "_timed", "_mean_wait", "_tick_at", "_tick_n", "_arm_in", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -120,14 +217,25 @@ class _LoaderIter(Iterator[Any]):
         self._next = nxt
         self._progress = progress
         self._collector = collector
-        self._collate = collate  # torch's collate_fn, timed (num_workers=0 torch path)
+        self._collate = collate  # torch's collate_fn, sampled (num_workers=0 torch path)
         self._fetch = fetch  # torch's __next__, timed (only when a prefetcher wraps it)
         self._length = length
         self._keep = keep  # the source iterator: keeps workers / pools alive
-        self._mark = self._last = time.perf_counter()
+        self._mark = self._last = perf_counter()
+        self._due = 0.0  # when _tick() runs next: before the first batch
         self._wait = 0.0
-        self._batches = 0
+        self._flushed = progress.yielded  # batches already recorded in the collector
         self._report = report  # live stats (log_every / summary_writer), called per batch
+        self._scope = _NOT_ENTERED  # this pass's collector scope, once entered
+        self._untimed = 0  # batches to hand out before the next timed one
+        self._arm_in = 1  # timed batches until collate_fn is timed and measured
+        self._gaps: Iterator[int] = _EVERY  # values for _untimed
+        self._timed = 0  # timed batches since the last flush
+        self._mean_wait = 0.0  # per timed batch, at the latest flush with any
+        self._tick_at = self._mark  # the previous tick: time and batches then
+        self._tick_n = progress.yielded
+        if collector is not None:
+            _watch(self)  # told by recheck() when some other scope starts or ends
 
     def __iter__(self) -> _LoaderIter:
         return self
@@ -145,43 +253,114 @@ class _LoaderIter(Iterator[Any]):
                 raise
             self._progress.yielded += 1
             return batch
+        if self._untimed:
+            self._untimed -= 1
+            try:
+                batch = self._next()
+            except StopIteration:
+                self._progress.active = False
+                self.close()
+                raise
+            self._progress.yielded += 1
+            return batch
         t0 = perf_counter()
-        token = _ACTIVE.set(col)  # the dataset and cache record into this loader
+        if t0 >= self._due:
+            t0 = self._tick(col, t0)
+        self._arm_in -= 1
+        if not self._arm_in:
+            self._arm()
         try:
             batch = self._next()
         except StopIteration:
             self._progress.active = False
-            self.flush()
+            self.close()
             raise
-        finally:
-            _ACTIVE.reset(token)
         t1 = self._last = perf_counter()
         self._wait += t1 - t0
+        self._timed += 1
+        self._untimed = next(self._gaps)
         self._progress.yielded += 1
-        n = self._batches = self._batches + 1
-        if n >= FLUSH_EVERY:
-            self.flush()
-        if self._report is not None:
-            self._report()
         return batch
+
+    def _tick(self, col: StatsCollector, now: float) -> float:
+        # Before a batch: make sure the dataset and cache record into this loader, move
+        # the sums so far into the collector, and choose how to time the next TICK_S.
+        # Returns the time after all that, so it is not counted as the consumer's wait.
+        if _ACTIVE.get() is not self._scope:
+            self._scope = _enter_loop(col)
+        self._due = now + TICK_S  # after _enter_loop, whose notice resets it
+        self.flush()
+        n = self._progress.yielded
+        if n > self._tick_n:
+            fast = (now - self._tick_at) / (n - self._tick_n) < FAST_BATCH_S
+            self._gaps = itertools.cycle(_GAPS) if fast else _EVERY
+        self._tick_at, self._tick_n = now, n
+        return perf_counter()
+
+    def _arm(self) -> None:
+        collate = self._collate
+        if collate is None:
+            self._arm_in = COLLATE_EVERY
+            return
+        self._arm_in = COLLATE_EVERY if collate.warm else 1
+        collate.arm()
+
+    def recheck(self) -> None:
+        """Check the active collector before the next batch (a scope was entered or left)."""
+        self._untimed = 0
+        self._due = 0.0
 
     def flush(self) -> None:
         """Move the locally summed counters into the collector."""
         col = self._collector
         if col is None:
             return
-        if self._batches:
-            col.record_batches(self._batches, self._wait, self._last - self._mark)
+        yielded = self._progress.yielded
+        batches = yielded - self._flushed
+        wait = self._wait
+        if self._timed:
+            self._mean_wait = wait / self._timed
+        if self._timed != batches:  # some batches were not timed: charge them the mean
+            wait = self._mean_wait * batches
+        if batches:
+            col.record_batches(batches, wait, self._last - self._mark)
         collate, fetch = self._collate, self._fetch
-        if collate is not None and collate.items:
-            inside = fetch.seconds if fetch is not None else self._wait
-            size = round(collate.bytes)
-            col.add("collate", items=collate.items, bytes=size, seconds=collate.seconds)
-            col.add("read", items=collate.items, bytes=size, seconds=inside - collate.seconds)
-            collate.seconds, collate.items, collate.bytes = 0.0, 0, 0.0
+        if collate is not None:
+            items, seconds, size = collate.take(batches)
+            if items:
+                inside = fetch.seconds if fetch is not None else wait
+                col.add("collate", items=items, bytes=round(size), seconds=seconds)
+                col.add("read", items=items, bytes=round(size), seconds=max(0.0, inside - seconds))
             if fetch is not None:
                 fetch.seconds = 0.0
-        self._mark, self._wait, self._batches = self._last, 0.0, 0
+        self._mark, self._wait, self._timed, self._flushed = self._last, 0.0, 0, yielded
+
+    def close(self, timeout: float | None = None) -> None:
+        """End this pass early: stop reading ahead and record what was read.
+
+        Reads already running on the read_batch path are waited for (up to ``timeout``
+        seconds, default ReadAhead.CLOSE_WAIT_S), so their records do not land in the
+        next epoch's stats. Workers are left to torch (persistent ones are reused).
+        """
+        if isinstance(self._keep, ReadAhead):
+            self._keep.close() if timeout is None else self._keep.close(timeout)
+        _leave_loop(self._scope)
+        self._scope = _NOT_ENTERED
+        self.flush()
 
     def __del__(self) -> None:
-        self.flush()
+        self.close()
+
+
+class _LiveLoaderIter(_LoaderIter):
+    """A :class:`_LoaderIter` that also calls the live-stats reporter after each batch.
+
+    A subclass, so loops without ``log_every``/``summary_writer`` don't test for it.
+    """
+
+    __slots__ = ()
+
+    def __next__(self) -> Any:
+        batch = _LoaderIter.__next__(self)
+        self._report()  # type: ignore[misc]
+        return batch

@@ -26,7 +26,15 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data as tud
 
-from fastload._loader_iter import _Calls, _LoaderIter, _Progress, _TimedCollate, _TimedNext
+from fastload._loader_iter import (
+    _Calls,
+    _LiveLoaderIter,
+    _LoaderIter,
+    _Progress,
+    _TimedCollate,
+    _TimedNext,
+)
+from fastload._worker_stats import Unwrap, WorkerCollate
 from fastload.config import default_read_threads
 from fastload.errors import ConfigError, LoaderError
 from fastload.lookahead import Lookahead, depth_for
@@ -316,6 +324,30 @@ class DataLoader(tud.DataLoader[T_co]):
         ds = self.dataset
         return lambda idx: [ds[i] for i in idx]
 
+    def _items_per_index_batch(self) -> int | None:
+        # Known when torch's own BatchSampler draws map-style batches (all full but the
+        # last); None: count them (fastload._loader_iter._TimedCollate).
+        if not self._auto_collation:
+            return 1
+        if type(self.batch_sampler) is tud.BatchSampler and not isinstance(
+            self.dataset, tud.IterableDataset
+        ):
+            return int(self.batch_sampler.batch_size)
+        return None
+
+    def _torch_iter(self, stats: bool) -> Iterator[Any]:
+        if not stats or self.num_workers == 0:
+            return super().__iter__()
+        # Workers run a collate_fn that also ships their stats with each batch
+        # (fastload._worker_stats); torch reads loader.collate_fn only while it builds
+        # the iterator, so the user's attribute is back in place before any batch.
+        user = self.collate_fn
+        self.collate_fn = WorkerCollate(user, self._auto_collation)
+        try:
+            return super().__iter__()
+        finally:
+            self.collate_fn = user
+
     def _read_ahead_iter(self, read_fn: Callable[[list[Any]], Any]) -> ReadAhead:
         # torch's iterator draws a base seed from the loader's generator (or the global
         # RNG) when it is created; draw it too so RNG streams match torch's loader.
@@ -369,15 +401,16 @@ class DataLoader(tud.DataLoader[T_co]):
         if read_fn is not None:
             source: Iterator[Any] = self._read_ahead_iter(read_fn)
         else:
-            source = super().__iter__()
-            fetcher = getattr(source, "_dataset_fetcher", None)
-            if collector is not None and fetcher is not None:
+            source = self._torch_iter(collector is not None)
+            if collector is not None and hasattr(source, "_dataset_fetcher"):
                 # Splits time inside next() into reading samples and collating them.
-                timed = _TimedCollate(fetcher.collate_fn, self._auto_collation)
-                fetcher.collate_fn = timed
+                timed = _TimedCollate(source, self._items_per_index_batch())
         if caller_rng is not None:
             torch.set_rng_state(caller_rng)
-        nxt = source.__next__
+        nxt: Callable[[], Any] = source.__next__
+        plain = nxt
+        if collector is not None and self.num_workers > 0:
+            nxt = Unwrap(nxt, collector)  # before the prefetcher: it must see plain batches
         fetch = None
         if self.device is not None:
             if self._fl_prefetcher is None:
@@ -395,13 +428,13 @@ class DataLoader(tud.DataLoader[T_co]):
             if timed is not None:
                 fetch = _TimedNext(nxt)
                 nxt = fetch
-            feed = _Calls(nxt) if fetch is not None else source
+            feed = source if nxt is plain else _Calls(nxt)
             nxt = self._fl_prefetcher.iterate(feed, lookahead=lookahead).__next__
         progress = _Progress(start, gen_start)
         self._fl_progress = progress
-        it = _LoaderIter(
-            nxt, progress, collector, timed, fetch, lambda: len(self), source, self._fl_live_stats
-        )
+        kind = _LoaderIter if self._fl_live_stats is None else _LiveLoaderIter
+        live = self._fl_live_stats
+        it = kind(nxt, progress, collector, timed, fetch, lambda: len(self), source, live)
         self._fl_live = weakref.ref(it)
         return it
 
@@ -411,7 +444,7 @@ class DataLoader(tud.DataLoader[T_co]):
         """Return a snapshot of this loader's counters (all zero when ``stats=False``).
 
         Exact when called from the thread that iterates; from another thread the
-        loader's own counters may lag by up to FLUSH_EVERY batches.
+        loader's own counters may lag by up to ``TICK_S`` (0.05 s) of batches.
         """
         live = self._fl_live() if self._fl_live is not None else None
         if live is not None:

@@ -19,11 +19,13 @@ batches are unaffected, as with torch's single-process iterator.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -34,6 +36,10 @@ __all__ = ["ReadAhead"]
 
 #: Seconds between liveness reports while a read is outstanding and no timeout is set.
 STALL_WARN_S = 60.0
+#: Seconds close() waits for reads already running before it lets them finish unwatched.
+CLOSE_WAIT_S = 10.0
+
+_POOL_IDS = itertools.count()
 
 
 class ReadAhead(Iterator[Any]):
@@ -81,8 +87,11 @@ class ReadAhead(Iterator[Any]):
         self._collector = collector
         self._post = post
         self._name = name
+        # A prefix of its own, so close() can tell its own threads (and other code can
+        # tell this loader's threads from another's).
+        self._thread_prefix = f"fastload-read-{next(_POOL_IDS)}"
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            max_workers=self._threads, thread_name_prefix="fastload-read"
+            max_workers=self._threads, thread_name_prefix=self._thread_prefix
         )
         self._pending: collections.deque[list[Future[Sequence[Any]]]] = collections.deque()
         self._exhausted = False
@@ -95,7 +104,9 @@ class ReadAhead(Iterator[Any]):
         if col is None:
             out = self._read_fn(chunk)
         else:
-            token = _ACTIVE.set(col)  # datasets record into the loader's collector
+            # Datasets record into the loader's collector. A plain set and reset: a
+            # pool thread's scope is no loader pass's concern (no use_collector notice).
+            token = _ACTIVE.set(col)
             t0 = time.perf_counter()
             try:
                 out = self._read_fn(chunk)
@@ -130,7 +141,7 @@ class ReadAhead(Iterator[Any]):
             if self._timeout > 0:
                 left = started + self._timeout - now
                 if left <= 0:
-                    self.close()
+                    self.close(timeout=0)  # the storage is stalled: don't wait for it again
                     raise LoaderError(
                         f"{self._name}.read_batch did not return within timeout="
                         f"{self._timeout} s; the storage may be stalled. Raise timeout= "
@@ -177,16 +188,31 @@ class ReadAhead(Iterator[Any]):
             batch = self._post(batch)
         return batch
 
-    def close(self) -> None:
-        """Cancel queued reads and let the pool's threads end (never blocks)."""
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Cancel queued reads and wait up to ``timeout`` s for the running ones.
+
+        Waiting keeps an epoch stopped early from leaking its last reads' records into
+        the next epoch's stats (tests/unit/test_readahead.py). When they all finish in
+        time the pool's threads are joined too; otherwise they end on their own.
+        """
         pool, self._pool = self._pool, None
-        for futures in self._pending:
-            for fut in futures:
-                fut.cancel()
+        running = [fut for futures in self._pending for fut in futures if not fut.cancel()]
         self._pending.clear()
         self._exhausted = True
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        if pool is None:
+            return
+        pool.shutdown(wait=False, cancel_futures=True)
+        if timeout <= 0 or threading.current_thread().name.startswith(self._thread_prefix + "_"):
+            return  # told not to wait, or dropped by one of the pool's own threads
+        if not wait(running, timeout=timeout).not_done:
+            pool.shutdown(wait=True)  # the reads are done: this only joins idle threads
+        else:
+            warnings.warn(
+                f"{self._name}: reads still running {timeout} s after the loader stopped; "
+                "their stats may be counted in the next epoch",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def __del__(self) -> None:
         if getattr(self, "_pool", None) is not None:

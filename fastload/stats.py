@@ -3,9 +3,10 @@
 Every stage of the pipeline records what it did into a :class:`StatsCollector`:
 items, bytes and busy seconds per *stage*, plus plain event counters such as
 ``cache_hit``. The :class:`~fastload.loader.DataLoader` owns one collector and
-makes it the *active* collector while its code, the dataset's ``__getitem__``
-and its ``read_batch`` calls run, so code deep inside a dataset or the cache
-reader records without holding a reference::
+makes it the *active* collector (a ContextVar) of the code that iterates it, from
+its first ``next()`` until the pass ends, and of its ``read_batch`` threads while
+they read, so code deep inside a dataset or the cache reader records without
+holding a reference::
 
     from fastload.stats import current_collector
 
@@ -29,9 +30,10 @@ Cost. ``add`` touches only the calling thread's own shard (a
 when :meth:`StatsCollector.snapshot` is called. The benchmark
 ``benchmarks/loader/bench.py`` measures the overhead (stats on vs off).
 
-Limits. With ``num_workers > 0`` the worker processes record into their own
-process-wide collector, which the parent does not see; the parent still
-records ``consumer_wait``, the loop wall time and ``h2d``.
+Worker processes. With ``num_workers > 0`` each worker records into its own
+collector and ships what it recorded since its previous batch along with each
+batch; the parent's iterator merges it into the loader's collector
+(:mod:`fastload._worker_stats`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -99,7 +102,9 @@ class LoaderStats:
         stages: Stage name -> :class:`StageStats`.
         counters: Event name -> count (``cache_hit``, ``cache_miss``, ``oversize_batch``...).
         batches: Batches handed to the consumer.
-        wait_seconds: Seconds the consumer spent inside ``next()`` waiting for a batch.
+        wait_seconds: Seconds the consumer spent inside ``next()`` waiting for a batch
+            (when batches come faster than 100 us apart, timed on a random sample of
+            them and scaled: fastload._loader_iter).
         wall_seconds: Seconds from the start of each epoch's iteration to the most recent
             batch, summed over epochs: the training loop's wall time.
     """
@@ -300,8 +305,7 @@ class StatsCollector:
         shard.wait += wait_seconds
         shard.wall += wall_seconds
 
-    def snapshot(self) -> LoaderStats:
-        """Merge every thread's shard into an immutable :class:`LoaderStats`."""
+    def _merged(self, skip: _Shard | None = None) -> _Shard:
         total = _Shard(None)
         with self._lock:
             live = []
@@ -314,7 +318,13 @@ class StatsCollector:
             self._shards = live
             self._retired.merge_into(total)
             for shard in live:
-                shard.merge_into(total)
+                if shard is not skip:
+                    shard.merge_into(total)
+        return total
+
+    def snapshot(self) -> LoaderStats:
+        """Merge every thread's shard into an immutable :class:`LoaderStats`."""
+        total = self._merged()
         stages = {n: StageStats(int(r[0]), int(r[1]), float(r[2])) for n, r in total.stages.items()}
         return LoaderStats(
             stages=MappingProxyType(stages),
@@ -323,6 +333,25 @@ class StatsCollector:
             wait_seconds=total.wait,
             wall_seconds=total.wall,
         )
+
+    def _take_mine(self) -> tuple[dict[str, list[Any]], dict[str, int], _Shard]:
+        """Detach the calling thread's records: ``({stage: [items, bytes, seconds]}, {counter: n})``.
+
+        O(1): only the calling thread writes its own shard, so it is swapped out, not
+        copied. DataLoader workers ship these with each batch (fastload._worker_stats).
+        The third value is the shard, for :meth:`_others`.
+        """
+        shard = self._shard()
+        stages, counters = shard.stages, shard.counters
+        shard.stages, shard.counters = {}, {}
+        return stages, counters, shard
+
+    def _others(self, mine: _Shard) -> _Shard | None:
+        """Running totals of every thread's records but ``mine``; None when there are none."""
+        with self._lock:
+            if len(self._shards) < 2 and not (self._retired.stages or self._retired.counters):
+                return None
+        return self._merged(skip=mine)
 
     def reset(self) -> None:
         """Forget everything recorded so far."""
@@ -366,7 +395,21 @@ def nbytes(obj: Any) -> int:
 
 
 _DEFAULT = StatsCollector()
-_ACTIVE: ContextVar[StatsCollector | None] = ContextVar("fastload_active_collector", default=None)
+
+
+class _LoopScope:
+    """What a loader's pass makes active: its collector, and what to put back at the end."""
+
+    __slots__ = ("collector", "outer")
+
+    def __init__(self, collector: StatsCollector, outer: StatsCollector | None) -> None:
+        self.collector = collector
+        self.outer = outer
+
+
+_ACTIVE: ContextVar[StatsCollector | _LoopScope | None] = ContextVar(
+    "fastload_active_collector", default=None
+)
 
 
 def default_collector() -> StatsCollector:
@@ -379,26 +422,71 @@ def current_collector() -> StatsCollector:
 
     Cheap enough to call per item (one ``ContextVar.get``).
     """
-    col = _ACTIVE.get()
-    return col if col is not None else _DEFAULT
+    v = _ACTIVE.get()
+    if v is None:
+        return _DEFAULT
+    return v.collector if type(v) is _LoopScope else v  # type: ignore[union-attr,return-value]
 
 
 @contextmanager
 def use_collector(collector: StatsCollector) -> Iterator[StatsCollector]:
     """Make ``collector`` the active collector of this thread for the ``with`` body."""
     token = _ACTIVE.set(collector)
+    _switched()
     try:
         yield collector
     finally:
         _ACTIVE.reset(token)
+        _switched()
+
+
+# A loader's pass enters its scope once and leaves it set between batches, instead of
+# setting and resetting the ContextVar around every batch; and it does not even check
+# the ContextVar per batch: entering or leaving any scope tells every live pass to
+# check before its next batch. Each per-batch step cost ~1% of throughput at batch
+# size 1 (benchmarks/loader/bench.py, stats case).
+_PASSES: weakref.WeakSet[Any] = weakref.WeakSet()  # objects with a recheck() method
+# Adding to a WeakSet while another thread iterates it raises. Re-entrant: a pass's
+# finaliser, run by the GC inside one of these sections, leaves its scope (_switched).
+_PASSES_LOCK = threading.RLock()
+
+
+def _watch(loader_pass: Any) -> None:
+    with _PASSES_LOCK:
+        _PASSES.add(loader_pass)
+
+
+def _switched() -> None:
+    with _PASSES_LOCK:
+        passes = list(_PASSES)
+    for p in passes:
+        p.recheck()
+
+
+def _enter_loop(collector: StatsCollector) -> _LoopScope:
+    cur = _ACTIVE.get()
+    # Inside another loader's scope, inherit what it will put back: loader scopes
+    # are re-entered on their next batch, so they are never restored.
+    scope = _LoopScope(collector, cur.outer if type(cur) is _LoopScope else cur)  # type: ignore[union-attr,arg-type]
+    _ACTIVE.set(scope)
+    _switched()
+    return scope
+
+
+def _leave_loop(scope: _LoopScope) -> None:
+    # A no-op in any other context (a finaliser run by another thread, say).
+    if _ACTIVE.get() is scope:
+        _ACTIVE.set(scope.outer)
+        _switched()
 
 
 def _reset_after_fork() -> None:
     # A worker forked while another thread held the default collector's lock would
     # deadlock on its first record; and the parent's counts are not the child's.
-    global _DEFAULT
+    global _DEFAULT, _PASSES, _PASSES_LOCK
     _DEFAULT = StatsCollector()
     _ACTIVE.set(None)
+    _PASSES, _PASSES_LOCK = weakref.WeakSet(), threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):

@@ -175,3 +175,21 @@ def test_dataloader_read_batch_path_on_cuda() -> None:
     ]
     expected = list(torch.utils.data.DataLoader(TensorDS(40), batch_size=8))
     assert all(torch.equal(g[0], e[0]) and torch.equal(g[1], e[1]) for g, e in zip(got, expected))
+
+
+@pytest.mark.parametrize("device", [None, "cuda"])
+def test_workers_pin_memory_with_stats(device: str | None) -> None:
+    # Workers send their stats along with each batch (fastload._worker_stats); torch's
+    # pin_memory thread must still pin the batch inside, and device= must get it plain.
+    kw: dict[str, Any] = dict(batch_size=4, num_workers=2, pin_memory=device is None)
+    theirs = list(torch.utils.data.DataLoader(TensorDS(), **kw))
+    loader = DataLoader(TensorDS(), device=device, **kw)
+    ours = list(loader)
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert type(a) is type(b)
+        if device is None:
+            assert a[0].is_pinned() and torch.equal(a[0], b[0])
+        else:
+            assert a[0].is_cuda and torch.equal(a[0].cpu(), b[0])
+    assert loader.stats().stage("collate").items == len(TensorDS())

@@ -104,3 +104,49 @@ def test_bench_usage_errors(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(_util.OPTIONAL, "matplotlib", ("fastload_no_such_module", "pip install 'fastload[diag]'"))
     assert main(["bench", "--sample", "--plot", str(tmp_path / "x.png")]) == 1
     assert "pip install 'fastload[diag]'" in capsys.readouterr().err
+
+
+def test_bench_epoch_waits_only_for_its_own_reads() -> None:
+    # After --batches stops an epoch early, bench waits for its own loader's reads
+    # still running (so they don't count in the next epoch), not for other threads
+    # that merely share the "fastload-read" name.
+    import threading
+    import time
+
+    import torch
+
+    from fastload.diagnose.bench import BenchOptions, _epoch
+    from fastload.loader import DataLoader
+    from fastload.stats import current_collector
+
+    class SlowReads(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+        def read_batch(self, indices: list[int]) -> list[int]:
+            time.sleep(0.2)
+            current_collector().add("fetch", items=len(indices))  # the loader's collector
+            return list(indices)
+
+    release = threading.Event()
+    other = threading.Thread(target=release.wait, name="fastload-read-someone-else", daemon=True)
+    other.start()
+    # A bench that joined every "fastload-read*" thread would wait for this one, which
+    # only ends when the timer fires.
+    timer = threading.Timer(5.0, release.set)
+    timer.start()
+    try:
+        loader = DataLoader(SlowReads(), batch_size=4, read_threads=2, read_ahead=2)
+        run = _epoch(loader, BenchOptions(batches=1, batch_size=4))
+        assert run["batches"] == 1
+        assert other.is_alive()  # not waited for
+        after = loader.stats().stage("fetch").items
+        time.sleep(0.5)
+        assert loader.stats().stage("fetch").items == after  # its own reads were
+    finally:
+        release.set()
+        timer.cancel()
+        other.join(5)

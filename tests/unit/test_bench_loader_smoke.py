@@ -21,7 +21,8 @@ def test_bench_main_tiny(tmp_path: Path, capsys: object) -> None:
             "--samples", "64", "--min-batches", "2", "--batch-sizes", "1,8", "--repeats", "1",
             "--read-samples", "16", "--read-latency-ms", "0.1", "--read-batch-size", "4",
             "--read-threads", "2", "--device-batches", "2", "--device-batch-size", "2",
-            "--device-compute", "1", "--out", str(out),
+            "--device-compute", "1", "--stats-pairs", "3", "--stats-chunk-ms", "0.5",
+            "--out", str(out),
         ]
     )  # fmt: skip
     assert bench.main(args) == 0

@@ -115,6 +115,10 @@ def test_grid_num_workers_0(kw: dict[str, Any]) -> None:
         pytest.param(dict(batch_size=4, shuffle=True, seeded=True), id="shuffle"),
         pytest.param(dict(batch_size=None), id="bs-None"),
         pytest.param(dict(batch_size=3, persistent_workers=True, seeded=True), id="persistent"),
+        # Workers return their stats with each batch; the user's collate output and
+        # the batch order must come through untouched.
+        pytest.param(dict(batch_size=5, collate_fn=_collate_sum), id="collate-fn"),
+        pytest.param(dict(batch_sampler=[[0, 5], [22, 1, 2], [7]]), id="batch-sampler"),
     ],
 )
 def test_grid_num_workers_2(kw: dict[str, Any]) -> None:
@@ -373,3 +377,18 @@ def test_seed_seeds_a_private_generator() -> None:
         for x in tud.DataLoader(TensorDS(), batch_size=5, shuffle=True, generator=_gen(3))
     ]
     assert a == b == c
+
+
+def test_workers_leave_collate_fn_alone_and_batches_pin_through() -> None:
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from fastload._worker_stats import WorkerBatch
+
+    loader = DataLoader(TensorDS(), batch_size=5, num_workers=2, collate_fn=_collate_sum)
+    list(loader)
+    assert loader.collate_fn is _collate_sum  # swapped only while torch builds its iterator
+    # torch's pin_memory thread calls pin_memory() on what a worker sent: the wrapper
+    # must survive it, with the batch inside pinned by torch's own rules.
+    wb = pin_memory(WorkerBatch({"x": [1, 2], "s": "a"}, ((("fetch", 1, 2, 0.5),), ())))
+    assert type(wb) is WorkerBatch and wb.batch == {"x": [1, 2], "s": "a"}
+    assert wb.delta == ((("fetch", 1, 2, 0.5),), ())

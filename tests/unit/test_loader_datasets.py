@@ -50,3 +50,37 @@ def test_cold_then_warm_epoch_stats_come_from_the_cache(dataset: FileDataset) ->
 def test_workers_reopen_the_cache_in_the_child(dataset: FileDataset) -> None:
     loader = fastload.DataLoader(dataset, batch_size=6, num_workers=2)
     assert sorted(urls(list(loader))) == sorted(i.url for i in dataset.items)
+
+
+def test_worker_stats_reach_the_parent(dataset: FileDataset) -> None:
+    # The workers' fetch / cache_read stages and cache counters travel with their
+    # batches (fastload._worker_stats); the user still gets torch's batches.
+    loader = fastload.DataLoader(dataset, batch_size=4, num_workers=2)
+    ours = list(loader)
+    theirs = list(torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=2))
+    assert urls(ours) == urls(theirs) and all(type(a) is type(b) for a, b in zip(ours, theirs))
+    cold = loader.stats()
+    assert cold.stage("fetch").items == 30 and cold.counters.get("cache_miss") == 30
+    assert cold.stage("fetch").bytes == sum(i.size for i in dataset.items)
+    assert cold.stage("collate").items == 30 and cold.batches == 8
+    loader.reset_stats()
+    list(loader)
+    warm = loader.stats()
+    assert warm.stage("cache_read").items == 30 and warm.counters.get("cache_hit") == 30
+    assert warm.stage("fetch").items == 0 and warm.cache_hit_rate == 1.0
+    assert "cache_read" in str(warm)
+
+
+def test_worker_stats_with_persistent_workers_and_device(dataset: FileDataset) -> None:
+    # Persistent workers keep their running totals across epochs: each epoch gets only
+    # its own records. The device prefetcher sees plain batches.
+    loader = fastload.DataLoader(
+        dataset, batch_size=5, num_workers=2, persistent_workers=True, device="cpu"
+    )
+    for epoch in range(2):
+        loader.reset_stats()
+        got = list(loader)
+        assert urls(got) == [i.url for i in dataset.items]
+        s = loader.stats()
+        reads = s.stage("fetch").items + s.stage("cache_read").items
+        assert reads == 30 and s.stage("stage").items == 6, epoch

@@ -227,3 +227,82 @@ def test_forked_child_starts_with_a_fresh_default_collector() -> None:
     assert counts == {}
     assert default_collector().snapshot().counters["parent_only"] == 1
     default_collector().reset()
+
+
+def test_loader_scope_lasts_the_pass() -> None:
+    # The pass's collector stays active between batches (it is not set and reset per
+    # batch, see fastload._loader_iter), yields to use_collector and other loaders, and
+    # is gone when the pass ends.
+    a, b = DataLoader(_RecordingDS(6), batch_size=2), DataLoader(_RecordingDS(6), batch_size=2)
+    mine = StatsCollector()
+    seen = []
+    for _ in zip(a, b):  # interleaved passes: each dataset records into its own loader
+        seen.append(current_collector())
+        with use_collector(mine):
+            current_collector().count("in_step")
+    assert seen[0] is b._fl_collector  # the latest next() was b's
+    assert current_collector() is default_collector()
+    assert a.stats().stage("cache_read").items == 6 and b.stats().stage("cache_read").items == 6
+    assert mine.snapshot().counters == {"in_step": 3}
+    outer = StatsCollector()
+    with use_collector(outer):
+        for _ in a:
+            for _ in b:  # a nested pass ends; a's next batch takes its scope back
+                pass
+        assert current_collector() is outer
+    assert a.stats().stage("cache_read").items == 12 and b.stats().stage("cache_read").items == 24
+    assert outer.snapshot().stages == {}
+
+
+def test_loader_stopped_early_gives_its_scope_back() -> None:
+    loader = DataLoader(_RecordingDS(8), batch_size=2)
+    for _ in loader:
+        assert current_collector() is loader._fl_collector
+        break
+    assert current_collector() is default_collector()
+    assert loader.stats().batches == 1
+
+
+def test_fast_loop_waits_are_sampled_and_scaled(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Batches closer than FAST_BATCH_S apart are timed one in ~SAMPLE_EVERY; the
+    # untimed ones are charged the sampled mean, so the stall fraction stays right.
+    # A FAST_BATCH_S of 1 s makes any loop "fast" after its first tick.
+    import fastload._loader_iter as li
+
+    monkeypatch.setattr(li, "FAST_BATCH_S", 1.0)
+    monkeypatch.setattr(li, "TICK_S", 0.01)
+    reads = []
+
+    def clock() -> float:
+        reads.append(1)
+        return time.perf_counter()
+
+    monkeypatch.setattr(li, "perf_counter", clock)
+    slow_data = DataLoader(_SlowDS(150), batch_size=1)
+    for _ in slow_data:
+        pass
+    assert len(reads) < 100  # timing every batch reads the clock twice per batch
+    fast_data = DataLoader(TensorDS(150), batch_size=1)
+    for _ in fast_data:
+        time.sleep(0.004)
+    s, f = slow_data.stats(), fast_data.stats()
+    assert s.batches == f.batches == 150
+    assert s.stage("read").items == f.stage("collate").items == 150
+    assert s.data_stall_fraction > 0.8
+    assert f.data_stall_fraction < 0.3
+    assert 0.5 < s.wait_seconds / (150 * 0.004) < 2.0  # charged about 4 ms per batch, not 1/8
+
+
+def test_sampled_collate_split_and_exact_items() -> None:
+    # collate_fn is timed and measured on a sample of batches; items stay exact, also
+    # for a short last batch and for a batch_sampler fastload cannot predict.
+    loader = DataLoader(TensorDS(203), batch_size=10)
+    list(loader)
+    s = loader.stats()
+    assert s.stage("collate").items == s.stage("read").items == 203
+    per_item = nbytes(next(iter(DataLoader(TensorDS(1), batch_size=1))))
+    assert s.stage("collate").bytes == pytest.approx(203 * per_item, rel=0.01)
+    assert 0 < s.stage("collate").seconds < s.wait_seconds
+    custom = DataLoader(TensorDS(10), batch_sampler=[[0, 1, 2], [3], [4, 5, 6, 7, 8, 9]])
+    list(custom)
+    assert custom.stats().stage("collate").items == 10

@@ -1,0 +1,84 @@
+"""ReadAhead.close(): reads already running finish, and are recorded, before it returns."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from fastload.loader import DataLoader
+from fastload.readahead import ReadAhead
+from fastload.stats import StatsCollector, current_collector
+
+READ_S = 0.3  # long enough that a close() which does not wait returns first
+
+
+class _SlowReads:
+    """read_fn: each call sleeps, then records into the active collector."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started: list[list[int]] = []
+        self.threads: list[threading.Thread] = []
+        self.two_started = threading.Event()  # set once 3 reads started
+
+    def __call__(self, chunk: list[int]) -> list[int]:
+        with self.lock:
+            self.started.append(chunk)
+            self.threads.append(threading.current_thread())
+            if len(self.started) >= 3:
+                self.two_started.set()  # the first batch and two read ahead
+        time.sleep(READ_S)
+        current_collector().add("fetch", items=len(chunk))
+        return list(chunk)
+
+
+def test_close_waits_for_running_reads_and_joins_its_threads() -> None:
+    reads = _SlowReads()
+    col = StatsCollector()
+    ra = ReadAhead(
+        iter([[0], [1], [2], [3], [4]]),  # one chunk per batch
+        reads,
+        lambda samples: samples,
+        auto_collation=True,
+        threads=3,
+        ahead=2,
+        collector=col,
+    )
+    assert next(ra) == [0]
+    assert reads.two_started.wait(5)
+    ra.close()
+    started = sum(len(c) for c in reads.started)
+    assert started == 3  # batch 0 and the two read ahead; the rest were never started
+    assert col.snapshot().stage("fetch").items == started  # recorded before close() returned
+    assert col.snapshot().stage("read").items == started
+    assert not any(t.is_alive() for t in reads.threads)
+
+
+class _SlowReadBatch(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.reads = _SlowReads()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return i
+
+    def read_batch(self, indices: list[int]) -> list[int]:
+        return self.reads(indices)
+
+
+def test_an_epoch_stopped_early_leaks_no_records_into_the_next() -> None:
+    ds = _SlowReadBatch(40)
+    loader = DataLoader(ds, batch_size=4, read_threads=2, read_ahead=3)
+    for _ in loader:
+        assert ds.reads.two_started.wait(5)
+        break  # drops the iterator: its ReadAhead closes and waits for running reads
+    loader.reset_stats()
+    time.sleep(READ_S * 2)  # any read still running would have recorded by now
+    assert loader.stats().stage("fetch").items == 0
+    assert loader.stats().stage("read").items == 0
