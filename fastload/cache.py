@@ -134,7 +134,7 @@ class Cache:
                 folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(self.root, 0o700)  # mkdir's mode is filtered by the umask
             self._diskcache = diskcache.Cache(str(self.root / "index"), eviction_policy="none", size_limit=2**62, timeout=60)
-            self.index = _GatedIndex(self._diskcache, _write_lock(self.root))
+            self.index = _GatedIndex(self._diskcache)
         except (OSError, sqlite3.Error) as err:
             error = CacheFullError if _disk_full(err) else CacheError
             raise error(f"cache dir {self.root} cannot be created or opened ({err}); fix: free space there, or set FASTLOAD_CACHE_DIR to a writable folder") from err
@@ -388,18 +388,19 @@ class Cache:
         """
         s = self.settings
         limit = s.cache_limit_bytes
-        payloads = []
-        for _, raw, url, block in items:
+        out = self.entries_for([key for key, *_ in items])
+        todo = list({items[i][0]: i for i, e in enumerate(out) if e is None}.values())
+        payloads: dict[int, bytes] = {}
+        for i in todo:  # only blocks not cached yet: an LZ4 attempt costs ~30 us per 100 KB
+            _, raw, url, block = items[i]
             payload = codec.encode(raw, chunk_bytes=s.chunk_bytes, level=s.lz4_level, min_saving=s.min_saving, meta=meta)
             if len(payload) > limit:
                 raise CacheLimitError(
                     f"cache limit {format_size(limit)} is smaller than item {url!r} block {block} "
                     f"({format_size(len(payload))}); fix: raise --cache-limit / FASTLOAD_CACHE_LIMIT, or lower FASTLOAD_BLOCK_SIZE"
                 )
-            payloads.append(payload)
+            payloads[i] = payload
         try:
-            out = self.entries_for([key for key, *_ in items])
-            todo = list({items[i][0]: i for i, e in enumerate(out) if e is None}.values())
             if len(todo) > 1 and sum(len(payloads[i]) for i in todo) > limit // 2:
                 for i in todo:
                     out[i] = self._publish([(items[i], payloads[i])])[0]
@@ -823,11 +824,11 @@ class _GatedIndex:
     inside :data:`_FORK_GATE`; each thread's connection closed when the thread ends;
     writes under the process's write lock of this cache."""
 
-    def __init__(self, inner: diskcache.Cache, write_lock: threading.RLock) -> None:
+    def __init__(self, inner: diskcache.Cache) -> None:
         self._inner = inner
         self._thread = threading.local()
         self._root = Path(inner.directory).parent.resolve()
-        self._write_lock = write_lock
+        _write_lock(self._root)  # registered, so a forked child gets its own
 
     def bind_thread(self) -> None:
         # diskcache opens one SQLite connection per thread and keeps it in a reference
@@ -842,7 +843,7 @@ class _GatedIndex:
 
     def writing(self) -> threading.RLock:
         """This process's write lock of the cache (a forked child gets a fresh one)."""
-        return _WRITE_LOCKS.get(self._root) or self._write_lock
+        return _WRITE_LOCKS[self._root]
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)

@@ -184,10 +184,7 @@ class Reader:
             return items
         t0 = time.perf_counter()
         got = self._first_blocks([items[i] for i in todo])
-        self.misses += len(got)
-        collector = current_collector()
-        collector.add("fetch", items=len(got), bytes=sum(len(d) for _, d in got), seconds=time.perf_counter() - t0)
-        collector.count("cache_miss", len(got))
+        self._record("fetch", len(got), sum(len(d) for _, d in got), t0)
         # Pins first: a process killed between the two then refetches only blocks it
         # never cached, not ones it cached but cannot find again (tests/reliability/test_train_kill.py).
         try:
@@ -217,7 +214,7 @@ class Reader:
         """
         if self._ahead_pid != os.getpid():  # futures of the parent's event loop
             self._ahead, self._ahead_pid = {}, os.getpid()
-        limit = min(self.settings.block_bytes, AHEAD_ITEM_BYTES)
+        limit = self._ahead_bytes
         todo = [i for i in items if i.url not in self._ahead and i.size <= limit]
         todo = todo[: max(0, AHEAD_ITEMS - len(self._ahead))]
         known = self.cache.known
@@ -235,12 +232,17 @@ class Reader:
             started += 1
         return started
 
+    @property
+    def _ahead_bytes(self) -> int:
+        """Bytes fetched ahead per object: its first block, at most AHEAD_ITEM_BYTES."""
+        return min(self.settings.block_bytes, AHEAD_ITEM_BYTES)
+
     def _take_ahead(self, item: RemoteItem) -> Future[Any] | None:
         got = self._ahead.pop(item.url, None) if self._ahead_pid == os.getpid() else None
         if got is None:
             return None
         ahead, future = got
-        if ahead.size != item.size or ahead.version != item.version and item.size >= 0:
+        if ahead != item:
             future.cancel()  # started for another identity of the object
             return None
         return future
@@ -248,7 +250,6 @@ class Reader:
     def _first_blocks(self, items: builtins.list[RemoteItem]) -> builtins.list[tuple[RemoteItem, bytes]]:
         """:meth:`Source.read_first` of each, from fetches started ahead where there are some."""
         bb = self.settings.block_bytes
-        limit = min(bb, AHEAD_ITEM_BYTES)
         out: builtins.list[tuple[RemoteItem, bytes] | None] = [None] * len(items)
         rest = []
         for k, item in enumerate(items):
@@ -257,7 +258,7 @@ class Reader:
                 rest.append(k)
                 continue
             src = self.source(item.url)
-            done, data = src.finish_first(item, limit, future)
+            done, data = src.finish_first(item, self._ahead_bytes, future)
             if len(data) != min(bb, done.size):  # larger than fetched ahead: its whole first block
                 done, data = src.read_first(done, bb)
             out[k] = (done, data)
@@ -293,8 +294,7 @@ class Reader:
         t0 = time.perf_counter()
         data = self.cache.get(key)
         if data is not None:
-            self.hits += 1
-            self._record("cache_read", "cache_hit", len(data), time.perf_counter() - t0)
+            self._record("cache_read", 1, len(data), t0)
             return data
         # One fetch per block per process even when threads miss together.
         with self._lock:
@@ -330,10 +330,10 @@ class Reader:
             future = self._take_ahead(item) if block == 0 else None
             if future is not None:
                 try:
-                    fetched[k] = self.source(item.url).finish_first(item, min(self.settings.block_bytes, AHEAD_ITEM_BYTES), future)[1]
+                    fetched[k] = self.source(item.url).finish_first(item, self._ahead_bytes, future)[1]
                 except Exception as err:
                     fetched[k] = err
-        rest = [k for k, d in enumerate(fetched) if d is None or isinstance(d, bytes) and len(d) != spans[k][1] - spans[k][0]]
+        rest = [k for k, d in enumerate(fetched) if d is None]
         if rest:
             for k, d in zip(rest, self.source(blocks[rest[0]][0].url).read_many([ranges[k] for k in rest])):
                 fetched[k] = d
@@ -353,20 +353,12 @@ class Reader:
                     "recorded size; the object changed since it was listed; fix: `fastload cache --refresh` or refresh=True"
                 )
             got.append(data)
-        self.misses += len(got)
-        collector = current_collector()
-        collector.add("fetch", items=len(got), bytes=sum(len(d) for d in got), seconds=time.perf_counter() - t0)
-        collector.count("cache_miss", len(got))
+        self._record("fetch", len(got), sum(len(d) for d in got), t0)
         return got
 
     def store_block(self, item: RemoteItem, block: int, data: bytes) -> None:
         """Cache a fetched block; a cache that cannot hold it degrades to streaming."""
-        try:
-            self.cache.put(self.key(item, block), data, url=item.url, block=block)
-        except CacheLimitError:
-            raise
-        except CacheFullError as err:
-            self._warn_streaming(f"cache cannot store {item.url} ({err}); serving it without caching")
+        self.store_blocks([((item, block), data)])
 
     def _warn_streaming(self, why: str) -> None:
         if not self._warned_limit:
@@ -383,12 +375,16 @@ class Reader:
                 "each epoch (raise --cache-limit / FASTLOAD_CACHE_LIMIT to cache it all)"
             )
 
-    @staticmethod
-    def _record(stage: str, counter: str, nbytes: int, seconds: float) -> None:
+    def _record(self, stage: str, items: int, nbytes: int, t0: float) -> None:
+        """Count ``items`` cache hits (stage ``cache_read``) or misses (``fetch``) since ``t0``."""
+        if stage == "fetch":
+            self.misses += items
+        else:
+            self.hits += items
         # Goes to the running loader's collector (fastload.stats), else the process default.
         collector = current_collector()
-        collector.add(stage, items=1, bytes=nbytes, seconds=seconds)
-        collector.count(counter)
+        collector.add(stage, items=items, bytes=nbytes, seconds=time.perf_counter() - t0)
+        collector.count("cache_miss" if stage == "fetch" else "cache_hit", items)
 
     def read_into(self, requests: Sequence[tuple[RemoteItem, int, int, int]], out: Any) -> None:
         """Bytes ``[start, end)`` of each item into ``out`` at byte ``dst``, as one batch.
@@ -420,11 +416,7 @@ class Reader:
         if len(missed) < len(keys):
             hit = set(keys) - {keys[i] for i in missed}
             spans = [self.block_span(plan[k][0], plan[k][1]) for k in hit]
-            nbytes = sum(b - a for a, b in spans)
-            self.hits += len(hit)
-            collector = current_collector()
-            collector.add("cache_read", items=len(hit), bytes=nbytes, seconds=time.perf_counter() - t0)
-            collector.count("cache_hit", len(hit))
+            self._record("cache_read", len(hit), sum(b - a for a, b in spans), t0)
         if missed:
             view = memoryview(out).cast("B")
             steps = [plan[keys[i]] for i in missed]
@@ -460,6 +452,7 @@ class Reader:
                 if gate.acquire(blocking=False):
                     mine.append((i, key, gate))
         out: builtins.list[bytes | None] = [None] * len(blocks)
+        error: BaseException | None = None
         try:
             if mine and getattr(self.source(blocks[0][0].url).fs, "async_impl", False):
                 # One call, the requests overlapping on fsspec's event loop (no thread each).
@@ -467,16 +460,14 @@ class Reader:
                     out[i] = data
             else:
                 futures = {i: pool.submit(contextvars.copy_context().run, self._fetch_unstored, blocks[i]) for i, _, _ in mine}
-                error: BaseException | None = None
                 for i, future in futures.items():
                     try:
                         out[i] = future.result()
                     except BaseException as err:  # the others still finish and are stored
                         error = error or err
-                if error is not None:
-                    self.store_blocks([(blocks[i], out[i]) for i, _, _ in mine if out[i] is not None])
-                    raise error
-            self.store_blocks([(blocks[i], out[i]) for i, _, _ in mine if out[i] is not None])
+            self.store_blocks([(blocks[i], out[i]) for i, _, _ in mine])
+            if error is not None:
+                raise error
         finally:
             with self._lock:
                 for _, key, gate in mine:
@@ -497,7 +488,8 @@ class Reader:
         except CacheLimitError:
             raise
         except CacheFullError as err:
-            self._warn_streaming(f"cache cannot store {batch[0][2]} and {len(batch) - 1} more ({err}); serving them without caching")
+            what = batch[0][2] if len(batch) == 1 else f"{batch[0][2]} and {len(batch) - 1} more"
+            self._warn_streaming(f"cache cannot store {what} ({err}); serving without caching")
 
     # -- whole objects and ranges ---------------------------------------------
 
