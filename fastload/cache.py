@@ -136,7 +136,7 @@ class Cache:
             self._diskcache = diskcache.Cache(str(self.root / "index"), eviction_policy="none", size_limit=2**62, timeout=60)
             self.index = _GatedIndex(self._diskcache)
         except (OSError, sqlite3.Error) as err:
-            error = CacheFullError if _disk_full(err) else CacheError
+            error = CacheFullError if disk_full(err) else CacheError
             raise error(f"cache dir {self.root} cannot be created or opened ({err}); fix: free space there, or set FASTLOAD_CACHE_DIR to a writable folder") from err
         self._lock_path = self.root / "evict.lock"
         self._touched: dict[str, float] = {}
@@ -322,7 +322,7 @@ class Cache:
                 self.index.set("t:" + key, now)
             except sqlite3.OperationalError as err:
                 # LRU order is advisory: a full disk must not turn a cache hit into a crash.
-                if not _disk_full(err):
+                if not disk_full(err):
                     raise
 
     def _touch_many(self, keys: list[str]) -> None:
@@ -335,7 +335,7 @@ class Cache:
                 for key in keys:
                     self._touch(key)
         except sqlite3.OperationalError as err:
-            if not _disk_full(err):  # LRU order is advisory, as in _touch
+            if not disk_full(err):  # LRU order is advisory, as in _touch
                 raise
 
     def _missing(self, entry: Entry) -> Entry | None:
@@ -354,7 +354,7 @@ class Cache:
         except sqlite3.OperationalError as err:
             # On a full disk the index cannot record the drop; the caller still
             # treats it as a miss and refetches, and the next read re-detects it.
-            if not _disk_full(err):
+            if not disk_full(err):
                 raise
         self.corrupt_seen += 1
         current_collector().count("cache_corrupt")
@@ -410,7 +410,7 @@ class Cache:
         except sqlite3.OperationalError as err:
             # SQLite reports ENOSPC as "database or disk is full"; it used to escape
             # as a crash mid-epoch (tests/reliability/test_disk_full.py).
-            if not _disk_full(err):
+            if not disk_full(err):
                 raise
             raise CacheFullError(
                 f"disk under {self.root} is full while indexing {items[0][2]!r} ({err}); fix: free space, lower "
@@ -537,7 +537,7 @@ class Cache:
                     self.index.incr(_BYTES, -n)
         except sqlite3.OperationalError as err:
             # Left behind, the reservation is returned by the next eviction or check().
-            if not _disk_full(err):
+            if not disk_full(err):
                 raise
 
     # -- eviction and maintenance ---------------------------------------------
@@ -663,7 +663,7 @@ def _record(entry: Entry) -> tuple[Any, ...]:
     return (entry.path, entry.stored, entry.raw, entry.codec, entry.checksum, entry.url, entry.block, entry.stored_checksum)
 
 
-def _disk_full(err: BaseException) -> bool:
+def disk_full(err: BaseException) -> bool:
     """ENOSPC/EDQUOT, or SQLite's wording for them."""
     if isinstance(err, OSError):
         return err.errno in (errno.ENOSPC, errno.EDQUOT)

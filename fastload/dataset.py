@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
+from fastload.cache import disk_full
 from fastload.config import Settings
 from fastload.errors import ConfigError, DecodeError
 from fastload.reader import Reader
@@ -91,7 +92,7 @@ class _CachedDataset(torch.utils.data.Dataset):
             try:
                 self.reader.save_manifest(self.reader.manifest_root(self.url), self.pattern, self.items)
             except sqlite3.OperationalError as err:
-                if "full" not in str(err):  # a full disk only costs the next dataset a listing
+                if not disk_full(err):  # a full disk only costs the next dataset a listing
                     raise
 
     def _apply(self, value: Any, url: str | None = None) -> Any:

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from fastload.cache import Cache, entry_key
+from fastload.cache import Cache, disk_full, entry_key
 from fastload.config import Settings, format_size
 from fastload.errors import CacheFullError, CacheLimitError, ConfigError, RemoteChangedError
 from fastload.source import RemoteItem, Source
@@ -143,6 +143,12 @@ class Reader:
         index = self.cache.index
         with index.transact():
             index.set(manifest_key(root, pattern), {"created": time.time(), "items": [i.to_json() for i in items]})
+            self.pin(items)
+
+    def pin(self, items: builtins.list[RemoteItem]) -> None:
+        """Record each item's size and version, so a read needs no request to learn them."""
+        index = self.cache.index
+        with index.transact():
             for item in items:
                 index.set("u:" + item.url, (item.size, item.version))
 
@@ -188,11 +194,9 @@ class Reader:
         # Pins first: a process killed between the two then refetches only blocks it
         # never cached, not ones it cached but cannot find again (tests/reliability/test_train_kill.py).
         try:
-            with self.cache.index.transact():
-                for item, _ in got:
-                    self.cache.index.set("u:" + item.url, (item.size, item.version))
+            self.pin([item for item, _ in got])
         except sqlite3.OperationalError as err:
-            if "full" not in str(err):  # pins save a request later; a full disk must not fail the read
+            if not disk_full(err):  # pins save a request later; a full disk must not fail the read
                 raise
         self.store_blocks([((item, 0), data) for item, data in got])
         out = list(items)

@@ -260,8 +260,7 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], workers: int, report: St
         # doubled the per-item latency (2 x 20 ms to first byte on the cloud link of
         # benchmarks/peers). The chunk's GETs overlap (Source.read_first_many), so each
         # thread keeps CHUNK requests in flight. A pinned URL may be cached: HEAD it.
-        pins = reader.cache.index.get_many(["u:" + items[i].url for i in indices])
-        pinned = [i for i in indices if "u:" + items[i].url in pins]
+        pinned = [i for i, item in zip(indices, reader.pinned([items[i] for i in indices])) if item.size >= 0]
         fresh = [i for i in indices if i not in pinned]
         rest = [r for i in pinned for r in (do_item(i) or [])]
         got = src.read_first_many([items[i] for i in fresh], reader.settings.block_bytes)
