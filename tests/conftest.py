@@ -10,14 +10,38 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
 from fastload import _servers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def load_script() -> Callable[[str], ModuleType]:
+    """Loads a script by its path under the repo (benchmarks/ is not a package and stays
+    out of pytest's collection); each path is loaded once per session."""
+
+    def load(rel: str) -> ModuleType:
+        name = "fastload_script_" + re.sub(r"\W", "_", rel)
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, ROOT / rel)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 def require_server(available: bool, reason: str) -> None:

@@ -9,9 +9,8 @@ checked: timing belongs in the benchmark (STYLE.md, "Tests").
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,22 +23,11 @@ pytest.importorskip("psutil", reason="the benchmark measures peak RSS with psuti
 
 pytestmark = pytest.mark.integration  # real nginx, subprocesses
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "bench.py"
-
-
-def _load_bench() -> ModuleType:
-    # benchmarks/ is not a package and stays out of pytest's collection; load it by path.
-    spec = importlib.util.spec_from_file_location("fastload_bench_peers", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    return _load_bench()
+def bench(load_script: Callable[[str], ModuleType]) -> ModuleType:
+    return load_script("benchmarks/peers/bench.py")
 
 
 def test_parse_args_full_run_covers_every_peer_and_both_links(bench: ModuleType) -> None:
@@ -96,12 +84,10 @@ def test_quick_run_reports_every_peer_mode_and_epoch(
     assert (out / "results.png").stat().st_size > 1000
 
 
-def test_cpu_per_object_reports_both_epochs(capsys: pytest.CaptureFixture[str]) -> None:
-    path = BENCH.with_name("cpu_per_object.py")
-    spec = importlib.util.spec_from_file_location("fastload_cpu_per_object", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_cpu_per_object_reports_both_epochs(
+    capsys: pytest.CaptureFixture[str], load_script: Callable[[str], ModuleType]
+) -> None:
+    module = load_script("benchmarks/peers/cpu_per_object.py")
     assert module.main(["--images", "30", "--read-threads", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["read_threads"] == 2

@@ -8,9 +8,8 @@ Speed itself is not checked here: timing belongs in the benchmark
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -22,22 +21,11 @@ pytest.importorskip("sklearn", reason="the benchmark's sample data needs scikit-
 
 pytestmark = pytest.mark.integration  # runs a real nginx
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "cache" / "bench.py"
-
-
-def _load_bench() -> ModuleType:
-    # benchmarks/ is not a package and stays out of pytest's collection; load it by path.
-    spec = importlib.util.spec_from_file_location("fastload_bench_cache", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    return _load_bench()
+def bench(load_script: Callable[[str], ModuleType]) -> ModuleType:
+    return load_script("benchmarks/cache/bench.py")
 
 
 def test_parse_args_defaults_describe_the_full_run(bench: ModuleType) -> None:

@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import io
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "decode" / "bench.py"
 
-
-def _load() -> object:
-    spec = importlib.util.spec_from_file_location("decode_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
-def test_bench_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    bench: object = _load()
+def test_bench_main_tiny(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], load_script: Callable[[str], ModuleType]
+) -> None:
+    bench: object = load_script("benchmarks/decode/bench.py")
     out = tmp_path / "r.csv"
     args = bench.parse_args(  # type: ignore[attr-defined]
         ["--images", "6", "--batch-size", "3", "--threads", "1", "--repeats", "1", "--size", "64",

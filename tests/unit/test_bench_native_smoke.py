@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import io
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "native" / "bench.py"
 
-
-def test_bench_main_tiny(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("native_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_bench_main_tiny(tmp_path: Path, load_script: Callable[[str], ModuleType]) -> None:
+    bench = load_script("benchmarks/native/bench.py")
     out = tmp_path / "r.csv"
     args = bench.parse_args(
         [
