@@ -492,8 +492,8 @@ class Reader:
         except CacheLimitError:
             raise
         except CacheFullError as err:
-            what = batch[0][2] if len(batch) == 1 else f"{batch[0][2]} and {len(batch) - 1} more"
-            self._warn_streaming(f"cache cannot store {what} ({err}); serving without caching")
+            what = f"{batch[0][2]} ({err}); serving it" if len(batch) == 1 else f"{batch[0][2]} and {len(batch) - 1} more ({err}); serving them"
+            self._warn_streaming(f"cache cannot store {what} without caching")
 
     # -- whole objects and ranges ---------------------------------------------
 
