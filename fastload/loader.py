@@ -33,7 +33,9 @@ from fastload._loader_iter import (
     _Progress,
     _TimedCollate,
     _TimedNext,
+    new_iter,
 )
+from fastload._torch_surface import TORCH_BASE_ITER, TORCH_DATALOADER, TORCH_SINGLE_ITER
 from fastload._worker_stats import Unwrap, WorkerCollate
 from fastload.config import default_read_threads
 from fastload.errors import ConfigError, LoaderError
@@ -66,6 +68,8 @@ def _dist_settings(world_size: int | None, rank: int | None) -> tuple[int, int]:
     return world_size, rank
 
 
+# torch's class, as imported here: a later rebinding of torch's name (patch_torch)
+# never changes the base, and no method looks the class up through torch's module.
 class DataLoader(tud.DataLoader[T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` that also moves, shards, resumes and measures.
 
@@ -273,7 +277,9 @@ class DataLoader(tud.DataLoader[T_co]):
         # torch's iterators read this property once per iterator (and per persistent
         # worker reset); returning one long-lived ResumableSampler lets a loaded state
         # skip at the index level without touching torch's frozen attributes.
-        inner = tud.DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+        # torch's class as captured at import: after `torch.utils.data.DataLoader =
+        # fastload.DataLoader` (patch_torch), the module attribute is this class.
+        inner = TORCH_DATALOADER._index_sampler.fget(self)  # type: ignore[attr-defined]
         if isinstance(self.dataset, tud.IterableDataset):
             return inner
         wrapper = self.__dict__.get("_fl_resumable")
@@ -341,17 +347,25 @@ class DataLoader(tud.DataLoader[T_co]):
         # Workers run a collate_fn that also ships their stats with each batch
         # (fastload._worker_stats); torch reads loader.collate_fn only while it builds
         # the iterator, so the user's attribute is back in place before any batch.
+        # Its _collate_fn is the user's again too: torch hands it to workers only while
+        # it starts them, in the constructor.
         user = self.collate_fn
         self.collate_fn = WorkerCollate(user, self._auto_collation)
         try:
-            return super().__iter__()
+            it = super().__iter__()
         finally:
             self.collate_fn = user
+        it._collate_fn = user
+        return it
 
-    def _read_ahead_iter(self, read_fn: Callable[[list[Any]], Any]) -> ReadAhead:
-        # torch's iterator draws a base seed from the loader's generator (or the global
-        # RNG) when it is created; draw it too so RNG streams match torch's loader.
-        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+    def _read_ahead_iter(self, read_fn: Callable[[list[Any]], Any]) -> tuple[Any, ReadAhead]:
+        # The read_batch path is a torch single-process iterator whose _next_data is
+        # the ReadAhead: torch's own constructor draws the sampler iterator and the base
+        # seed (so RNG streams match torch's loader), torch's __next__ counts
+        # _num_yielded, and isinstance checks see torch's class. Its __init__ is
+        # skipped: it only rejects timeout != 0 and makes a fetcher that is not used.
+        state = TORCH_SINGLE_ITER.__new__(TORCH_SINGLE_ITER)
+        TORCH_BASE_ITER.__init__(state, self)
         post = None
         if self.pin_memory and torch.accelerator.is_available():
             from torch.utils.data._utils.pin_memory import pin_memory
@@ -359,11 +373,12 @@ class DataLoader(tud.DataLoader[T_co]):
             post = pin_memory
         ahead = DEFAULT_READ_AHEAD if self.read_ahead is None else self.read_ahead
         collector = self._fl_collector if self.stats_enabled else None
-        batches: Iterator[Any] = iter(self._index_sampler)
+        batches: Iterator[Any] = state._sampler_iter
         hint = getattr(self.dataset, "prefetch", None)
         if callable(hint) and self._auto_collation:
             batches = Lookahead(batches, hint, depth_for(self.batch_size))
-        return ReadAhead(
+        state._sampler_iter = batches
+        ahead_iter = ReadAhead(
             batches,
             read_fn,
             self.collate_fn,  # type: ignore[arg-type]
@@ -375,6 +390,8 @@ class DataLoader(tud.DataLoader[T_co]):
             post=post,
             name=type(self.dataset).__name__,
         )
+        state._next_data = ahead_iter.__next__  # type: ignore[method-assign]
+        return state, ahead_iter
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         collector = self._fl_collector if self.stats_enabled else None
@@ -398,10 +415,11 @@ class DataLoader(tud.DataLoader[T_co]):
         else:
             gen_start = [g.get_state() for g in gens]
         self._fl_pending_start = None
+        keep: Any
         if read_fn is not None:
-            source: Iterator[Any] = self._read_ahead_iter(read_fn)
+            source, keep = self._read_ahead_iter(read_fn)
         else:
-            source = self._torch_iter(collector is not None)
+            source = keep = self._torch_iter(collector is not None)
             if collector is not None and hasattr(source, "_dataset_fetcher"):
                 # Splits time inside next() into reading samples and collating them.
                 timed = _TimedCollate(source, self._items_per_index_batch())
@@ -434,7 +452,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._fl_progress = progress
         kind = _LoaderIter if self._fl_live_stats is None else _LiveLoaderIter
         live = self._fl_live_stats
-        it = kind(nxt, progress, collector, timed, fetch, lambda: len(self), source, live)
+        it = new_iter(kind, source, nxt, progress, collector, timed, fetch, lambda: len(self), keep, live)
         self._fl_live = weakref.ref(it)
         return it
 
