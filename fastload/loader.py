@@ -36,8 +36,10 @@ from fastload._loader_iter import (
     new_iter,
 )
 from fastload._torch_surface import TORCH_BASE_ITER, TORCH_DATALOADER, TORCH_SINGLE_ITER
+from fastload._worker_pack import Ring
 from fastload._worker_stats import Unwrap, WorkerCollate
 from fastload.config import default_read_threads
+from fastload.dataset import _CachedDataset
 from fastload.errors import ConfigError, LoaderError
 from fastload.lookahead import Lookahead, depth_for
 from fastload.prefetch import DevicePrefetcher
@@ -52,6 +54,8 @@ T_co = TypeVar("T_co", covariant=True)
 STATE_VERSION = 1
 DEFAULT_READ_THREADS = default_read_threads()
 DEFAULT_READ_AHEAD = 2  # batches, for datasets with read_batch
+# torch's multi-process iterator -> the WorkerCollate its workers run.
+_WORKER_COLLATE: weakref.WeakKeyDictionary[Any, WorkerCollate] = weakref.WeakKeyDictionary()
 
 
 def _dist_settings(world_size: int | None, rank: int | None) -> tuple[int, int]:
@@ -341,21 +345,35 @@ class DataLoader(tud.DataLoader[T_co]):
             return int(self.batch_sampler.batch_size)
         return None
 
+    def _packs(self) -> bool:
+        # fastload's datasets hand out bytes payloads (FileDataset, TarDataset): with
+        # workers they cross to the parent through shared memory (fastload._worker_pack).
+        return self.num_workers > 0 and isinstance(self.dataset, _CachedDataset)
+
+    def _wraps_worker_batches(self, stats: bool) -> bool:
+        return self.num_workers > 0 and (stats or self._packs())
+
     def _torch_iter(self, stats: bool) -> Iterator[Any]:
-        if not stats or self.num_workers == 0:
+        if not self._wraps_worker_batches(stats):
             return super().__iter__()
         # Workers run a collate_fn that also ships their stats with each batch
         # (fastload._worker_stats); torch reads loader.collate_fn only while it builds
         # the iterator, so the user's attribute is back in place before any batch.
         # Its _collate_fn is the user's again too: torch hands it to workers only while
         # it starts them, in the constructor.
+        if self.persistent_workers and self._iterator is not None:
+            return super().__iter__()  # its workers keep the WorkerCollate they started with
         user = self.collate_fn
-        self.collate_fn = WorkerCollate(user, self._auto_collation)
+        # One buffer per batch a worker may have in flight (prefetch_factor), plus one.
+        ring = Ring(self.num_workers, (self.prefetch_factor or 2) + 1) if self._packs() else None
+        collate = WorkerCollate(user, self._auto_collation, stats=stats, ring=ring)
+        self.collate_fn = collate
         try:
             it = super().__iter__()
         finally:
             self.collate_fn = user
         it._collate_fn = user
+        _WORKER_COLLATE[it] = collate  # the parent's ring lives as long as torch's iterator
         return it
 
     def _read_ahead_iter(self, read_fn: Callable[[list[Any]], Any]) -> tuple[Any, ReadAhead]:
@@ -427,8 +445,9 @@ class DataLoader(tud.DataLoader[T_co]):
             torch.set_rng_state(caller_rng)
         nxt: Callable[[], Any] = source.__next__
         plain = nxt
-        if collector is not None and self.num_workers > 0:
-            nxt = Unwrap(nxt, collector)  # before the prefetcher: it must see plain batches
+        if read_fn is None and self._wraps_worker_batches(collector is not None):
+            # Before the prefetcher: it must see plain batches.
+            nxt = Unwrap(nxt, collector, _WORKER_COLLATE.get(source))
         fetch = None
         if self.device is not None:
             if self._fl_prefetcher is None:
