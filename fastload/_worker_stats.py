@@ -28,9 +28,9 @@ from time import perf_counter
 from typing import Any
 
 import torch
-from torch.utils.data import get_worker_info
+from torch.utils.data import default_collate, get_worker_info
 
-from fastload._worker_pack import Ring, RingRef, pack, unpack
+from fastload._worker_pack import Ring, RingRef, activate, pack, unpack
 from fastload.stats import StatsCollector, default_collector, nbytes
 
 __all__ = ["Delta", "Unwrap", "WorkerBatch", "WorkerCollate"]
@@ -91,7 +91,9 @@ class WorkerCollate:
         delta = self._delta(("collate", n, nbytes(out), dt)) if self.stats else None
         if self.ring is not None:
             info = get_worker_info()
-            out, packed = pack(out, self.ring, 0 if info is None else info.id)
+            worker = 0 if info is None else info.id
+            out, packed = pack(out, self.ring, worker)
+            activate(self.ring, worker, self.fn is default_collate)
             return WorkerBatch(out, delta, packed)
         return WorkerBatch(out, delta)
 

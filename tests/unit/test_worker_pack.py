@@ -128,3 +128,33 @@ def _join(batch: list[dict[str, Any]]) -> dict[str, Any]:
 def test_user_collate_sees_torchs_samples_and_its_output_arrives(dataset: FileDataset) -> None:
     kw: dict[str, Any] = dict(batch_size=6, num_workers=2, collate_fn=_join)
     assert_same(_torch_batches(dataset, 1, **kw), list(fastload.DataLoader(dataset, stats=False, **kw)))
+
+
+def _upper(data: bytes) -> bytes:
+    return data.upper()
+
+
+def _big_label(relpath: str) -> bytes:
+    return relpath.encode() * 200  # large bytes beside the slots a worker reads into
+
+
+@pytest.mark.parametrize("change", ["transform", "label"])
+def test_samples_user_code_sees_are_bytes_and_arrive_equal(dataset: FileDataset, change: str) -> None:
+    # A transform sees bytes (no slots read straight into a buffer); a label function's
+    # large bytes make the worker turn its slots back into bytes before packing.
+    if change == "transform":
+        dataset.transform = _upper
+    else:
+        dataset.label = _big_label
+    kw: dict[str, Any] = dict(batch_size=5, num_workers=2, shuffle=True)
+    expected = _torch_batches(dataset, 2, **kw)
+    loader = fastload.DataLoader(dataset, generator=_seeded(), **kw)
+    assert_same(expected, [b for _ in range(2) for b in loader])
+    if change == "transform":
+        assert expected[0]["data"][0] == expected[0]["data"][0].upper()
+
+
+def test_read_buffer_is_only_lent_in_a_packing_worker() -> None:
+    from fastload._worker_pack import read_buffer
+
+    assert read_buffer(100) is None  # the parent: datasets read into their own buffers
