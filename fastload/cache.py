@@ -214,9 +214,24 @@ class Cache:
     def read_payload(self, key: str) -> bytes | None:
         """The stored payload of ``key`` (codec.py format, still compressed), checked as
         :meth:`get` checks it; None on a miss or a dropped bad entry. For consumers that
-        decode elsewhere (the GPU's LZ4 inflate in pipelines/array.py)."""
+        decode elsewhere (the GPU's LZ4 inflate in pipelines/array.py).
+
+        An entry without a stored checksum is decoded here once, raw checksum
+        verified, as :meth:`get` does: nvCOMP reports no bad chunk (DALI's inflate
+        never reads its per-chunk statuses and zero-fills short outputs), so its
+        raw checksum is the only thing that would catch a flip, and only the host
+        can check it."""
         checked = self._checked_payload(key)
-        return checked[1] if checked is not None else None
+        if checked is None:
+            return None
+        entry, payload, info = checked
+        if entry.stored_checksum is None:
+            try:
+                codec.decode(payload, info=info)
+            except CodecError as err:
+                self._corrupt(entry, str(err))
+                return None
+        return payload
 
     def _checked_payload(self, key: str) -> tuple[Entry, bytes, codec.PayloadInfo] | None:
         entry = self.entry(key)
