@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import json
 import os
 import threading
 import time
@@ -22,6 +23,7 @@ import pytest
 
 import fastload
 from fastload import hostlimit
+from fastload.cli import main
 from fastload.config import Settings
 
 pytestmark = pytest.mark.integration
@@ -123,13 +125,16 @@ def settings_for(tmp_path: Path, **kwargs: Any) -> Settings:
     return Settings(cache_dir=tmp_path / "cache", request_timeout_s=20, backoff_s=0.05, **kwargs)
 
 
-def test_workers_caps_the_connections_a_server_sees(tmp_path: Path, counting_server: Callable[..., CountingServer]) -> None:
+def test_workers_caps_the_connections_a_server_sees(
+    tmp_path: Path, counting_server: Callable[..., CountingServer], capsys: pytest.CaptureFixture[str]
+) -> None:
     make_files(tmp_path / "www", 120, 20_000)
     server = counting_server(tmp_path / "www", delay_s=0.01)
-    report = fastload.stage(server.url + "/data/", settings=settings_for(tmp_path, workers=4), progress=False)
-    assert report.items == 120 and report.fetched_blocks == 120
+    code = main(["cache", server.url + "/data/", "--workers", "4", "--cache-dir", str(tmp_path / "cache"), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["items"] == 120 and report["fetched_blocks"] == 120
     assert server.peak == 4  # requests overlapped, and never more than --workers 4
-    assert hostlimit.settled()[server.url]["peak"] <= 4
+    assert report["concurrency"]["cap"] == 4 and 1 <= report["concurrency"]["limit"] <= 4
 
 
 def test_training_reads_respect_the_cap_too(tmp_path: Path, counting_server: Callable[..., CountingServer]) -> None:
@@ -171,3 +176,23 @@ def test_the_limit_is_cut_when_the_server_says_it_is_busy(
     state = hostlimit.settled()[server.url]
     assert state["cuts"] >= 1
     assert state["limit"] < hostlimit.START + 2  # held near the server's capacity, not grown toward 16
+
+
+def test_diagnose_reports_the_limit_it_settled_on_and_advises_with_it(
+    tmp_path: Path, counting_server: Callable[..., CountingServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fastload.diagnose import storage
+    from fastload.diagnose.verdict import Inputs, make_verdict
+
+    make_files(tmp_path / "www", 40, 20_000)
+    server = counting_server(tmp_path / "www", delay_s=0.005, capacity=2)
+    monkeypatch.setenv("FASTLOAD_WORKERS", "3")
+    budget = storage.StorageBudget(level_s=0.3, ttfb_requests=2, objects=8, head_requests=8, max_connections=2)
+    result = storage.probe_storage(server.url + "/data/", pattern="**/*.bin", budget=budget)
+    settled = result["settled_concurrency"]
+    assert settled["cap"] == 3 and settled["cuts"] >= 1  # the server's 503s cut it
+    verdict = make_verdict(Inputs(sample_bytes=20_000, storage_url=server.url, storage_bps=result["best_bps"],
+                                  storage_connections=8, storage_settled=settled, cached_fraction=0.0))
+    text = "\n".join(verdict.lines())
+    assert f"settled at {settled['limit']} in flight (cap --workers 3, cut" in text
+    assert f"fastload cache {server.url} --workers 8" in text  # storage saturates above the cap
