@@ -9,7 +9,8 @@ in fastload bounds requests, so this is the one home of that number.
   alike (tests/integration/test_hostlimit.py counts connections at the server).
 * **Limit.** Under the cap, an AIMD controller chooses how many may run. It
   starts at :data:`START`, grows while the host's throughput rises (by half
-  while each step pays, then by one per window), and halves on a congestion
+  while each step pays, then by one while each step pays, taking back a step
+  that made it fall, and trying one more now and then), and halves on a congestion
   signal: a connect timeout, a reset or refused connection, HTTP 429 or 503,
   S3 ``SlowDown``, or throughput collapsing (a server whose listen backlog
   overflows drops SYNs, which TCP retries only after a second or more).
@@ -35,9 +36,12 @@ from urllib.parse import urlsplit
 
 START = 4  # requests allowed at first: a small server is never met with a burst
 GROW_STEP_MAX = 4  # new requests a growth step may add at once (a burst of SYNs overflows a backlog of 5)
-RISE = 1.05  # a step "pays" when throughput rises by at least this factor
+RISE = 1.1  # a step "pays" when throughput rises by at least this factor
+FALL = 0.9  # a step "hurts" when throughput falls below this factor: take it back
 COLLAPSE = 0.4  # throughput below this fraction of the best seen is a congestion signal
-WINDOW_MIN_S = 0.05  # a window shorter than this is too noisy to judge
+WINDOW_MIN_S = 0.1  # a window shorter than this is too noisy to judge
+WINDOW_MIN_REQUESTS = 8
+PROBE_EVERY = 8  # windows held before trying one more again (conditions change)
 
 
 class HostLimit:
@@ -55,6 +59,7 @@ class HostLimit:
         self.in_flight = 0
         self.peak = 0  # most requests ever in flight at once
         self.cuts = 0  # congestion signals that cut the limit
+        self.last_cut = ""  # what the last one was: an error's type, or "collapse"
         self._lock = threading.Lock()
         self._waiters: collections.deque[Callable[[], bool]] = collections.deque()
         self._slow_start = True
@@ -62,6 +67,8 @@ class HostLimit:
         self._cut_guard = 0  # no second cut before _done reaches this (one cut per window)
         self._best = 0.0
         self._prev = 0.0
+        self._grew = False  # the last window's verdict was "one more"
+        self._held = 0  # windows judged without a change
         self._new_window(time.monotonic())
 
     def set_cap(self, cap: int) -> None:
@@ -155,7 +162,7 @@ class HostLimit:
             self.in_flight -= 1
             self._done += 1
             if outcome.error is not None and is_congestion(outcome.error):
-                self._cut(now)
+                self._cut(now, type(outcome.error).__name__)
             elif outcome.error is None:
                 self._window_bytes += outcome.nbytes
                 self._window_done += 1
@@ -172,11 +179,12 @@ class HostLimit:
         self._window_done = 0
         self._full = self.in_flight >= int(self.limit)
 
-    def _cut(self, now: float) -> None:
+    def _cut(self, now: float, why: str) -> None:
         if self._done < self._cut_guard:
             return  # the requests in flight at the last cut are still reporting it
         self.limit = max(1.0, self.limit / 2)
         self.cuts += 1
+        self.last_cut = why
         self._slow_start = False
         self._cut_guard = self._done + self.in_flight + 1
         self._best = self._prev = 0.0
@@ -184,25 +192,37 @@ class HostLimit:
 
     def _judge(self, now: float) -> None:
         elapsed = now - self._window_start
-        if self._window_done < max(4, int(self.limit)) or elapsed < WINDOW_MIN_S:
+        if self._window_done < max(WINDOW_MIN_REQUESTS, int(self.limit)) or elapsed < WINDOW_MIN_S:
             return
         rate = (self._window_bytes or self._window_done) / elapsed
         if self._best and rate < self._best * COLLAPSE and self._full:
-            self._cut(now)
+            self._cut(now, "collapse")
             return
-        if self._full and self.limit < self.cap:
-            # Only a window that used the whole limit says anything about a larger one.
-            if self._slow_start and self._prev and rate < self._prev * RISE:
-                self._slow_start = False  # that step did not pay: probe by one from here
-            step = min(GROW_STEP_MAX, max(1.0, self.limit / 2)) if self._slow_start else 1.0
-            self.limit = min(float(self.cap), self.limit + step)
+        if self._full:  # only a window that used the whole limit says anything about its size
+            paid = not self._prev or rate >= self._prev * RISE
+            if self._slow_start and not paid:
+                self._slow_start = False  # that step did not pay: one at a time from here
+            if self._slow_start:
+                self._step(min(GROW_STEP_MAX, max(1.0, self.limit / 2)))
+            elif self._grew and rate < self._prev * FALL:
+                self._step(-1.0)  # one more made it worse
+            elif paid or self._held >= PROBE_EVERY:
+                self._step(1.0)
+            else:
+                self._held += 1
+                self._grew = False
         self._best = max(self._best, rate)
         self._prev = rate
         self._new_window(now)
 
+    def _step(self, by: float) -> None:
+        self.limit = min(float(self.cap), max(1.0, self.limit + by))
+        self._grew = by > 0
+        self._held = 0
+
     def as_dict(self) -> dict[str, Any]:
-        """The limit now, the cap, the peak in flight and the cuts (for stats and JSON)."""
-        return {"limit": int(self.limit), "cap": self.cap, "peak": self.peak, "cuts": self.cuts}
+        """The limit now, the cap, the peak in flight, the cuts and the last cut's cause (stats, JSON)."""
+        return {"limit": int(self.limit), "cap": self.cap, "peak": self.peak, "cuts": self.cuts, "last_cut": self.last_cut}
 
 
 class _Outcome:

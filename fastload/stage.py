@@ -61,7 +61,7 @@ class StageReport:
     cache_limit_bytes: int = 0
     fits: bool = True
     dry_run: bool = False
-    concurrency: dict[str, int] = field(default_factory=dict)
+    concurrency: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:

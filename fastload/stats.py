@@ -119,7 +119,7 @@ class LoaderStats:
     batches: int = 0
     wait_seconds: float = 0.0
     wall_seconds: float = 0.0
-    concurrency: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    concurrency: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def stage(self, name: str) -> StageStats:
         """Return the stats of stage ``name`` (all zero if it never recorded)."""

@@ -204,7 +204,7 @@ def _sweep(fs: Any, units: list[tuple[str, int, int]], budget: StorageBudget) ->
 
 
 def _settled(url: str, storage_options: dict[str, Any] | None, fs: Any, units: list[tuple[str, int, int]],
-             budget: StorageBudget) -> dict[str, int] | None:
+             budget: StorageBudget) -> dict[str, Any] | None:
     """Where fastload's own request limit settles for this host (fastload.hostlimit).
 
     The probe units are fetched through a :class:`fastload.source.Source` for about

@@ -95,7 +95,7 @@ class Inputs:
     storage_url: str | None = None
     storage_bps: float | None = None
     storage_connections: int | None = None
-    storage_settled: Mapping[str, int] | None = None  # fastload's request limit there: limit, cap, peak, cuts
+    storage_settled: Mapping[str, Any] | None = None  # fastload's request limit there: limit, cap, peak, cuts
     storage_one_conn_bps: float | None = None
     storage_ttfb_s: float | None = None
     cache_disk_bps: float | None = None
