@@ -34,6 +34,7 @@ from fastload._loader_iter import (
     _TimedCollate,
     _TimedNext,
 )
+from fastload._torch_compat import accelerator_available
 from fastload._worker_stats import Unwrap, WorkerCollate
 from fastload.config import default_read_threads
 from fastload.errors import ConfigError, LoaderError
@@ -353,7 +354,7 @@ class DataLoader(tud.DataLoader[T_co]):
         # RNG) when it is created; draw it too so RNG streams match torch's loader.
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         post = None
-        if self.pin_memory and torch.accelerator.is_available():
+        if self.pin_memory and accelerator_available():  # torch.accelerator needs torch 2.6
             from torch.utils.data._utils.pin_memory import pin_memory
 
             post = pin_memory

@@ -68,6 +68,7 @@ from typing import Any, Generic, TypeVar, cast
 
 import torch
 
+from fastload._torch_compat import empty_host_cache
 from fastload.errors import ConfigError, LoaderError
 from fastload.stats import StatsCollector
 
@@ -97,21 +98,6 @@ def slot_size(need: int, max_slot_bytes: int | None) -> int:
     if max_slot_bytes is not None:
         size = max(min(size, max_slot_bytes), need)
     return size
-
-
-def empty_host_cache() -> bool:
-    """Give torch's cached, unused pinned blocks back to the driver; False if torch cannot.
-
-    ``torch.accelerator.empty_host_cache`` (newer torch) or the private
-    ``torch._C._host_emptyCache`` (torch 2.5+); blocks whose copies are still in
-    flight are not cached yet and stay.
-    """
-    accelerator = getattr(torch, "accelerator", None)
-    fn = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-    if fn is None:
-        return False
-    fn()
-    return True
 
 
 # --- nesting: the same container rules as torch.utils.data._utils.pin_memory ---------
