@@ -701,13 +701,24 @@ def _mtime(path: Path) -> float:
 
 
 def _alive(pid: str) -> bool:
+    """Whether the writer ``pid`` can still write: a zombie cannot.
+
+    A SIGKILLed DataLoader worker is reparented to PID 1, and in a container that
+    init may never reap it; ``kill(pid, 0)`` still succeeds on the zombie, so its
+    reservations would be counted forever (tests/unit/test_cache.py::test_a_zombie_writer_is_dead).
+    """
     try:
         os.kill(int(pid), 0)
     except (ValueError, ProcessLookupError):
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{int(pid)}/stat").read_text()
+    except OSError:  # no /proc (not Linux), or it went away: kill() is the answer
+        return True
+    # The state letter follows the command name, which may itself hold ") ".
+    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] not in ("Z", "X")
 
 
 class _ForkGate:
