@@ -15,8 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from _loader_helpers import DictDS, TensorDS  # noqa: E402
 
-from fastload.loader import DataLoader  # noqa: E402
 from fastload._torch_compat import empty_host_cache  # noqa: E402
+from fastload.loader import DataLoader  # noqa: E402
 from fastload.prefetch import DevicePrefetcher  # noqa: E402
 from fastload.stats import StatsCollector  # noqa: E402
 
