@@ -316,7 +316,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
     p.add_argument("--device", default="cuda", help="cuda (cuda:N), or cpu for a smoke run")
     p.add_argument("--batch-mb", type=float, default=64, help="prefetch: MiB per batch")
-    p.add_argument("--matmul", type=int, default=2048, help="prefetch: matrix size of the compute step")
+    p.add_argument("--matmul", type=int, default=4096, help="prefetch: matrix size of the compute step")
     p.add_argument("--batches", type=int, default=12, help="prefetch: batches per pass")
     p.add_argument("--repeats", type=int, default=3, help="prefetch: interleaved repeats (median)")
     p.add_argument("--decode-batch", type=int, default=64)

@@ -131,7 +131,7 @@ def test_overlap_hides_copy_time_behind_compute(lookahead: int) -> None:
     # none (sum) are far apart whatever the link: the bound is max + half of min.
     n, mb = 12, 64
     batches = [torch.randn(mb * 1024 * 256) for _ in range(n)]  # 64 MB each
-    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)  # few, long kernels: not launch-bound
     pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=3)
     for _ in pf.iterate(batches[:3], lookahead=2):  # warm-up: slots, kernels, clocks
         pass
@@ -192,14 +192,21 @@ def test_dropped_batch_never_lands_in_a_later_tensor() -> None:
     # block, or the copy would write into it afterwards.
     n = 32 * 2**20
     pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=2)
-    list(pf.iterate([torch.zeros(n, dtype=torch.uint8)] * 2))  # slots allocated outside the test
+    side = pf._backend.stream  # type: ignore[attr-defined]
+    list(pf.iterate([torch.zeros(n, dtype=torch.uint8)] * 2))  # slots and blocks allocated first
     torch.cuda.synchronize()
-    with torch.cuda.stream(pf._backend.stream):  # type: ignore[attr-defined]
-        torch.cuda._sleep(400_000_000)  # the next copies queue behind ~0.2 s of side-stream work
-    it = pf.iterate([torch.full((n,), 7, dtype=torch.uint8)] * 3, lookahead=1)
-    first = next(it)  # batch 0 handed out; batch 1 copied (queued) and never handed out
-    del it  # ... and dropped: its device buffer is freed with the copy still queued
-    fresh = torch.zeros(n, dtype=torch.uint8, device="cuda")
+
+    def source() -> Iterator[torch.Tensor]:
+        yield torch.full((n,), 7, dtype=torch.uint8)
+        with torch.cuda.stream(side):  # batch 1's copy waits ~0.2 s behind this; batch 0's does not
+            torch.cuda._sleep(400_000_000)
+        yield torch.full((n,), 9, dtype=torch.uint8)
+        yield torch.full((n,), 9, dtype=torch.uint8)
+
+    it = pf.iterate(source(), lookahead=1)
+    first = next(it)  # batch 0 handed out; batch 1 staged, its copy still queued
+    del it  # the loop breaks: batch 1's device buffer is freed before its copy ran
+    fresh = torch.zeros(n, dtype=torch.uint8, device="cuda")  # same size, on the consumer stream
     torch.cuda.synchronize()
     assert int(fresh.max()) == 0, "a dropped batch's copy wrote into a new tensor"
     assert bool((first == 7).all())
