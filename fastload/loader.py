@@ -35,6 +35,7 @@ from fastload._loader_iter import (
     _TimedNext,
     new_iter,
 )
+from fastload._torch_compat import accelerator_available
 from fastload._torch_surface import TORCH_BASE_ITER, TORCH_DATALOADER, TORCH_SINGLE_ITER
 from fastload._worker_pack import Ring
 from fastload._worker_stats import Unwrap, WorkerCollate
@@ -385,7 +386,7 @@ class DataLoader(tud.DataLoader[T_co]):
         state = TORCH_SINGLE_ITER.__new__(TORCH_SINGLE_ITER)
         TORCH_BASE_ITER.__init__(state, self)
         post = None
-        if self.pin_memory and torch.accelerator.is_available():
+        if self.pin_memory and accelerator_available():  # torch.accelerator needs torch 2.6
             from torch.utils.data._utils.pin_memory import pin_memory
 
             post = pin_memory
