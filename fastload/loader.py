@@ -59,6 +59,18 @@ DEFAULT_READ_AHEAD = 2  # batches, for datasets with read_batch
 _WORKER_COLLATE: weakref.WeakKeyDictionary[Any, WorkerCollate] = weakref.WeakKeyDictionary()
 
 
+class _Unpinned:
+    """A loader as torch's iterator constructor reads it, with pin_memory off."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    pin_memory = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
 def _dist_settings(world_size: int | None, rank: int | None) -> tuple[int, int]:
     if world_size is None or rank is None:
         import torch.distributed as dist
@@ -383,10 +395,12 @@ class DataLoader(tud.DataLoader[T_co]):
         # seed (so RNG streams match torch's loader), torch's __next__ counts
         # _num_yielded, and isinstance checks see torch's class. Its __init__ is
         # skipped: it only rejects timeout != 0 and makes a fetcher that is not used.
+        # Pinning is the ReadAhead's (`post`), decided by fastload's torch>=2.1 shim.
         state = TORCH_SINGLE_ITER.__new__(TORCH_SINGLE_ITER)
-        TORCH_BASE_ITER.__init__(state, self)
+        TORCH_BASE_ITER.__init__(state, _Unpinned(self))
         post = None
-        if self.pin_memory and accelerator_available():  # torch.accelerator needs torch 2.6
+        state._pin_memory = self.pin_memory and accelerator_available()  # torch.accelerator: 2.6+
+        if state._pin_memory:
             from torch.utils.data._utils.pin_memory import pin_memory
 
             post = pin_memory
