@@ -397,7 +397,7 @@ class DataLoader(tud.DataLoader[T_co]):
         # skipped: it only rejects timeout != 0 and makes a fetcher that is not used.
         # Pinning is the ReadAhead's (`post`), decided by fastload's torch>=2.1 shim.
         state = TORCH_SINGLE_ITER.__new__(TORCH_SINGLE_ITER)
-        TORCH_BASE_ITER.__init__(state, _Unpinned(self))
+        TORCH_BASE_ITER.__init__(state, _Unpinned(self))  # type: ignore[arg-type]
         post = None
         state._pin_memory = self.pin_memory and accelerator_available()  # torch.accelerator: 2.6+
         if state._pin_memory:
