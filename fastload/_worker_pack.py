@@ -41,13 +41,17 @@ on a buffer until its bytes are copied out.
 
 from __future__ import annotations
 
+import io
 import itertools
+import pickle
 import weakref
 from typing import Any
 
 import torch
 
-__all__ = ["PACK_MIN_BYTES", "Ring", "RingRef", "Slot", "activate", "pack", "read_buffer", "unpack"]
+__all__ = [
+    "PACK_MIN_BYTES", "Ring", "RingRef", "Slot", "activate", "pack", "pickled_bytes", "read_buffer", "unpack",
+]  # fmt: skip
 
 #: Smaller bytes stay in the pickle: a slot and its copy cost more than they save.
 PACK_MIN_BYTES = 1024
@@ -329,3 +333,18 @@ def unpack(batch: Any, where: RingRef | torch.Tensor) -> Any:
         finally:
             where.release()
     return _Unpacker(where.numpy().data).walk(batch)
+
+
+class _SizePickler(pickle.Pickler):
+    # Tensors cross as shared-memory handles: count them as nothing.
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return (int, ())
+        return NotImplemented
+
+
+def pickled_bytes(batch: Any) -> int:
+    """Bytes of ``batch`` (already packed) that torch's queue would copy through its pipe."""
+    buf = io.BytesIO()
+    _SizePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(batch)
+    return buf.tell()

@@ -158,3 +158,39 @@ def test_read_buffer_is_only_lent_in_a_packing_worker() -> None:
     from fastload._worker_pack import read_buffer
 
     assert read_buffer(100) is None  # the parent: datasets read into their own buffers
+
+
+def _as_array(data: bytes) -> Any:
+    import numpy as np
+
+    return np.frombuffer(data, dtype=np.uint8).copy()
+
+
+def _arrays(batch: list[dict[str, Any]]) -> list[Any]:
+    return [s["data"] for s in batch]  # numpy arrays: pickled through the pipe
+
+
+@pytest.fixture()
+def big(tmp_path: Path) -> FileDataset:
+    """Batches of 12 files are 1.2 MB."""
+    (tmp_path / "big").mkdir()
+    for i in range(24):
+        (tmp_path / "big" / f"{i:02d}.bin").write_bytes(bytes([i]) * 100_000)
+    return FileDataset(str(tmp_path / "big"), "*.bin", settings=Settings(cache_dir=tmp_path / "c"))
+
+
+def test_slow_worker_configuration_warns_once_with_the_number_and_the_fix(big: FileDataset) -> None:
+    dataset = big
+    dataset.transform = _as_array
+    loader = fastload.DataLoader(dataset, batch_size=12, num_workers=2, collate_fn=_arrays)
+    pattern = r"1\.2 MB of each batch from FileDataset .*pickled.*fix: .*torch tensors.*num_workers=0"
+    with pytest.warns(UserWarning, match=pattern) as caught:
+        list(loader)
+        list(loader)
+    assert len([w for w in caught if "pickled" in str(w.message)]) == 1
+
+
+def test_packed_batches_do_not_warn(big: FileDataset, recwarn: pytest.WarningsRecorder) -> None:
+    batches = list(fastload.DataLoader(big, batch_size=12, num_workers=2, collate_fn=_join))
+    assert len(batches) == 2 and len(batches[0]["blob"]) == 12 * 100_000 + 11
+    assert not [w for w in recwarn if "pickled" in str(w.message)]
