@@ -23,8 +23,10 @@ Cases (``--cases``, comma-separated):
   loopback (``file://`` where nginx is absent), with ``num_workers=0`` (fastload's
   read threads) and ``--workers`` worker processes, side by side: cold (a fresh
   cache each epoch, every file fetched) and warm (all cached). Workers start
-  anew each epoch, as in a script without ``persistent_workers``. ``ratio`` is
-  the worker epoch's samples/s over the ``num_workers=0`` epoch's.
+  anew each epoch, as in a script without ``persistent_workers``, except in
+  ``warm_workers<N>_persistent`` (median over repeats; only the first epoch
+  starts them). ``ratio`` is the worker epoch's samples/s over the
+  ``num_workers=0`` epoch's.
 
 Each variant runs ``--repeats`` times, interleaved with the others to spread drift;
 the median is reported. Output is CSV (default) or JSON on stdout, and in ``--out``
@@ -317,6 +319,7 @@ def bench_workers(args: argparse.Namespace) -> list[dict[str, Any]]:
 
             warm_ds = dataset(work / "warm")
             fastload.stage(url, pattern="**/*.bin", settings=warm_ds.reader.cache.settings, progress=False)
+            kept = DataLoader(warm_ds, batch_size=bs, num_workers=nw, persistent_workers=True)
             m = _measure(
                 {
                     "cold_workers0": lambda: cold(0),
@@ -325,9 +328,13 @@ def bench_workers(args: argparse.Namespace) -> list[dict[str, Any]]:
                     f"warm_workers{nw}": lambda: _files_epoch(
                         lambda: DataLoader(warm_ds, batch_size=bs, num_workers=nw)
                     ),
+                    # The same workers every epoch: no start-up in the epochs after the first.
+                    f"warm_workers{nw}_persistent": lambda: _files_epoch(lambda: kept),
                 },
                 args.repeats,
             )
+            if kept._iterator is not None:
+                kept._iterator._shutdown_workers()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     where = "nginx on loopback" if server is not None else "file:// (no nginx)"

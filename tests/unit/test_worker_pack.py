@@ -194,3 +194,14 @@ def test_packed_batches_do_not_warn(big: FileDataset, recwarn: pytest.WarningsRe
     batches = list(fastload.DataLoader(big, batch_size=12, num_workers=2, collate_fn=_join))
     assert len(batches) == 2 and len(batches[0]["blob"]) == 12 * 100_000 + 11
     assert not [w for w in recwarn if "pickled" in str(w.message)]
+
+
+def test_spawned_workers_get_the_ring_by_pickle(big: FileDataset) -> None:
+    # Workers get settings, not handles: the ring's free table crosses as shared memory.
+    kw: dict[str, Any] = dict(batch_size=4, num_workers=2, multiprocessing_context="spawn", persistent_workers=True)
+    loader = fastload.DataLoader(big, **kw)
+    got = list(loader) + list(loader)
+    assert_same(_torch_batches(big, 1, batch_size=4) * 2, got)
+    ring = _WORKER_COLLATE[loader._iterator].ring
+    assert ring is not None and 0 < len(ring.mapped) <= 2 * ring.depth
+    loader._iterator._shutdown_workers()
