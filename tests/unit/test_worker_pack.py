@@ -205,3 +205,24 @@ def test_spawned_workers_get_the_ring_by_pickle(big: FileDataset) -> None:
     ring = _WORKER_COLLATE[loader._iterator].ring
     assert ring is not None and 0 < len(ring.mapped) <= 2 * ring.depth
     loader._iterator._shutdown_workers()
+
+
+def test_a_packed_batch_survives_torchs_pin_memory_thread() -> None:
+    # With an accelerator torch's pin_memory thread calls WorkerBatch.pin_memory before
+    # the parent unpacks: the slots and the buffer's lease must come through.
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from fastload._worker_stats import Unwrap, WorkerBatch
+
+    ring = Ring(workers=1, depth=2)
+    batch = {"data": [b"a" * 3000, b"b" * 4000], "url": ["u0", "u1"]}
+    packed, where = pack(batch, ring, 0)
+    sent = pickle.loads(pickle.dumps(WorkerBatch(packed, None, where, 17)))
+    pinned = pin_memory(sent)
+    assert type(pinned) is WorkerBatch and pinned.packed is sent.packed and pinned.pickled == 17
+    seen: list[int] = []
+    got = Unwrap(lambda: pinned, None, None, seen.append)()
+    assert got == batch and seen == [17]
+    del sent, pinned
+    gc.collect()
+    assert ring.free.tolist() == [1, 1]
