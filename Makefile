@@ -50,6 +50,8 @@ reliability-doc: test-deps $(STAMP)
 	FASTLOAD_RELIABILITY_RESULTS=docs/reliability-results.json $(BIN)/python -m pytest tests/reliability $(PYTEST_ARGS)
 	$(BIN)/python tests/reliability/render_doc.py
 
+# As root with tc, the demo's cold epoch runs over a 200 Mbit shaped namespace;
+# elsewhere it says its link is unshaped.
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 

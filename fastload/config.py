@@ -98,7 +98,8 @@ class Settings:
             256 KiB and 1 MiB; none has run yet).
         lz4_level: 0 = fast LZ4 block; 1..12 = LZ4-HC at that level (pre-staging only).
         min_saving: Store LZ4 only if it saves at least this fraction, else store raw.
-        workers: Parallel remote requests for staging and cache misses.
+        workers: The most requests in flight to one host from one process (staging
+            and training alike); an adaptive limit runs under it (fastload.hostlimit).
         retries: Attempts per remote request (1 = no retry).
         backoff_s: First retry delay; doubles per attempt, with full jitter.
         backoff_max_s: Cap on a single retry delay.
@@ -112,7 +113,7 @@ class Settings:
     chunk_bytes: int = 1024**2
     lz4_level: int = 0
     min_saving: float = 0.05
-    workers: int = 16
+    workers: int = 64
     retries: int = 5
     backoff_s: float = 0.2
     backoff_max_s: float = 10.0

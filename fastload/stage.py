@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tqdm import tqdm
@@ -43,6 +43,9 @@ class StageReport:
         cache_limit_bytes: The limit in force.
         fits: Whether the dataset fits the limit (raw size, conservative).
         dry_run: Nothing was fetched.
+        concurrency: The remote host's request limit after the run: ``limit`` (what the
+            controller settled on), ``cap`` (``workers``), ``peak`` in flight, ``cuts``
+            (fastload.hostlimit); empty for local files.
     """
 
     url: str
@@ -58,6 +61,7 @@ class StageReport:
     cache_limit_bytes: int = 0
     fits: bool = True
     dry_run: bool = False
+    concurrency: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -88,6 +92,9 @@ class StageReport:
             f"on disk     {format_size(self.stored_bytes)} (ratio {self.ratio:.2f}x)",
             f"time        {self.seconds:.2f} s, {self.mb_per_s:.1f} MB/s",
         ]
+        if self.concurrency:
+            c = self.concurrency
+            lines.append(f"requests    settled at {c['limit']} in flight (cap {c['cap']}, peak {c['peak']}, cuts {c['cuts']})")
         if self.bad_entries:
             lines.append(f"verify      {self.bad_entries} bad entries found, dropped and refetched")
         return "\n".join(lines)
@@ -158,6 +165,8 @@ def stage(
         _fetch_blocks(reader, bad, settings.workers, report, _show(progress), "refetching")
     report.stored_bytes = _stored(reader, items)
     report.seconds = time.perf_counter() - t0
+    limit = reader.source(url).host_limit
+    report.concurrency = limit.as_dict() if limit is not None else {}
     return report
 
 
