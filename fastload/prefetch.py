@@ -328,7 +328,8 @@ class DevicePrefetcher(Generic[T]):
             exactly the moments a plain loop would make them.
         max_slot_bytes: Cap on one slot's size. A batch larger than the cap bypasses
             the ring (a direct, unstaged copy), warns once and counts
-            ``oversize_batch``. None means no cap.
+            ``oversize_batch``. None means no cap. Slots are powers of two below
+            the cap; a cap that is not one is pinned rounded up to one by torch.
         timeout: Seconds to wait for a slot's previous copy before raising LoaderError.
         collector: Where ``stage`` and ``h2d`` are recorded (None: not recorded).
 
