@@ -45,8 +45,9 @@ Pitfalls avoided (see ``shared/reference/limits.md`` section 5):
 * **Many small copies.** All leaves of a batch cross in one DMA from one slot.
 
 Stats: each copy is recorded as ``h2d`` (bytes, seconds between its CUDA events)
-when its event is first seen complete: at hand-over, at the slot's reuse, or at
-the end of the pass, which records every copy still pending.
+when its event is first seen complete: at hand-over, at the slot's reuse, at the
+end of the pass (which waits for every copy still pending), or when a pass ends
+early (closed or dropped: the copies complete by then).
 
 On a CPU device the same code runs (flatten, slot ring, growth, unflatten) with
 plain, non-pinned slots and synchronous copies, so CI exercises the bookkeeping.
@@ -467,6 +468,12 @@ class DevicePrefetcher(Generic[T]):
                 self._wait_done(slot)
                 self._record_copy(slot)
 
+    def _record_complete(self) -> None:
+        """Record every pending copy that has completed; never waits."""
+        for slot in self._ring:
+            if slot.timed_bytes and self._backend.is_done(slot):
+                self._record_copy(slot)
+
     def _record_copy(self, slot: _Slot) -> None:
         if slot.timed_bytes and self.collector is not None:
             self.collector.add(
@@ -558,6 +565,20 @@ class _Pass(Iterator[T]):
 
     def __iter__(self) -> _Pass[T]:
         return self
+
+    def close(self) -> None:
+        """End this pass early (a loop that breaks, ``--batches``): drop the batches
+        staged ahead, and record the copies already complete, without waiting."""
+        self._exhausted = True
+        self._queue.clear()
+        if self._owner._pass == self._id:
+            self._owner._record_complete()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except (AttributeError, RuntimeError, TypeError):  # interpreter shutdown: torch half torn down
+            return
 
     def __next__(self) -> T:
         owner = self._owner
