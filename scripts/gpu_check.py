@@ -46,6 +46,7 @@ GUARDS = {
     "test_torch_backend_makes_no_host_sync": "bug 3: no host sync per batch in the torch backend",
     "test_every_copy_reaches_the_stats": "bug 4: every copy is recorded as h2d",
     "test_bench_on_cuda_records_h2d": "bug 4: fastload bench --device cuda records both copies",
+    "test_dataloader_device_cuda_matches_cpu_loader": "bug 4: DataLoader(device='cuda') counts every copy",
     "test_corrupt_chunk_of_an_entry_without_stored_checksum_never_reaches_inflate": "bug 5: no corrupt chunk reaches nvCOMP",
     "test_link_measures_both_directions_and_classifies": "bug 7: link probe with NVML readings under load",
     "test_grown_slots_leave_no_stale_pinned_block": "bug 8: grown slots leave no stale pinned block",
