@@ -29,7 +29,7 @@ Pitfalls avoided (see ``shared/reference/limits.md`` section 5):
   emptied. So slots grow in powers of two themselves (what is asked for is what
   is pinned), and a slot that grows empties torch's host cache after dropping its
   old buffer: peak pinned memory is the ring, not the ring plus every size it
-  outgrew (``tests/unit/test_prefetch.py::test_slots_grow_in_powers_of_two``).
+  outgrew (``tests/unit/test_prefetch.py::test_slots_grow_in_powers_of_two_and_release_the_old_block``).
 * **A copy into memory that was given away.** A device buffer allocated on one
   stream and filled on another needs ``record_stream`` or the caching allocator may
   hand its block to a new allocation while the copy is still in flight (NaNs,
