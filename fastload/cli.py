@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     cache = sub.add_parser("cache", parents=[common], help="pre-stage a remote dataset into the local cache")
-    cache.add_argument("url", help="any fsspec URL: s3://bucket/prefix/, https://host/dir/, /local/dir ...")
+    cache.add_argument("url", nargs="?", help="any fsspec URL: s3://bucket/prefix/, https://host/dir/, /local/dir ...")
+    cache.add_argument("--url-list", metavar="FILE", help="stage the objects listed in FILE (one URL per line) instead of URL")
     cache.add_argument("--pattern", help="glob relative to URL, e.g. '**/*.jpg' (default: everything)")
     cache.add_argument("--storage-options", type=_json_arg, default={}, help="JSON fsspec options (credentials, endpoint)")
     cache.add_argument("--workers", type=int, help="parallel requests (default 16)")
@@ -94,8 +95,11 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from fastload.stage import stage
 
     progress = False if args.no_progress or args.json else (True if args.progress else None)
+    if (args.url is None) == (args.url_list is None):
+        raise ConfigError("give a URL or --url-list FILE (one of them); e.g. fastload cache s3://bucket/train/")
+    target: str | list[str] = args.url if args.url is not None else _read_url_list(args.url_list)
     report = stage(
-        args.url,
+        target,
         pattern=args.pattern,
         storage_options=args.storage_options,
         settings=_settings(args),
@@ -106,6 +110,14 @@ def cmd_cache(args: argparse.Namespace) -> int:
     )
     _emit(args, report.to_dict(), str(report))
     return EXIT_OK if (report.fits or not report.dry_run) else EXIT_FAIL
+
+
+def _read_url_list(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except OSError as err:
+        raise ConfigError(f"--url-list {path!r} cannot be read ({err}); fix: give a text file with one URL per line") from err
 
 
 def dataset_summaries(settings: Settings) -> dict[str, Any]:

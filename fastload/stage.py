@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -94,7 +95,7 @@ class StageReport:
 
 
 def stage(
-    url: str,
+    url: str | Sequence[str],
     *,
     pattern: str | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -107,7 +108,8 @@ def stage(
     """Copy the dataset at ``url`` into the cache; see the module docstring.
 
     Args:
-        url: Any fsspec URL of a folder/prefix or a single object.
+        url: Any fsspec URL of a folder/prefix or a single object, or a sequence of
+            object URLs (staged without a listing; the report names it ``urls:<n>:<digest>``).
         pattern: Glob relative to ``url`` (``**/*.jpg``); None takes everything.
         storage_options: fsspec options (credentials, endpoint).
         settings: Cache dir, limit, workers, LZ4 level...
