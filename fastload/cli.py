@@ -1,7 +1,7 @@
 """The ``fastload`` command line: ``cache``, ``info``/``ls``, ``clear``, ``evict``, ``diagnose``, ``bench``.
 
 Exit codes: 0 success, 1 failure (a :class:`FastloadError`, or bad entries that
-could not be repaired), 2 usage error (argparse). ``--json`` prints one JSON
+could not be repaired), 2 usage error (argparse), 130 interrupted (Ctrl-C). ``--json`` prints one JSON
 document on stdout for machines; humans get tables, and progress bars on stderr.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from fastload.config import Settings, format_size, parse_size
 from fastload.errors import ConfigError, FastloadError
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _json_arg(text: str) -> dict[str, Any]:
@@ -95,8 +96,6 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from fastload.stage import stage
 
     progress = False if args.no_progress or args.json else (True if args.progress else None)
-    if (args.url is None) == (args.url_list is None):
-        raise ConfigError("give a URL or --url-list FILE (one of them); e.g. fastload cache s3://bucket/train/")
     target: str | list[str] = args.url if args.url is not None else _read_url_list(args.url_list)
     report = stage(
         target,
@@ -235,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if args.command == "cache" and (args.url is None) == (args.url_list is None):
+            parser.error("cache: give a URL or --url-list FILE (one of them), e.g. fastload cache s3://bucket/train/")
     except SystemExit as exit_:
         return int(exit_.code or 0)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="fastload: %(message)s")
@@ -247,7 +248,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAIL
     except KeyboardInterrupt:
         print(f"fastload {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+        if argv is None:  # the `fastload` command itself, not a caller of main()
+            # Staging stopped every write before re-raising (stage._Stop); what is left
+            # are threads waiting on the remote, for up to request_timeout_s. Joining
+            # them at exit is what made Ctrl-C take 23 s (tests/integration/test_stage_interrupt.py).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover
