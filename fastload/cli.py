@@ -207,6 +207,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     cache = Cache(_settings(args))
     before = cache.volume()
     freed = cache.evict(args.to_bytes)
+    cache.compact()  # the index's log too: on a small disk it can hold more than the payloads
     after = cache.volume()
     _emit(args, {"before_bytes": before, "freed_bytes": freed, "after_bytes": after},
           f"evicted {format_size(freed)}: {format_size(before)} -> {format_size(after)}")

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from fastload.cache import disk_full
+from fastload.cache import cannot_write
 from fastload.config import Settings
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
 from fastload.reader import Reader
@@ -93,7 +93,7 @@ class _CachedDataset(torch.utils.data.Dataset):
             try:
                 self.reader.save_manifest(self.reader.manifest_root(self.url), self.pattern, self.items)
             except sqlite3.OperationalError as err:
-                if not disk_full(err):  # a full disk only costs the next dataset a listing
+                if not cannot_write(err):  # a full or read-only disk only costs the next dataset a listing
                     raise
 
     def _apply(self, value: Any, url: str | None = None) -> Any:

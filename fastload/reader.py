@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from fastload.cache import Cache, disk_full, entry_key
+from fastload.cache import Cache, cannot_write, entry_key
 from fastload.config import Settings, format_size
 from fastload.errors import CacheFullError, CacheLimitError, ConfigError, EmptyDatasetError, RemoteChangedError
 from fastload.source import RemoteItem, Source, glob_to_regex, nothing_matched
@@ -273,7 +273,7 @@ class Reader:
         try:
             self.pin([item for item, _ in got])
         except sqlite3.OperationalError as err:
-            if not disk_full(err):  # pins save a request later; a full disk must not fail the read
+            if not cannot_write(err):  # pins save a request later; a full or read-only disk must not fail the read
                 raise
         self.store_blocks([((item, 0), data) for item, data in got])
         out = list(items)

@@ -133,10 +133,12 @@ def stage(
     # inside the fetch workers, so HEADs overlap with transfers.
     items = reader.list(url, pattern, refresh=refresh, complete=dry_run)
     root = reader.manifest_root(url)
-    report = StageReport(url=root, items=len(items), cache_limit_bytes=settings.cache_limit_bytes)
+    # The limit in force: --cache-limit, capped so the disk keeps its reserve free (cache.py).
+    limit = reader.cache.limit_bytes()
+    report = StageReport(url=root, items=len(items), cache_limit_bytes=limit)
     known = [i for i in items if i.size >= 0]
     report.remote_bytes = sum(i.size for i in known)
-    report.fits = report.remote_bytes <= settings.cache_limit_bytes
+    report.fits = report.remote_bytes <= limit
     if dry_run:
         report.dry_run = True
         report.blocks = sum(len(reader.blocks(i)) for i in items)
@@ -145,19 +147,22 @@ def stage(
         return report
     if not report.fits:
         raise CacheFullError(_too_big(report, settings))
+    writable = reader.cache.unwritable is None  # a read-only cache may still hold it all: then it only checks
     reader.cache.check()
     # An interrupted stage leaves this marker behind. Its rerun (and a refresh) completes
     # sizeless items with a HEAD each, so blocks already cached are skipped; a fresh
     # stage has nothing cached to skip and fetches them with one GET each (_fetch_all).
     marker = "p:" + manifest_key(root, pattern)
     fresh = not refresh and reader.cache.index.get(marker) is None
-    reader.cache.index.set(marker, time.time())
+    if writable:
+        reader.cache.index.set(marker, time.time())
     items = _fetch_all(reader, items, settings.workers, report, _show(progress), "staging", one_request=fresh)
-    reader.save_manifest(root, pattern, items)
-    reader.cache.index.delete(marker)
+    if writable:
+        reader.save_manifest(root, pattern, items)
+        reader.cache.index.delete(marker)
     report.remote_bytes = sum(i.size for i in items)
     report.blocks = sum(len(reader.blocks(i)) for i in items)
-    if report.remote_bytes > settings.cache_limit_bytes:
+    if report.remote_bytes > limit:
         raise CacheFullError(_too_big(report, settings))
     if verify:
         bad = _verify(reader, items, settings.workers, _show(progress))
@@ -167,15 +172,22 @@ def stage(
         report.skipped_blocks -= min(len(bad), report.skipped_blocks)
         _fetch_blocks(reader, bad, settings.workers, report, _show(progress), "refetching")
     report.stored_bytes = _stored(reader, items)
+    # The index's log folded into its file: a staged cache then reads whole from a
+    # read-only mount too (docs/cache.md, "Full and read-only disks").
+    reader.cache.compact()
     report.seconds = time.perf_counter() - t0
     return report
 
 
 def _too_big(report: StageReport, settings: Settings) -> str:
+    capped = report.cache_limit_bytes < settings.cache_limit_bytes
+    why = (f"the cache limit in force is {format_size(report.cache_limit_bytes)} (--cache-limit "
+           f"{format_size(settings.cache_limit_bytes)}, capped by the disk's free space less its reserve)"
+           if capped else f"the cache limit is {format_size(report.cache_limit_bytes)}")
+    fix = "free space on the cache's disk, move FASTLOAD_CACHE_DIR" if capped else "raise --cache-limit"
     return (
-        f"dataset {report.url} is {format_size(report.remote_bytes)} but the cache limit is "
-        f"{format_size(settings.cache_limit_bytes)}; fix: raise --cache-limit, stage a subset with --pattern, "
-        "or skip staging and let training stream it"
+        f"dataset {report.url} is {format_size(report.remote_bytes)} but {why}; fix: {fix}, stage a subset with "
+        "--pattern, or skip staging and let training stream it"
     )
 
 
