@@ -50,6 +50,8 @@ reliability-doc: test-deps $(STAMP)
 	FASTLOAD_RELIABILITY_RESULTS=docs/reliability-results.json $(BIN)/python -m pytest tests/reliability $(PYTEST_ARGS)
 	$(BIN)/python tests/reliability/render_doc.py
 
+# As root with tc, the demo's cold epoch runs over a 200 Mbit shaped namespace;
+# elsewhere it says its link is unshaped.
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
@@ -64,3 +66,15 @@ bench-cache: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# gpu-check: every GPU path in one command and one JSON report, for the first CUDA
+# machine (docs/loader.md, "What has run on a GPU"). It runs scripts/gpu_check.py on
+# GPU_PY, the interpreter that holds the CUDA torch, against this checkout, and never
+# builds .venv: that could install the pinned CPU torch and hide the GPU. It needs
+# fastload's dependencies there (pip install -e . , or wheels on an offline machine).
+# Without a GPU it says so and exits 0. Under 5 minutes on one GPU.
+.PHONY: gpu-check
+GPU_PY ?= python3
+GPU_REPORT ?= benchmarks/gpu/results/gpu-check.json
+gpu-check:
+	$(GPU_PY) scripts/gpu_check.py --out $(GPU_REPORT)

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--url-list", metavar="FILE", help="stage the objects listed in FILE (one URL per line) instead of URL")
     cache.add_argument("--pattern", help="glob relative to URL, e.g. '**/*.jpg' (default: everything)")
     cache.add_argument("--storage-options", type=_json_arg, default={}, help="JSON fsspec options (credentials, endpoint)")
-    cache.add_argument("--workers", type=int, help="parallel requests (default 16)")
+    cache.add_argument("--workers", type=int, help="most requests in flight to one host (default 64; an adaptive limit runs under it)")
     cache.add_argument("--level", type=int, choices=range(0, 13), metavar="0..12", help="0 = fast LZ4 (default), 1..12 = LZ4-HC")
     cache.add_argument("--block-size", type=_size_arg, help="cache large files in blocks of this size (default 8MiB)")
     cache.add_argument("--dry-run", action="store_true", help="list and report the size against the cache limit; fetch nothing")

@@ -68,6 +68,7 @@ from typing import Any, Generic, TypeVar, cast
 
 import torch
 
+from fastload._torch_compat import empty_host_cache
 from fastload.errors import ConfigError, LoaderError
 from fastload.stats import StatsCollector
 
@@ -97,21 +98,6 @@ def slot_size(need: int, max_slot_bytes: int | None) -> int:
     if max_slot_bytes is not None:
         size = max(min(size, max_slot_bytes), need)
     return size
-
-
-def empty_host_cache() -> bool:
-    """Give torch's cached, unused pinned blocks back to the driver; False if torch cannot.
-
-    ``torch.accelerator.empty_host_cache`` (newer torch) or the private
-    ``torch._C._host_emptyCache`` (torch 2.5+); blocks whose copies are still in
-    flight are not cached yet and stay.
-    """
-    accelerator = getattr(torch, "accelerator", None)
-    fn = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-    if fn is None:
-        return False
-    fn()
-    return True
 
 
 # --- nesting: the same container rules as torch.utils.data._utils.pin_memory ---------
@@ -210,7 +196,7 @@ class _HostBackend:
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def release_cached(self) -> None:
+    def release_cached(self, timeout: float) -> None:
         """Called after a slot dropped its buffer to grow: nothing is cached on the CPU."""
         return None
 
@@ -250,9 +236,19 @@ class _CudaBackend(_HostBackend):
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def release_cached(self) -> None:
+    def release_cached(self, timeout: float) -> None:
         # The dropped slot's block sits in torch's host cache, still pinned, and a
-        # grown slot never fits in it again.
+        # grown slot never fits in it again. The allocator frees a block that copies
+        # used only once an event it records on their stream at free time has
+        # completed, so mark the side stream after that event and poll the mark
+        # (a bounded wait for the copies queued there, no device sync) first.
+        mark = torch.cuda.Event()
+        mark.record(self.stream)
+        deadline = time.monotonic() + timeout
+        while not mark.query():
+            if time.monotonic() > deadline:
+                return  # the block stays cached: more memory held, nothing wrong
+            time.sleep(1e-4)
         empty_host_cache()
 
     def init_events(self, slot: _Slot) -> None:
@@ -442,7 +438,7 @@ class DevicePrefetcher(Generic[T]):
                 # Drop the old buffer and empty the host cache before allocating, so
                 # the old size is not kept pinned next to the new one.
                 slot.buf = None
-                self._backend.release_cached()
+                self._backend.release_cached(self.timeout)
             slot.buf = self._backend.alloc(slot_size(need, self.max_slot_bytes))
             self.slot_allocations += 1
         return slot

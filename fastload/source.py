@@ -20,7 +20,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -40,6 +40,7 @@ from fastload.errors import (
     RemoteNotFoundError,
     SourceError,
 )
+from fastload.hostlimit import HostLimit, host_of, limit_for
 
 T = TypeVar("T")
 
@@ -167,6 +168,9 @@ class Source:
         self._folder_hint = url.endswith("/")
         fs = self.fs  # fail early on unknown protocols and missing packages
         self.url = fs.unstrip_protocol(self._root_path).rstrip("/") if self._root_path else url
+        # Local files have no host to flood: their reads take no slot.
+        local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+        self._host = None if local else host_of(self.url, self.storage_options)
 
     def __getstate__(self) -> dict[str, Any]:
         # Settings travel; the filesystem (sockets, event loop) is reopened in the child.
@@ -206,6 +210,14 @@ class Source:
         except Exception as err:
             raise self.translate(err, self.url) from err
         return fs, path
+
+    @property
+    def host_limit(self) -> HostLimit | None:
+        """The limit on requests in flight to this source's host (None for local files).
+
+        Looked up per use: a forked child starts with its own limits (fastload.hostlimit).
+        """
+        return None if self._host is None else limit_for(self._host, self.settings.workers)
 
     # -- naming -------------------------------------------------------------
 
@@ -290,16 +302,20 @@ class Source:
         three times (HEAD, isdir, find): 12 subfolders cost 15 round trips in a row,
         and a URL without its trailing slash a redirect each time. Here the root is
         one GET (its redirect, if any, is followed once and its final URL kept), and
-        every folder of the next level goes out at once, ``workers`` at a time
-        (tests/integration/test_http_listing.py counts them at the server).
+        every folder of the next level goes out at once, as many at a time as the
+        host's limit allows (fastload.hostlimit; tests/integration/test_http_listing.py
+        counts them at the server).
 
         A folder's index page (Python's "Directory listing for", nginx's "Index of")
         is never an item: an empty folder lists as empty, not as one HTML file.
         """
         fs: Any = self.fs
-        timeout_s, cap = self.settings.request_timeout_s, self.settings.workers
-        asked = self.url + "/" if self._folder_hint else self.url
-        root = self._call(lambda: fsspec.asyn.sync(fs.loop, _http_page, fs, asked, timeout_s), self.url)
+        timeout_s, limit = self.settings.request_timeout_s, self.host_limit
+
+        def page(url: str) -> _Page:
+            return self._call(lambda: fsspec.asyn.sync(fs.loop, _held, limit, lambda: _http_page(fs, url, timeout_s)), url)
+
+        root = page(self.url + "/" if self._folder_hint else self.url)
         # A folder: its URL ends in "/" (as asked, or after a redirect), or it is an index
         # page, or an HTML page with links below it where a folder was likely meant.
         folder = root.final.endswith("/")
@@ -321,12 +337,9 @@ class Source:
                 subfolders |= got_dirs - seen
             seen |= subfolders
             todo = sorted(subfolders)
-            pages = fsspec.asyn.sync(fs.loop, _http_pages, fs, todo, timeout_s, cap) if todo else []
-            level = []
-            for url, page in zip(todo, pages):
-                if isinstance(page, BaseException):  # retried alone: backoff, then a named error
-                    page = self._call(lambda u=url: fsspec.asyn.sync(fs.loop, _http_page, fs, u, timeout_s), url)
-                level.append(page)
+            pages = fsspec.asyn.sync(fs.loop, _http_pages, fs, todo, timeout_s, limit) if todo else []
+            # A failed page is retried alone: backoff, then a named error.
+            level = [page(url) if isinstance(got, BaseException) else got for url, got in zip(todo, pages)]
         return {u[len(base) :] if u.startswith(base) else u: RemoteItem(u, -1, "") for u in files}, len(seen) - 1
 
     def complete(self, item: RemoteItem) -> RemoteItem:
@@ -369,7 +382,7 @@ class Source:
         def once() -> tuple[dict[str, Any], bytes]:
             return fsspec.asyn.sync(fs.loop, _http_get_first, fs, item.url, nbytes, timeout_s)
 
-        info, data = self._call(once, item.url)
+        info, data = self._call(once, item.url)  # _call holds the slot
         return self._item(info), data
 
     def read_first_many(self, items: builtins.list[RemoteItem], nbytes: int) -> builtins.list[tuple[RemoteItem, bytes]]:
@@ -384,7 +397,7 @@ class Source:
         if len(items) < 2 or not isinstance(fs, _http_fs_class()) or any(i.size >= 0 for i in items):
             return [self.read_first(i, nbytes) for i in items]
         urls = [i.url for i in items]
-        results = fsspec.asyn.sync(fs.loop, _gather_first, fs, urls, nbytes, self.settings.request_timeout_s)
+        results = fsspec.asyn.sync(fs.loop, _gather_first, fs, urls, nbytes, self.settings.request_timeout_s, self.host_limit)
         return [self.read_first(item, nbytes) if isinstance(res, BaseException) else (self._item(res[0]), res[1])
                 for item, res in zip(items, results)]
 
@@ -398,9 +411,10 @@ class Source:
         if item.size < 0:
             if not isinstance(fs, _http_fs_class()):
                 return None
-            coro = _http_get_first(fs, item.url, nbytes, self.settings.request_timeout_s)
+            coro = _held(self.host_limit, lambda: _http_get_first(fs, item.url, nbytes, self.settings.request_timeout_s))
         else:
-            coro = _gather_ranges(fs, [(fs._strip_protocol(item.url), 0, min(nbytes, item.size))], self.settings.request_timeout_s)
+            coro = _gather_ranges(fs, [(fs._strip_protocol(item.url), 0, min(nbytes, item.size))], self.settings.request_timeout_s,
+                                  self.host_limit)
         return asyncio.run_coroutine_threadsafe(coro, fs.loop)
 
     def finish_first(self, item: RemoteItem, nbytes: int, future: concurrent.futures.Future[Any]) -> tuple[RemoteItem, bytes]:
@@ -475,7 +489,7 @@ class Source:
         results: builtins.list[Any] = [None] * len(ranges)
         if len(ranges) > 1 and getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
             paths = [(fs._strip_protocol(url), start, end) for url, start, end in ranges]
-            results = fsspec.asyn.sync(fs.loop, _gather_ranges, fs, paths, self.settings.request_timeout_s)
+            results = fsspec.asyn.sync(fs.loop, _gather_ranges, fs, paths, self.settings.request_timeout_s, self.host_limit)
         out: builtins.list[bytes | Exception] = []
         for (url, start, end), res in zip(ranges, results):
             if res is None or isinstance(res, BaseException):
@@ -487,11 +501,18 @@ class Source:
         return out
 
     def _call(self, fn: Callable[[], T], url: str) -> T:
+        """``fn()`` (one request) in a slot of the host's limit, retried with backoff outside it."""
         settings = self.settings
+        limit = self.host_limit
         attempt = 0
         while True:
             try:
-                return fn()
+                if limit is None:
+                    return fn()
+                with limit.slot() as outcome:
+                    result = fn()
+                    outcome.nbytes = len(result) if isinstance(result, bytes) else 0
+                return result
             except Exception as err:
                 if not _is_transient(err):
                     raise self.translate(err, url) from err
@@ -637,15 +658,9 @@ async def _http_page(fs: Any, url: str, timeout_s: float) -> _Page:
         return _Page(final, size, None)
 
 
-async def _http_pages(fs: Any, urls: list[str], timeout_s: float, cap: int) -> list[Any]:
-    """:func:`_http_page` of each, ``cap`` at a time; a failure in its place."""
-    gate = asyncio.Semaphore(max(1, cap))
-
-    async def one(url: str) -> _Page:
-        async with gate:
-            return await _http_page(fs, url, timeout_s)
-
-    return await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
+async def _http_pages(fs: Any, urls: list[str], timeout_s: float, limit: HostLimit | None) -> list[Any]:
+    """:func:`_http_page` of each, as many at once as the host's limit allows; a failure in its place."""
+    return await asyncio.gather(*(_held(limit, lambda u=u: _http_page(fs, u, timeout_s)) for u in urls), return_exceptions=True)
 
 
 def _page_links(page_url: str, text: str) -> tuple[set[str], set[str]]:
@@ -703,18 +718,33 @@ async def _http_get_first(fs: Any, url: str, nbytes: int, timeout_s: float) -> t
     return info, body
 
 
-async def _gather_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], timeout_s: float) -> list[Any]:
+async def _held(limit: HostLimit | None, request: Callable[[], Awaitable[T]]) -> T:
+    """``await request()`` in a slot of ``limit``: every coroutine request passes here."""
+    if limit is None:
+        return await request()
+    async with limit.aslot() as outcome:
+        result = await request()
+        body = result[1] if isinstance(result, tuple) else result
+        outcome.nbytes = len(body) if isinstance(body, (bytes, bytearray)) else 0
+        return result
+
+
+async def _gather_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], timeout_s: float, limit: HostLimit | None) -> list[Any]:
     async def one(path: str, start: int, end: int | None) -> bytes:
-        # Bounded like Source.read's requests (asyncio's own timeout for stores that take no kwarg).
+        # Bounded like Source.read's requests (asyncio's own timeout for stores that take no
+        # kwarg); the timeout starts once the request holds its slot.
         if start == 0 and end is None:
-            return await asyncio.wait_for(fs._cat_file(path), timeout_s)
-        return await asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout_s)
+            return await _held(limit, lambda: asyncio.wait_for(fs._cat_file(path), timeout_s))
+        return await _held(limit, lambda: asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout_s))
 
     return await asyncio.gather(*(one(*r) for r in ranges), return_exceptions=True)
 
 
-async def _gather_first(fs: Any, urls: list[str], nbytes: int, timeout_s: float) -> list[Any]:
-    return await asyncio.gather(*(_http_get_first(fs, u, nbytes, timeout_s) for u in urls), return_exceptions=True)
+async def _gather_first(fs: Any, urls: list[str], nbytes: int, timeout_s: float, limit: HostLimit | None) -> list[Any]:
+    async def one(url: str) -> tuple[dict[str, Any], bytes]:
+        return await _held(limit, lambda: _http_get_first(fs, url, nbytes, timeout_s))
+
+    return await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
 
 
 def _is_transient(err: BaseException) -> bool:

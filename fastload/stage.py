@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from tqdm import tqdm
@@ -47,6 +47,9 @@ class StageReport:
         cache_limit_bytes: The limit in force.
         fits: Whether the dataset fits the limit (raw size, conservative).
         dry_run: Nothing was fetched.
+        concurrency: The remote host's request limit after the run: ``limit`` (what the
+            controller settled on), ``cap`` (``workers``), ``peak`` in flight, ``cuts``
+            (fastload.hostlimit); empty for local files.
     """
 
     url: str
@@ -63,6 +66,7 @@ class StageReport:
     cache_limit_bytes: int = 0
     fits: bool = True
     dry_run: bool = False
+    concurrency: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -93,6 +97,9 @@ class StageReport:
             f"on disk     {format_size(self.stored_bytes)} (ratio {self.ratio:.2f}x)",
             f"time        {self.seconds:.2f} s, {self.mb_per_s:.1f} MB/s",
         ]
+        if self.concurrency:
+            c = self.concurrency
+            lines.append(f"requests    settled at {c['limit']} in flight (cap {c['cap']}, peak {c['peak']}, cuts {c['cuts']})")
         if self.verified_entries:  # silence when all was well read as "not checked"
             lines.append(f"verify      {self.verified_entries} entries checked, {self.bad_entries} bad"
                          + (", dropped and refetched" if self.bad_entries else ""))
@@ -176,6 +183,8 @@ def stage(
     # read-only mount too (docs/cache.md, "Full and read-only disks").
     reader.cache.compact()
     report.seconds = time.perf_counter() - t0
+    host = reader.source(items[0].url if items else root).host_limit
+    report.concurrency = host.as_dict() if host is not None else {}
     return report
 
 

@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from fastload import hostlimit
+
 __all__ = [
     "STAGES",
     "LoaderStats",
@@ -107,6 +109,9 @@ class LoaderStats:
             them and scaled: fastload._loader_iter).
         wall_seconds: Seconds from the start of each epoch's iteration to the most recent
             batch, summed over epochs: the training loop's wall time.
+        concurrency: Host -> requests in flight it settled on in this process
+            (``limit``), the cap (``workers``), the ``peak`` in flight and the ``cuts``
+            (congestion signals); see :mod:`fastload.hostlimit`.
     """
 
     stages: Mapping[str, StageStats] = field(default_factory=dict)
@@ -114,6 +119,7 @@ class LoaderStats:
     batches: int = 0
     wait_seconds: float = 0.0
     wall_seconds: float = 0.0
+    concurrency: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def stage(self, name: str) -> StageStats:
         """Return the stats of stage ``name`` (all zero if it never recorded)."""
@@ -142,6 +148,7 @@ class LoaderStats:
             "data_stall_fraction": self.data_stall_fraction,
             "cache_hit_rate": self.cache_hit_rate,
             "counters": dict(self.counters),
+            "concurrency": {host: dict(v) for host, v in self.concurrency.items()},
             "stages": {
                 name: {
                     "items": s.items,
@@ -186,6 +193,8 @@ class LoaderStats:
             lines.append(f"cache hit rate {rate:.1%}")
         for name in sorted(self.counters):
             lines.append(f"{name}: {self.counters[name]}")
+        for host, c in sorted(self.concurrency.items()):
+            lines.append(f"requests in flight to {host}: settled at {c['limit']} (cap {c['cap']}, peak {c['peak']}, cuts {c['cuts']})")
         return "\n".join(lines)
 
 
@@ -332,6 +341,7 @@ class StatsCollector:
             batches=total.batches,
             wait_seconds=total.wait,
             wall_seconds=total.wall,
+            concurrency=MappingProxyType(hostlimit.settled()),
         )
 
     def _take_mine(self) -> tuple[dict[str, list[Any]], dict[str, int], _Shard]:

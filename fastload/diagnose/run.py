@@ -223,6 +223,7 @@ def build_inputs(report: dict[str, Any], opts: Options, settings: Settings) -> I
         storage_url=opts.url,
         storage_bps=_get(store, "best_bps"),
         storage_connections=_get(store, "saturating_connections"),
+        storage_settled=_get(store, "settled_concurrency"),
         storage_one_conn_bps=_get(store, "one_connection_bps"),
         storage_ttfb_s=None if ttfb is None else ttfb / 1e3,
         cache_disk_bps=_get(cache, "disk", "random_cold_bps"),

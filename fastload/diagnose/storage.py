@@ -203,6 +203,28 @@ def _sweep(fs: Any, units: list[tuple[str, int, int]], budget: StorageBudget) ->
     return levels
 
 
+def _settled(url: str, storage_options: dict[str, Any] | None, fs: Any, units: list[tuple[str, int, int]],
+             budget: StorageBudget) -> dict[str, Any] | None:
+    """Where fastload's own request limit settles for this host (fastload.hostlimit).
+
+    The probe units are fetched through a :class:`fastload.source.Source` for about
+    ``level_s``, as training would fetch them: the controller grows while throughput
+    rises and cuts on the server's busy signals. None for local files (no limit).
+    """
+    from fastload.source import Source
+
+    src = Source(url, storage_options)
+    limit = src.host_limit
+    if limit is None:
+        return None
+    ranges: list[tuple[str, int, int | None]] = [(fs.unstrip_protocol(p), a, b) for p, a, b in units]
+    batch = ranges * max(1, -(-limit.cap // len(ranges)))  # enough to fill the cap
+    deadline, moved = time.perf_counter() + budget.level_s, 0
+    while time.perf_counter() < deadline and moved < budget.max_level_bytes:
+        moved += sum(len(r) for r in src.read_many(batch) if isinstance(r, bytes))
+    return limit.as_dict()
+
+
 def probe_storage(url: str | None, storage_options: dict[str, Any] | None = None, *, pattern: str | None = None,
                   budget: StorageBudget | None = None) -> dict[str, Any]:
     """The storage section for ``url``; skipped (with the reason) when no URL is given."""
@@ -225,6 +247,7 @@ def probe_storage(url: str | None, storage_options: dict[str, Any] | None = None
         return skipped(f"every object under {url} is empty", listing=listing)
     ttfb = _ttfb(fs, units, budget.ttfb_requests)
     levels = _sweep(fs, units, budget)
+    settled = _settled(url, storage_options, fs, units, budget)
     conns, best = saturating(levels)
     one = next(lv for lv in levels if lv["connections"] == 1)
     return ok(
@@ -243,6 +266,7 @@ def probe_storage(url: str | None, storage_options: dict[str, Any] | None = None
         one_connection_bps=one["bytes_per_s"],
         best_bps=best,
         saturating_connections=conns,
+        settled_concurrency=settled,
         samples_per_s_at_best=best / avg,
         _paths=[p for p, s in probe if 0 < s <= 8 * 1024**2],  # for the compute probes; not reported
     )

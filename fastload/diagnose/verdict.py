@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fastload.config import Settings
 from fastload.diagnose._util import fmt_bps, fmt_bytes, fmt_rate
 
 __all__ = ["PAYLOADS", "Advice", "Inputs", "Regime", "Stage", "Verdict", "make_verdict", "payload_bytes"]
@@ -50,7 +51,7 @@ CLASS_OF = {
     "model": "compute",
 }
 DEFAULT_READ_THREADS = 8  # Inputs' default: fastload.config.default_read_threads() on 8 or more CPUs
-DEFAULT_STAGE_WORKERS = 16  # Settings.workers
+DEFAULT_STAGE_WORKERS = Settings.workers  # the cap on requests in flight per host
 CLOSE = 1.15  # two stages within 15% of each other are "balanced"
 #: A100 + DALI mixed decode, about 7,000 img/s (limits.md section 3), quoted when unmeasured.
 REFERENCE_GPU_DECODE = 7000.0
@@ -94,6 +95,7 @@ class Inputs:
     storage_url: str | None = None
     storage_bps: float | None = None
     storage_connections: int | None = None
+    storage_settled: Mapping[str, Any] | None = None  # fastload's request limit there: limit, cap, peak, cuts
     storage_one_conn_bps: float | None = None
     storage_ttfb_s: float | None = None
     cache_disk_bps: float | None = None
@@ -337,7 +339,8 @@ def _advice(x: Inputs, stages: list[Stage], s: Stage, regime: str, warm: Stage |
                                   f"reaches about {fmt_rate(at)} img/s of {rate}"))
         if x.cache and x.cached_fraction != 1.0:
             url = x.storage_url or "URL"
-            workers = f" --workers {conn}" if conn and conn > DEFAULT_STAGE_WORKERS else ""
+            cap = (x.storage_settled or {}).get("cap", DEFAULT_STAGE_WORKERS)
+            workers = f" --workers {conn}" if conn and conn > cap else ""
             cost = ""
             if x.dataset_bytes and x.storage_bps:
                 cost = f"; it moves {fmt_bytes(x.dataset_bytes)} once, about {_duration(x.dataset_bytes / x.storage_bps)}"
@@ -497,6 +500,12 @@ def _notes(x: Inputs, stages: list[Stage], s: Stage | None, regime: str) -> list
     unmeasured = [t.label for t in stages if t.in_path and t.samples_per_s is None and t.name != "model"]
     if unmeasured:
         notes.append(f"not measured, so not considered: {', '.join(unmeasured)}")
+    settled = x.storage_settled
+    if settled:
+        why = (f", cut {_n(settled['cuts'], 'time')} on busy answers or resets" if settled.get("cuts") else
+               ", the cap" if settled["limit"] >= settled["cap"] else ", where more stopped paying")
+        notes.append(f"fastload's request limit to the storage settled at {settled['limit']} in flight "
+                     f"(cap --workers {settled['cap']}{why})")
     if x.model_img_s is None:
         notes.append("the model's own rate is unknown; pass --step-ms and --batch-size to include it")
     return notes

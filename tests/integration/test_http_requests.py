@@ -131,9 +131,9 @@ def test_http_misses_of_one_batch_go_out_together_on_the_event_loop(
     calls: list[int] = []
     gather = fastload.source._gather_ranges
 
-    async def counting(fs: object, ranges: list, timeout_s: float) -> list:
+    async def counting(fs: object, ranges: list, *args: object) -> list:
         calls.append(len(ranges))
-        return await gather(fs, ranges, timeout_s)
+        return await gather(fs, ranges, *args)
 
     monkeypatch.setattr(fastload.source, "_gather_ranges", counting)
     sizes = [i.size for i in items]

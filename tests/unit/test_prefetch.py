@@ -253,7 +253,7 @@ class _CountingReleases(_HostBackend):
         self.sizes.append(nbytes)
         return super().alloc(nbytes)
 
-    def release_cached(self) -> None:
+    def release_cached(self, timeout: float) -> None:
         self.releases += 1
 
 

@@ -1,0 +1,129 @@
+"""`fastload cache` from an ordinary server (`python -m http.server`) over a shaped link.
+
+The server is the standard library's ThreadingHTTPServer (listen backlog 5, no
+Range support, one connection per request), as many users run it. The link is a
+network namespace whose loopback carries ``tc tbf rate R`` (fastload._servers);
+server and clients both run inside it. Reported, from one run:
+
+* ``link``: one 20 MB GET with urllib, the link's own limit here;
+* ``plain``: a one-at-a-time urllib loop over the same files;
+* ``fastload``: ``fastload cache URL --json`` (defaults, or each ``--workers``),
+  as MB/s and as a fraction of the link, with the request limit it settled on.
+
+Without root (or with ``--no-shaping``) it runs over plain loopback and says so.
+Run: ``python benchmarks/ordinary_server/bench.py [--files 300 --kb 110 --rate 200mbit]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from fastload import _servers  # noqa: E402
+
+_PLAIN = """
+import sys, time, urllib.request
+base, names = sys.argv[1], sys.argv[2:]
+t = time.perf_counter(); n = 0
+for name in names:
+    n += len(urllib.request.urlopen(base + name).read())
+print(n / (time.perf_counter() - t))
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--files", type=int, default=300, help="files in the dataset")
+    p.add_argument("--kb", type=int, default=110, help="size of each file in KB")
+    p.add_argument("--rate", default="200mbit", help="link rate in tc units")
+    p.add_argument("--workers", default="", help="comma-separated --workers values (default: fastload's default only)")
+    p.add_argument("--no-shaping", action="store_true", help="plain loopback, no namespace")
+    p.add_argument("--netns-prefix", default="fl", help="prefix of the namespace's name")
+    p.add_argument("--pythonpath", default=str(ROOT), help="the fastload checkout the clients import (before/after runs)")
+    p.add_argument("--timeout-s", type=float, default=300, help="limit per client run")
+    p.add_argument("--repeats", type=int, default=1, help="fastload runs per --workers value")
+    args = p.parse_args(argv)
+    args.workers = [int(w) for w in args.workers.split(",") if w]
+    return args
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _link(args: argparse.Namespace) -> Iterator[tuple[list[str], str]]:
+    reason = "disabled with --no-shaping" if args.no_shaping else _servers.shaping_unavailable_reason()
+    if reason is None:
+        with _servers.ShapedLink(rate=args.rate, name_prefix=args.netns_prefix) as link:
+            yield link.exec_prefix, f"netns, loopback tbf rate {args.rate}"
+    else:
+        yield [], f"plain loopback, unshaped ({reason})"
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="fl-ordinary-") as tmp:
+        www = Path(tmp) / "www"
+        names = []
+        for i in range(args.files):
+            rel = f"data/c{i % 4}/{i:04d}.bin"
+            (www / rel).parent.mkdir(parents=True, exist_ok=True)
+            (www / rel).write_bytes(os.urandom(args.kb * 1000))  # incompressible, as JPEGs are
+            names.append(rel[len("data/"):])
+        (www / "big.bin").write_bytes(os.urandom(20 * 10**6))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")} | {"PYTHONPATH": args.pythonpath}
+        with _link(args) as (prefix, description):
+            port = _free_port()
+            server = subprocess.Popen([*prefix, sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                                       "--directory", str(www)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                base = f"http://127.0.0.1:{port}/"
+                for _ in range(100):  # wait for the server
+                    if subprocess.run([*prefix, "curl", "-sf", "-o", "/dev/null", base], check=False).returncode == 0:
+                        break
+                    time.sleep(0.05)
+
+                def client(cmd: list[str]) -> str:
+                    done = subprocess.run([*prefix, *cmd], capture_output=True, text=True, env=env, timeout=args.timeout_s,
+                                          check=True, cwd=tmp)  # not the checkout: --pythonpath decides
+                    return done.stdout
+
+                link_bps = float(client([sys.executable, "-c", _PLAIN, base, "big.bin"]))
+                plain_bps = float(client([sys.executable, "-c", _PLAIN, base + "data/", *names]))
+                runs = []
+                for run, workers in enumerate([w for w in args.workers or [None] for _ in range(args.repeats)]):
+                    cache = Path(tmp) / f"cache-{run}"
+                    cmd = [sys.executable, "-m", "fastload", "cache", base + "data/", "--cache-dir", str(cache), "--json"]
+                    cmd += ["--workers", str(workers)] if workers else []
+                    t0 = time.perf_counter()
+                    report = json.loads(client(cmd))
+                    wall = time.perf_counter() - t0
+                    bps = report["fetched_bytes"] / report["seconds"]
+                    runs.append({"workers": workers or "default", "seconds": round(report["seconds"], 3),
+                                 "wall_seconds": round(wall, 3), "mb_per_s": round(bps / 1e6, 2),
+                                 "link_fraction": round(bps / link_bps, 3), "concurrency": report.get("concurrency")})
+            finally:
+                server.terminate()
+                server.wait(timeout=10)
+    return {"link": description, "files": args.files, "kb": args.kb, "link_mb_per_s": round(link_bps / 1e6, 2),
+            "plain_loop_mb_per_s": round(plain_bps / 1e6, 2), "plain_link_fraction": round(plain_bps / link_bps, 3),
+            "fastload": runs}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(parse_args()), indent=2))

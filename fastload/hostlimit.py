@@ -1,0 +1,329 @@
+"""Requests in flight to one host: a hard cap, and an adaptive limit under it.
+
+Every request :class:`~fastload.source.Source` sends (a GET, a ranged GET, a
+HEAD) holds a slot of its host's :class:`HostLimit` while it runs; nothing else
+in fastload bounds requests, so this is the one home of that number.
+
+* **Cap.** ``Settings.workers`` (``--workers``, ``FASTLOAD_WORKERS``): the most
+  requests one process ever has in flight to one host, for staging and training
+  alike (tests/integration/test_hostlimit.py counts connections at the server).
+* **Limit.** Under the cap, an AIMD controller chooses how many may run. It
+  starts at :data:`START`, grows while the host's throughput rises (by half
+  while each step pays, then by one while each step pays, taking back a step
+  that made it fall, and trying one more now and then), and halves on a congestion
+  signal: a connect timeout, a reset or refused connection, HTTP 429 or 503,
+  S3 ``SlowDown``, or throughput collapsing (a server whose listen backlog
+  overflows drops SYNs, which TCP retries only after a second or more).
+
+The limit a host settled on is reported by :func:`settled` (``loader.stats()``,
+``fastload cache --json``, ``fastload diagnose``).
+
+Slots are handed over first-come first-served, to threads (:meth:`HostLimit.slot`)
+and to coroutines on fsspec's event loop (:meth:`HostLimit.aslot`) alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+START = 4  # requests allowed at first: a small server is never met with a burst
+GROW_STEP_MAX = 4  # new requests a growth step may add at once (a burst of SYNs overflows a backlog of 5)
+RISE = 1.1  # a step "pays" when throughput rises by at least this factor
+FALL = 0.9  # a step "hurts" when throughput falls below this factor: take it back
+COLLAPSE = 0.4  # throughput below this fraction of the best seen is a congestion signal
+WINDOW_MIN_S = 0.1  # a window shorter than this is too noisy to judge
+WINDOW_MIN_REQUESTS = 8
+PROBE_EVERY = 8  # windows held before trying one more again (conditions change)
+
+
+class HostLimit:
+    """The cap and the adaptive limit of one host (see the module docstring).
+
+    Args:
+        host: What the limit is named by in stats (``http://127.0.0.1:8080``).
+        cap: The hard cap (``Settings.workers``).
+    """
+
+    def __init__(self, host: str, cap: int) -> None:
+        self.host = host
+        self.cap = max(1, cap)
+        self.limit = float(min(self.cap, START))
+        self.in_flight = 0
+        self.peak = 0  # most requests ever in flight at once
+        self.cuts = 0  # congestion signals that cut the limit
+        self.last_cut = ""  # what the last one was: an error's type, or "collapse"
+        self._lock = threading.Lock()
+        self._waiters: collections.deque[Callable[[], bool]] = collections.deque()
+        self._slow_start = True
+        self._done = 0  # requests completed (ok or not)
+        self._cut_guard = 0  # no second cut before _done reaches this (one cut per window)
+        self._best = 0.0
+        self._prev = 0.0
+        self._grew = False  # the last window's verdict was "one more"
+        self._held = 0  # windows judged without a change
+        self._new_window(time.monotonic())
+
+    def set_cap(self, cap: int) -> None:
+        """Apply a new cap (the latest ``Settings.workers`` of a Source for this host)."""
+        with self._lock:
+            self.cap = max(1, cap)
+            self.limit = min(self.limit, float(self.cap))
+            wake = self._hand_over()
+        for fn in wake:
+            fn()
+
+    # -- slots -------------------------------------------------------------------
+
+    @contextmanager
+    def slot(self) -> Iterator[_Outcome]:
+        """Hold a slot in this thread for the ``with`` body (one request)."""
+        with self._lock:
+            if self._free():
+                self._take()
+                event = None
+            else:
+                event = threading.Event()
+
+                def wake() -> bool:
+                    event.set()
+                    return True
+
+                self._waiters.append(wake)
+        if event is not None:
+            event.wait()  # handed a slot by _release; the requests ahead end by their timeouts
+        outcome = _Outcome()
+        try:
+            yield outcome
+        except BaseException as err:
+            outcome.error = err
+            raise
+        finally:
+            self._release(outcome)
+
+    @asynccontextmanager
+    async def aslot(self) -> AsyncIterator[_Outcome]:
+        """Hold a slot in a coroutine on an event loop for the ``async with`` body."""
+        future: asyncio.Future[None] | None = None
+        with self._lock:
+            if self._free():
+                self._take()
+            else:
+                loop = asyncio.get_running_loop()
+                future = loop.create_future()
+                self._waiters.append(_async_waker(loop, future, self._give_back))
+        if future is not None:
+            await future  # cancelled while waiting: the slot, once handed over, is given back
+        outcome = _Outcome()
+        try:
+            yield outcome
+        except BaseException as err:
+            outcome.error = err
+            raise
+        finally:
+            self._release(outcome)
+
+    def _free(self) -> bool:
+        return self.in_flight < int(self.limit) and not self._waiters
+
+    def _take(self) -> None:
+        self.in_flight += 1
+        if self.in_flight > self.peak:
+            self.peak = self.in_flight
+        if self.in_flight >= int(self.limit):
+            self._full = True
+
+    def _hand_over(self) -> list[Callable[[], bool]]:
+        """Slots for waiters while the limit allows (under the lock); returns who to wake."""
+        wake = []
+        while self._waiters and self.in_flight < int(self.limit):
+            self._take()
+            wake.append(self._waiters.popleft())
+        return wake
+
+    def _give_back(self) -> None:
+        # A waiter that went away after being handed a slot: pass the slot on.
+        with self._lock:
+            self.in_flight -= 1
+            wake = self._hand_over()
+        for fn in wake:
+            fn()
+
+    def _release(self, outcome: _Outcome) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.in_flight -= 1
+            self._done += 1
+            if outcome.error is not None and is_congestion(outcome.error):
+                self._cut(now, type(outcome.error).__name__)
+            elif outcome.error is None:
+                self._window_bytes += outcome.nbytes
+                self._window_done += 1
+                self._judge(now)
+            wake = self._hand_over()
+        for fn in wake:
+            fn()
+
+    # -- the controller (under the lock) --------------------------------------------
+
+    def _new_window(self, now: float) -> None:
+        self._window_start = now
+        self._window_bytes = 0
+        self._window_done = 0
+        self._full = self.in_flight >= int(self.limit)
+
+    def _cut(self, now: float, why: str) -> None:
+        if self._done < self._cut_guard:
+            return  # the requests in flight at the last cut are still reporting it
+        self.limit = max(1.0, self.limit / 2)
+        self.cuts += 1
+        self.last_cut = why
+        self._slow_start = False
+        self._cut_guard = self._done + self.in_flight + 1
+        self._best = self._prev = 0.0
+        self._new_window(now)
+
+    def _judge(self, now: float) -> None:
+        elapsed = now - self._window_start
+        if self._window_done < max(WINDOW_MIN_REQUESTS, int(self.limit)) or elapsed < WINDOW_MIN_S:
+            return
+        rate = (self._window_bytes or self._window_done) / elapsed
+        if self._best and rate < self._best * COLLAPSE and self._full:
+            self._cut(now, "collapse")
+            return
+        if self._full:  # only a window that used the whole limit says anything about its size
+            paid = not self._prev or rate >= self._prev * RISE
+            if self._slow_start and not paid:
+                self._slow_start = False  # that step did not pay: one at a time from here
+            if self._slow_start:
+                self._step(min(GROW_STEP_MAX, max(1.0, self.limit / 2)))
+            elif self._grew and rate < self._prev * FALL:
+                self._step(-1.0)  # one more made it worse
+            elif paid or self._held >= PROBE_EVERY:
+                self._step(1.0)
+            else:
+                self._held += 1
+                self._grew = False
+        self._best = max(self._best, rate)
+        self._prev = rate
+        self._new_window(now)
+
+    def _step(self, by: float) -> None:
+        self.limit = min(float(self.cap), max(1.0, self.limit + by))
+        self._grew = by > 0
+        self._held = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The limit now, the cap, the peak in flight, the cuts and the last cut's cause (stats, JSON)."""
+        return {"limit": int(self.limit), "cap": self.cap, "peak": self.peak, "cuts": self.cuts, "last_cut": self.last_cut}
+
+
+class _Outcome:
+    """What a request holding a slot reports: its bytes, or the error it raised."""
+
+    __slots__ = ("error", "nbytes")
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.error: BaseException | None = None
+
+
+def _async_waker(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], give_back: Callable[[], None]) -> Callable[[], bool]:
+    def resolve() -> None:
+        if future.done():  # cancelled while it waited: pass the slot on
+            give_back()
+        else:
+            future.set_result(None)
+
+    def wake() -> bool:
+        try:
+            loop.call_soon_threadsafe(resolve)
+        except RuntimeError:  # the loop is closed: nobody will take the slot
+            give_back()
+        return True
+
+    return wake
+
+
+_CONGESTION_NAMES = {
+    "ClientConnectorError",  # refused / reset while connecting (aiohttp)
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "ConnectTimeoutError",
+    "ServerTimeoutError",  # aiohttp's connect and socket-read timeouts
+    "ConnectionTimeoutError",
+    "SocketTimeoutError",
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+}
+
+
+def is_congestion(err: BaseException) -> bool:
+    """Whether ``err`` says the host is overloaded: 429, 503, SlowDown, a connect timeout or reset."""
+    seen = 0
+    e: BaseException | None = err
+    while e is not None and seen < 6:
+        status = getattr(e, "status", None) or getattr(e, "code", None)
+        if status in (429, 503):
+            return True
+        if isinstance(e, (ConnectionResetError, ConnectionRefusedError, ConnectionAbortedError, TimeoutError, asyncio.TimeoutError)):
+            return True
+        if type(e).__name__ in _CONGESTION_NAMES:
+            return True
+        text = str(e)
+        if any(s in text for s in ("SlowDown", "Throttl", "429", "503", "Too Many Requests", "Service Unavailable")):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+_LIMITS: dict[str, HostLimit] = {}
+_LIMITS_LOCK = threading.Lock()
+
+
+def host_of(url: str, storage_options: dict[str, Any] | None = None) -> str:
+    """The host a URL's requests go to: scheme and netloc (an S3 endpoint_url where one is set)."""
+    endpoint = (storage_options or {}).get("endpoint_url") or ((storage_options or {}).get("client_kwargs") or {}).get("endpoint_url")
+    if endpoint:
+        parts = urlsplit(str(endpoint))
+        return f"{parts.scheme}://{parts.netloc}"
+    if "://" not in url:
+        return "file://"
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def limit_for(host: str, cap: int) -> HostLimit:
+    """This process's limit for ``host``, its cap set to ``cap``."""
+    with _LIMITS_LOCK:
+        limit = _LIMITS.get(host)
+        if limit is None:
+            limit = _LIMITS[host] = HostLimit(host, cap)
+            return limit
+    if limit.cap != cap:
+        limit.set_cap(cap)
+    return limit
+
+
+def settled() -> dict[str, dict[str, Any]]:
+    """Host -> the limit it settled on (``limit``), its ``cap``, ``peak`` in flight and ``cuts``."""
+    with _LIMITS_LOCK:
+        limits = list(_LIMITS.values())
+    return {lim.host: lim.as_dict() for lim in limits if lim.host != "file://"}
+
+
+def _reset_after_fork() -> None:
+    # A child's requests are its own: a parent's waiters and in-flight counts are not.
+    global _LIMITS, _LIMITS_LOCK
+    _LIMITS, _LIMITS_LOCK = {}, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
