@@ -312,10 +312,10 @@ class Source:
         fs: Any = self.fs
         timeout_s, limit = self.settings.request_timeout_s, self.host_limit
 
-        def page(url: str) -> _Page:
+        def get_page(url: str) -> _Page:
             return self._call(lambda: fsspec.asyn.sync(fs.loop, _held, limit, lambda: _http_page(fs, url, timeout_s)), url)
 
-        root = page(self.url + "/" if self._folder_hint else self.url)
+        root = get_page(self.url + "/" if self._folder_hint else self.url)
         # A folder: its URL ends in "/" (as asked, or after a redirect), or it is an index
         # page, or an HTML page with links below it where a folder was likely meant.
         folder = root.final.endswith("/")
@@ -339,7 +339,7 @@ class Source:
             todo = sorted(subfolders)
             pages = fsspec.asyn.sync(fs.loop, _http_pages, fs, todo, timeout_s, limit) if todo else []
             # A failed page is retried alone: backoff, then a named error.
-            level = [page(url) if isinstance(got, BaseException) else got for url, got in zip(todo, pages)]
+            level = [get_page(url) if isinstance(got, BaseException) else got for url, got in zip(todo, pages)]
         return {u[len(base) :] if u.startswith(base) else u: RemoteItem(u, -1, "") for u in files}, len(seen) - 1
 
     def complete(self, item: RemoteItem) -> RemoteItem:
