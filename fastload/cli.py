@@ -146,6 +146,9 @@ def dataset_summaries(settings: Settings) -> dict[str, Any]:
     return {
         "cache_dir": str(settings.cache_dir),
         "cache_limit_bytes": settings.cache_limit_bytes,
+        "limit_in_force_bytes": reader.cache.limit_bytes(),
+        "writable": reader.cache.unwritable is None,
+        "unwritable_reason": reader.cache.unwritable,
         "entries": len(entries),
         "stored_bytes": sum(e.stored for e in entries),
         "raw_bytes": sum(e.raw for e in entries),
@@ -158,11 +161,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     info = dataset_summaries(_settings(args))
     lines = [
         f"cache dir   {info['cache_dir']}",
-        f"limit       {format_size(info['cache_limit_bytes'])}",
+        f"limit       {format_size(info['cache_limit_bytes'])}"
+        + (f" ({format_size(info['limit_in_force_bytes'])} in force: the disk's free space less its reserve)"
+           if info["limit_in_force_bytes"] < info["cache_limit_bytes"] else ""),
         f"entries     {info['entries']}, {format_size(info['stored_bytes'])} on disk "
         f"({format_size(info['raw_bytes'])} raw)",
         f"corrupt     {info['corrupt_detected']} detected and dropped so far",
     ]
+    if not info["writable"]:
+        lines.append(f"writable    no: the disk is {info['unwritable_reason']}; cached data is served, new data streams")
     if info["datasets"]:
         lines.append("")
         lines.append(f"{'dataset':<50} {'items':>14} {'remote':>11} {'on disk':>11}")

@@ -449,11 +449,14 @@ class Reader:
     def warn_if_oversized(self, items: builtins.list[RemoteItem]) -> None:
         """Warn once when a dataset is larger than the cache limit (it will stream)."""
         total = sum(i.size for i in items)
-        if total > self.settings.cache_limit_bytes:
+        limit = self.cache.limit_bytes()  # capped by the disk's free space less its reserve
+        if total > limit:
+            capped = limit < self.settings.cache_limit_bytes
             self._warn_streaming(
-                f"dataset is {format_size(total)} but the cache limit is "
-                f"{format_size(self.settings.cache_limit_bytes)}; items will be evicted and refetched "
-                "each epoch (raise --cache-limit / FASTLOAD_CACHE_LIMIT to cache it all)"
+                f"dataset is {format_size(total)} but the cache limit {'in force ' if capped else ''}is "
+                f"{format_size(limit)}{' (the disk has no more room)' if capped else ''}; items will be evicted and "
+                f"refetched each epoch ({'free space on the cache disk' if capped else 'raise --cache-limit / FASTLOAD_CACHE_LIMIT'}"
+                " to cache it all)"
             )
 
     def _record(self, stage: str, items: int, nbytes: int, t0: float) -> None:

@@ -98,8 +98,9 @@ def test_full_disk_streams_training_and_fails_staging_clearly(
     record(
         "disk-full", trials,
         f"pass: training read {2 * N} samples bit-exact per run with {', '.join(map(str, cached))} of {N} "
-        "items cached and one streaming warning; no corrupt, orphan or temp file; reopening the full "
-        "disk and `fastload cache` both end in CacheFullError naming the path, the cause and the fix",
+        "items cached and one streaming warning; no corrupt, orphan or temp file; a cache reopened on the "
+        "full disk serves its entries and refuses new ones with CacheFullError; `fastload cache` ends in "
+        "CacheFullError naming the path, the cause and the fix",
         cached=cached,
     )  # fmt: skip
 
@@ -193,7 +194,8 @@ def test_read_only_cache_serves_reads_and_streams_the_rest_with_one_warning(
     subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)  # a shared, pre-staged, read-only cache
 
     info = _cli(settings.cache_dir, "info", "--json")
-    assert info.returncode == 0 and json.loads(info.stdout)["entries"] == 40, info.stderr
+    assert info.returncode == 0, info.stderr
+    assert (json.loads(info.stdout)["entries"], json.loads(info.stdout)["unwritable_reason"]) == (40, "read-only")
     again = _cli(settings.cache_dir, "cache", server.url + "/staged/", "--block-size", "64KiB", "--json")  # all there: it only checks
     assert again.returncode == 0 and json.loads(again.stdout)["skipped_blocks"] == 40, again.stderr
     new_stage = _cli(settings.cache_dir, "cache", server.url + "/new/")  # staging exists to cache: it fails, and says why
