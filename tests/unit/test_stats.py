@@ -13,6 +13,7 @@ import pytest
 import torch
 from _loader_helpers import ReadBatchDS, TensorDS
 
+from fastload import hostlimit
 from fastload.loader import DataLoader
 from fastload.stats import (
     LoaderStats,
@@ -52,6 +53,9 @@ def test_timer_records_even_when_the_body_raises() -> None:
 
 
 def test_disabled_collector_records_nothing() -> None:
+    # Even after this process has talked to a host (its request limit is process-wide).
+    with hostlimit.limit_for("http://disabled-collector.invalid", 2).slot():
+        pass
     col = StatsCollector(enabled=False)
     col.add("fetch", items=1)
     col.count("x")
