@@ -61,9 +61,15 @@ from typing import Any
 import diskcache
 
 from fastload import codec, gather
-from fastload.config import Settings, format_size
 from fastload._ro_index import IndexUnwritable, ReadOnlyIndex, read_only_fs
-from fastload.errors import CacheError, CacheFullError, CacheLimitError, CacheReadOnlyError, CodecError
+from fastload.config import Settings, format_size
+from fastload.errors import (
+    CacheError,
+    CacheFullError,
+    CacheLimitError,
+    CacheReadOnlyError,
+    CodecError,
+)
 from fastload.stats import current_collector
 
 _log = logging.getLogger("fastload")
@@ -710,7 +716,7 @@ class Cache:
         SQLite's WAL only grows until a checkpoint truncates it; on a small disk it held
         2 MB of a 3 MB tmpfs after a full-disk epoch (tests/reliability/test_disk_full.py).
         """
-        if self.unwritable is None:
+        if isinstance(self.index, _GatedIndex):  # not the read-only index
             try:
                 with _FORK_GATE.shared(), self.index.writing():
                     self._diskcache._sql("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()

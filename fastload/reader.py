@@ -34,7 +34,13 @@ from typing import Any
 
 from fastload.cache import Cache, cannot_write, entry_key
 from fastload.config import Settings, format_size
-from fastload.errors import CacheFullError, CacheLimitError, ConfigError, EmptyDatasetError, RemoteChangedError
+from fastload.errors import (
+    CacheFullError,
+    CacheLimitError,
+    ConfigError,
+    EmptyDatasetError,
+    RemoteChangedError,
+)
 from fastload.source import RemoteItem, Source, glob_to_regex, nothing_matched
 from fastload.stats import current_collector
 

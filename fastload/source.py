@@ -660,7 +660,10 @@ async def _http_page(fs: Any, url: str, timeout_s: float) -> _Page:
 
 async def _http_pages(fs: Any, urls: list[str], timeout_s: float, limit: HostLimit | None) -> list[Any]:
     """:func:`_http_page` of each, as many at once as the host's limit allows; a failure in its place."""
-    return await asyncio.gather(*(_held(limit, lambda u=u: _http_page(fs, u, timeout_s)) for u in urls), return_exceptions=True)
+    def request(url: str) -> Callable[[], Awaitable[_Page]]:
+        return lambda: _http_page(fs, url, timeout_s)
+
+    return await asyncio.gather(*(_held(limit, request(u)) for u in urls), return_exceptions=True)
 
 
 def _page_links(page_url: str, text: str) -> tuple[set[str], set[str]]:

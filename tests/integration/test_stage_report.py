@@ -77,6 +77,6 @@ def test_verify_says_all_is_well_and_refetched_entries_add_up(
     cache.close()
     assert cli_main([*argv, "--verify"]) == 0
     out = capsys.readouterr().out
-    assert f"fetched     2 entries, " in out and f"(skipped {entries - 2} already cached)" in out, out
+    assert "fetched     2 entries, " in out and f"(skipped {entries - 2} already cached)" in out, out
     assert f"verify      {entries} entries checked, 2 bad, dropped and refetched" in out, out
     assert len(files) == 20
