@@ -238,13 +238,14 @@ class ArrayDataset(_CachedDataset):
     """Rows of one ``.npy`` file (``url`` is the file), or one ``.npy`` per sample (``url`` is a folder).
 
     Rows are read with ranged reads through cached blocks, so a 50 GB array is
-    never downloaded whole for one row. A sample is ``{"data": ndarray, "url": str,
+    never downloaded whole for one row. ``url`` may also be a list of ``.npy`` URLs
+    (one sample each; ``pattern`` does not apply). A sample is ``{"data": ndarray, "url": str,
     "index": int}``.
     """
 
-    def __init__(self, url: str, pattern: str | None = "**/*.npy", *, transform: Transform | None = None,
+    def __init__(self, url: str | Sequence[str], pattern: str | None = "**/*.npy", *, transform: Transform | None = None,
                  storage_options: dict[str, Any] | None = None, settings: Settings | None = None, refresh: bool = False) -> None:
-        super().__init__(url, pattern, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
+        super().__init__(url, pattern if isinstance(url, str) else None, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
         self.single = len(self.items) == 1 and self.items[0].url.rstrip("/") == self.reader.manifest_root(url)
         self.dtype: np.dtype | None = None
         self.shape: tuple[int, ...] = ()
@@ -384,12 +385,13 @@ class TarDataset(_CachedDataset):
     Member names are never trusted as paths: they are only strings used to group
     members; nothing is ever extracted to disk, and non-file members (links,
     devices) are skipped. A sample is ``{"__key__": key, "__url__": shard_url,
-    "<ext>": bytes, ...}``.
+    "<ext>": bytes, ...}``. ``url`` may also be a list of shard URLs (no listing;
+    ``pattern`` does not apply).
     """
 
-    def __init__(self, url: str, pattern: str | None = "**/*.tar", *, transform: Transform | None = None,
+    def __init__(self, url: str | Sequence[str], pattern: str | None = "**/*.tar", *, transform: Transform | None = None,
                  storage_options: dict[str, Any] | None = None, settings: Settings | None = None, refresh: bool = False) -> None:
-        super().__init__(url, pattern, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
+        super().__init__(url, pattern if isinstance(url, str) else None, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
         # (shard index, key, [(ext, offset, size), ...]) per sample, in shard order.
         self.samples: list[tuple[int, str, list[tuple[str, int, int]]]] = []
         for shard, item in enumerate(self.items):

@@ -84,3 +84,30 @@ def test_bad_url_lists_get_short_errors_naming_the_entry(tmp_path: Path) -> None
         fastload.FileDataset(urls[:3], pattern="*.jpg", settings=settings)
     with pytest.raises(ConfigError, match="label= has 2 entries for 3 samples"):
         fastload.FileDataset([str(tmp_path / f"{k}") for k in range(3)], label=[0, 1], settings=settings)
+
+
+def test_tar_and_array_datasets_take_url_lists_too(tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    import numpy as np
+
+    shards = []
+    for s in range(2):
+        path = tmp_path / f"shard-{s}.tar"
+        with tarfile.open(path, "w") as tar:
+            for k in range(3):
+                data = f"sample {s}-{k}".encode()
+                info = tarfile.TarInfo(f"{s}_{k}.txt")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        shards.append(str(path))
+    settings = Settings(cache_dir=tmp_path / "cache")
+    tars = fastload.TarDataset(list(reversed(shards)), settings=settings)
+    assert [tars[i]["txt"] for i in range(len(tars))] == [f"sample {s}-{k}".encode() for s in (1, 0) for k in range(3)]
+    arrays = []
+    for k in range(3):
+        np.save(tmp_path / f"a{k}.npy", np.full((2, 2), k, dtype=np.int16))
+        arrays.append(str(tmp_path / f"a{k}.npy"))
+    ds = fastload.ArrayDataset(arrays, settings=settings)
+    assert [int(ds[i]["data"][0, 0]) for i in range(len(ds))] == [0, 1, 2]
