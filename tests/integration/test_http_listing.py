@@ -116,9 +116,9 @@ def test_a_level_of_subfolders_is_listed_together_and_redirects_once(
         [f"/data/class_{c:02d}/" for c in range(12)] + ["/data/class_00/deeper/"]
     )
     assert not [r for r in rec.log if r[0] == "HEAD"]
-    # The 12 folders of one level were in flight together, up to the cap (workers=4); one
-    # after another (fsspec's walk) this was 1.
-    assert rec.peak == settings.workers
+    # The 12 folders of one level were in flight together, within the host's limit (at most
+    # workers=4, fastload.hostlimit); one after another (fsspec's walk) this was 1.
+    assert 1 < rec.peak <= settings.workers
 
 
 def test_empty_python_server_folder_is_an_error_not_its_listing_page(
