@@ -299,8 +299,9 @@ class Source:
         """:meth:`_find` over HTTP: each level of folders fetched together, one page each.
 
         fsspec walks an HTTP tree one folder page at a time, and asks for the root
-        three times (HEAD, isdir, find): 12 subfolders cost 15 round trips in a row,
-        and a URL without its trailing slash a redirect each time. Here the root is
+        three times (HEAD, isdir, find), a URL without its trailing slash costing a
+        redirect each time: 50 subfolders took 2.5 s with 20 ms to first byte, 0.24 s
+        this way (both in one run, ThreadingHTTPServer). Here the root is
         one GET (its redirect, if any, is followed once and its final URL kept), and
         every folder of the next level goes out at once, as many at a time as the
         host's limit allows (fastload.hostlimit; tests/integration/test_http_listing.py
@@ -439,9 +440,9 @@ class Source:
         size = info.get("size")
         if size is None:
             raise SourceError(
-                f"{info.get('name')}: the server sends no size for it (no Content-Length); fastload caches sized "
-                "objects; fix: if it is a folder, end the URL with '/' or pass a pattern; if it is a file, serve it "
-                "with a Content-Length (a static file server such as nginx does)"
+                f"{info.get('name')}: the store reports no size for it (over HTTP: no Content-Length); fastload "
+                "caches sized objects; fix: if it is a folder, end the URL with '/' or pass a pattern; if it is a "
+                "file, serve it with a Content-Length (a static file server such as nginx does)"
             )
         return RemoteItem(self.fs.unstrip_protocol(info["name"]), int(size), _version_of(info))
 
