@@ -43,7 +43,6 @@ Contracts (DESIGN.md, "Contracts that matter"):
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import logging
@@ -61,7 +60,15 @@ from typing import Any
 import diskcache
 
 from fastload import codec, gather
-from fastload._ro_index import IndexUnwritable, ReadOnlyIndex, read_only_fs
+from fastload.cache_disk import (
+    KIND_WORDS,
+    ReadOnlyIndex,
+    cannot_write,
+    disk_full,
+    reserve_bytes,
+    room,
+    unwritable_kind,
+)
 from fastload.config import Settings, format_size
 from fastload.errors import (
     CacheError,
@@ -75,10 +82,6 @@ from fastload.stats import current_collector
 _log = logging.getLogger("fastload")
 
 ATIME_RESOLUTION_S = 10.0
-# The default disk reserve (Settings.disk_reserve_bytes None): this fraction of the
-# cache's disk, at most RESERVE_MAX_BYTES, stays free however high the limit.
-RESERVE_FRACTION = 0.05
-RESERVE_MAX_BYTES = 1000**3
 LOW_WATERMARK = 0.9
 _BYTES = "bytes"
 _CORRUPT = "corrupt"
@@ -142,7 +145,7 @@ class Cache:
         self.tmp_dir = self.root / "tmp"
         self.index: _GatedIndex | ReadOnlyIndex
         # Why this cache cannot store (None: it can): "read-only" or "full". It then
-        # serves what it holds from a read-only index (_ro_index.py), and callers stream.
+        # serves what it holds from a read-only index (cache_disk.py), and callers stream.
         self.unwritable: str | None = None
         try:
             for folder in (self.root, self.data_dir, self.tmp_dir):
@@ -151,11 +154,11 @@ class Cache:
                 os.chmod(self.root, 0o700)  # mkdir's mode is filtered by the umask
             self._open_index()
         except (OSError, sqlite3.Error) as err:
-            kind = _unwritable_kind(err, self.root)
+            kind = unwritable_kind(err, self.root)
             try:
                 if kind is None:
                     raise
-                self.index = ReadOnlyIndex(self.root / "index", _KIND_WORDS[kind])
+                self.index = ReadOnlyIndex(self.root / "index", KIND_WORDS[kind])
                 self.unwritable = kind
             except (OSError, sqlite3.Error):
                 error = CacheReadOnlyError if kind == "read-only" else CacheFullError if kind == "full" else CacheError
@@ -190,14 +193,14 @@ class Cache:
         try:
             self._open_index()
         except (OSError, sqlite3.Error) as err:
-            if _unwritable_kind(err, self.root) is None:
+            if unwritable_kind(err, self.root) is None:
                 raise
             return False
         return True
 
     def unwritable_error(self, err: BaseException, what: str) -> CacheFullError:
         """The error for a write that failed because the disk is full or read-only."""
-        if self.unwritable == "read-only" or _unwritable_kind(err, self.root) == "read-only":
+        if self.unwritable == "read-only" or unwritable_kind(err, self.root) == "read-only":
             return CacheReadOnlyError(
                 f"cache dir {self.root} is read-only ({err}) while {what}; it serves what it holds and does not store "
                 "more; fix: remount it read-write, or set FASTLOAD_CACHE_DIR to a writable folder for new data"
@@ -578,25 +581,13 @@ class Cache:
 
     def limit_bytes(self) -> int:
         """The limit in force: ``cache_limit_bytes``, capped so that the disk keeps its reserve
-        free (``Settings.disk_reserve_bytes``); see docs/cache.md, "Limits"."""
+        free (``Settings.disk_reserve_bytes``; docs/cache.md, "Size limit and eviction")."""
         room = self._room()
         limit = self.settings.cache_limit_bytes
         return limit if room is None else max(0, min(limit, self.volume() + room))
 
     def _room(self) -> int | None:
-        """Bytes the cache may still add to its disk: free space less the reserve (None: no cap)."""
-        reserve = self.settings.disk_reserve_bytes
-        if reserve == 0:
-            return None
-        try:
-            st = os.statvfs(self.data_dir)
-        except OSError:
-            return None
-        return st.f_bavail * st.f_frsize - self._reserve_bytes(st)
-
-    def _reserve_bytes(self, st: os.statvfs_result) -> int:
-        reserve = self.settings.disk_reserve_bytes
-        return min(RESERVE_MAX_BYTES, int(st.f_blocks * st.f_frsize * RESERVE_FRACTION)) if reserve is None else reserve
+        return room(self.data_dir, self.settings.disk_reserve_bytes)
 
     def _reserve(self, n: int, url: str) -> str:
         """Count ``n`` bytes against the limit (evicting if needed); returns the reservation key."""
@@ -610,7 +601,7 @@ class Cache:
                 if n > limit:  # even an empty cache could not take it: the disk keeps its reserve
                     raise CacheFullError(
                         f"disk under {self.root} has room for {format_size(max(0, used + (room or 0)))} of cache "
-                        f"(its free space less the {format_size(self._reserve_bytes(os.statvfs(self.data_dir)))} it "
+                        f"(its free space less the {format_size(reserve_bytes(self.data_dir, self.settings.disk_reserve_bytes))} it "
                         f"keeps free) but {url!r} needs {format_size(n)}; fix: free space there, lower "
                         "FASTLOAD_DISK_RESERVE (0 turns the reserve off), or move FASTLOAD_CACHE_DIR"
                     )
@@ -841,37 +832,6 @@ class Cache:
 def _record(entry: Entry) -> tuple[Any, ...]:
     """An entry as its index record (the fields after the key)."""
     return (entry.path, entry.stored, entry.raw, entry.codec, entry.checksum, entry.url, entry.block, entry.stored_checksum)
-
-
-def disk_full(err: BaseException) -> bool:
-    """ENOSPC/EDQUOT, or SQLite's wording for them."""
-    if isinstance(err, OSError):
-        return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(err, sqlite3.OperationalError) and "full" in str(err)
-
-
-def cannot_write(err: BaseException) -> bool:
-    """The disk refused a write: full (:func:`disk_full`), or read-only (EROFS, SQLite's
-    "readonly database", or an index opened read-only). Reads go on; stores stream."""
-    if disk_full(err) or isinstance(err, IndexUnwritable):
-        return True
-    if isinstance(err, OSError):
-        return err.errno == errno.EROFS
-    return isinstance(err, sqlite3.OperationalError) and "readonly" in str(err)
-
-
-_KIND_WORDS = {"read-only": "the file system is read-only", "full": "the disk is full"}
-
-
-def _unwritable_kind(err: BaseException, root: Path) -> str | None:
-    """"read-only", "full", or None when ``err`` is not about the disk refusing writes.
-
-    A read-only mount fails diskcache's open as "unable to open database file", which
-    names neither cause, so the mount flag decides first.
-    """
-    if read_only_fs(root) or (cannot_write(err) and not disk_full(err)):
-        return "read-only"
-    return "full" if disk_full(err) else None
 
 
 def _written(path: Path) -> float:

@@ -1,6 +1,14 @@
-"""The cache index opened for reading only: a full disk, or a read-only mount.
+"""The cache's disk: how much room it leaves, and what to do when it refuses writes.
 
-diskcache opens its SQLite file read-write and writes its settings on every
+**Room.** The limit in force is ``cache_limit_bytes`` capped at the cache's bytes
+plus the disk's free space less a reserve (:func:`room`): the default 50 GB limit
+filled a smaller disk to 100% (issue 14).
+
+**Refused writes.** A full disk (ENOSPC, SQLite's "database or disk is full") or a
+read-only mount (EROFS) is :func:`cannot_write`; callers then serve what is cached
+and stream the rest.
+
+**The index opened for reading only.** diskcache opens its SQLite file read-write and writes its settings on every
 open, so on a full disk (or a ``mount -o ro``) ``fastload info`` and training
 failed before reading a byte (issue 14). :class:`ReadOnlyIndex` reads the same
 table through SQLite's read-only modes and decodes values with diskcache's own
@@ -14,6 +22,7 @@ Vocabulary: *read-only* = the file system refuses writes (``ST_RDONLY``,
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
@@ -25,8 +34,64 @@ from typing import Any
 
 import diskcache
 
+# The default disk reserve (Settings.disk_reserve_bytes None): this fraction of the
+# cache's disk, at most RESERVE_MAX_BYTES, stays free however high the limit.
+RESERVE_FRACTION = 0.05
+RESERVE_MAX_BYTES = 1000**3
+KIND_WORDS = {"read-only": "the file system is read-only", "full": "the disk is full"}
 _log = logging.getLogger("fastload")
 _IN_CHUNK = 500  # keys per SELECT ... IN (...), below SQLite's oldest variable limit (999)
+
+
+def reserve_bytes(path: Path, setting: int | None) -> int:
+    """The bytes to keep free on ``path``'s disk: ``setting``, or the default share of the disk."""
+    if setting is not None:
+        return setting
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return min(RESERVE_MAX_BYTES, int(st.f_blocks * st.f_frsize * RESERVE_FRACTION))
+
+
+def room(path: Path, setting: int | None) -> int | None:
+    """Bytes the cache may still add on ``path``'s disk: its free space less the reserve
+    (None: no cap, the reserve is 0 or the disk cannot be asked)."""
+    if setting == 0:
+        return None
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize - reserve_bytes(path, setting)
+
+
+def disk_full(err: BaseException) -> bool:
+    """ENOSPC/EDQUOT, or SQLite's wording for them."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(err, sqlite3.OperationalError) and "full" in str(err)
+
+
+def cannot_write(err: BaseException) -> bool:
+    """The disk refused a write: full (:func:`disk_full`), or read-only (EROFS, SQLite's
+    "readonly database", or an index opened read-only). Reads go on; stores stream."""
+    if disk_full(err) or isinstance(err, IndexUnwritable):
+        return True
+    if isinstance(err, OSError):
+        return err.errno == errno.EROFS
+    return isinstance(err, sqlite3.OperationalError) and "readonly" in str(err)
+
+
+def unwritable_kind(err: BaseException, root: Path) -> str | None:
+    """"read-only", "full", or None when ``err`` is not about the disk refusing writes.
+
+    A read-only mount fails diskcache's open as "unable to open database file", which
+    names neither cause, so the mount flag decides first.
+    """
+    if read_only_fs(root) or (cannot_write(err) and not disk_full(err)):
+        return "read-only"
+    return "full" if disk_full(err) else None
 
 
 class IndexUnwritable(sqlite3.OperationalError):
