@@ -23,6 +23,12 @@ maps each buffer once:
   it is released (after :func:`unpack`, or when torch drops the batch) the
   buffer's flag in the ring's shared ``free`` table is set and the worker may
   reuse it. A worker that finds no free buffer uses a one-off one.
+* When no user code looks at a worker's samples before they are collated (the
+  dataset has no transform and the collate_fn is torch's default_collate), a
+  FileDataset reads a batch straight into a leased buffer (:func:`read_buffer`)
+  and its samples hold Slots instead of ``bytes``; torch's default_collate lists
+  them as it lists bytes. The payload is then copied once, in the parent, as
+  with ``num_workers=0``.
 * :func:`unpack` (in the parent, before anything sees the batch) puts equal
   ``bytes`` back, so the batch the user gets is what their collate_fn returned
   (an object that appeared twice is one object again). Other containers and
@@ -35,13 +41,17 @@ on a buffer until its bytes are copied out.
 
 from __future__ import annotations
 
+import io
 import itertools
+import pickle
 import weakref
 from typing import Any
 
 import torch
 
-__all__ = ["PACK_MIN_BYTES", "Ring", "RingRef", "Slot", "pack", "unpack"]
+__all__ = [
+    "PACK_MIN_BYTES", "Ring", "RingRef", "Slot", "activate", "pack", "pickled_bytes", "read_buffer", "unpack",
+]  # fmt: skip
 
 #: Smaller bytes stay in the pickle: a slot and its copy cost more than they save.
 PACK_MIN_BYTES = 1024
@@ -120,6 +130,14 @@ class Ring:
     def release(self, worker: int, index: int) -> None:
         """Parent: the buffer's bytes are copied out (or its batch was dropped)."""
         self._free[worker * self.depth + index] = 1
+
+    def give_back(self, ref: RingRef | None) -> None:
+        """Worker: a buffer acquired for a batch that will not be sent."""
+        if ref is None:
+            return
+        if ref.buf is not None:
+            self._mine[ref.index][2] = False  # the parent has not seen it yet
+        self._free[ref.worker * self.depth + ref.index] = 1
 
 
 class RingRef:
@@ -206,6 +224,54 @@ class _Packer:
         return obj  # tensors, str, custom types: travel as torch sends them
 
 
+class _Reading:
+    """A worker's state: its ring, and the buffer its latest batch was read into."""
+
+    def __init__(self, ring: Ring, worker: int, default_collate: bool) -> None:
+        self.ring, self.worker, self.default_collate = ring, worker, default_collate
+        self.pending: tuple[RingRef | None, torch.Tensor] | None = None
+
+    def drop_pending(self) -> None:
+        if self.pending is not None:
+            self.ring.give_back(self.pending[0])
+            self.pending = None
+
+
+# Set in a worker process by its WorkerCollate (so from its second batch on).
+_READING: _Reading | None = None
+
+
+def _collate_slots(batch: list[Slot], *, collate_fn_map: Any = None) -> list[Slot]:
+    return batch  # as torch's default_collate does for bytes and str
+
+
+def activate(ring: Ring, worker: int, default_collate: bool) -> None:
+    """Worker: let datasets read batches straight into ``ring`` (see :func:`read_buffer`)."""
+    global _READING
+    if _READING is None or _READING.ring is not ring:
+        if default_collate:
+            from torch.utils.data._utils.collate import default_collate_fn_map
+
+            default_collate_fn_map.setdefault(Slot, _collate_slots)
+        _READING = _Reading(ring, worker, default_collate)
+
+
+def read_buffer(size: int) -> Any:
+    """Worker: a leased buffer (a uint8 ndarray of ``size``) to read a batch into, or None.
+
+    Only when this process packs batches into a ring and collates with torch's
+    default_collate: the caller's samples may then hold a :class:`Slot` (offset,
+    size in this buffer) where they would hold ``bytes``.
+    """
+    state = _READING
+    if state is None or not state.default_collate:
+        return None
+    state.drop_pending()  # a batch that failed before its collate
+    ref, buf = state.ring.acquire(state.worker, size)
+    state.pending = (ref, buf)
+    return buf.numpy()[:size]
+
+
 def pack(batch: Any, ring: Ring, worker: int) -> tuple[Any, RingRef | torch.Tensor | None]:
     """``batch`` with its large ``bytes`` replaced by slots, and where they went.
 
@@ -213,6 +279,18 @@ def pack(batch: Any, ring: Ring, worker: int) -> tuple[Any, RingRef | torch.Tens
     packed batch and a RingRef (or, when the ring had no free buffer, a one-off
     shared tensor).
     """
+    state = _READING
+    pending = state.pending if state is not None and state.ring is ring else None
+    if pending is not None:
+        assert state is not None
+        state.pending = None
+        packer = _Packer()
+        out = packer.walk(batch)
+        if not packer.found:  # the batch's Slots point into the buffer it was read into
+            return out, (pending[0] if pending[0] is not None else pending[1])
+        # Other large bytes too (a label function's?): make the slots bytes again.
+        batch = _Unpacker(pending[1].numpy().data).walk(batch)
+        ring.give_back(pending[0])
     packer = _Packer()
     out = packer.walk(batch)
     if not packer.found:
@@ -255,3 +333,18 @@ def unpack(batch: Any, where: RingRef | torch.Tensor) -> Any:
         finally:
             where.release()
     return _Unpacker(where.numpy().data).walk(batch)
+
+
+class _SizePickler(pickle.Pickler):
+    # Tensors cross as shared-memory handles: count them as nothing.
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return (int, ())
+        return NotImplemented
+
+
+def pickled_bytes(batch: Any) -> int:
+    """Bytes of ``batch`` (already packed) that torch's queue would copy through its pipe."""
+    buf = io.BytesIO()
+    _SizePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(batch)
+    return buf.tell()

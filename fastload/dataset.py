@@ -29,7 +29,9 @@ from typing import Any
 
 import numpy as np
 import torch.utils.data
+from torch.utils.data import get_worker_info
 
+from fastload._worker_pack import Slot, read_buffer
 from fastload.cache import cannot_write
 from fastload.config import Settings
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
@@ -41,13 +43,19 @@ _NPY_HEADER_MAX = 64 * 1024
 _ALIGN = 64  # sample offsets in a batch buffer, as .npy aligns its data
 
 
-def _batch_buffer(sizes: Sequence[int]) -> tuple[np.ndarray, list[int]]:
-    """One uninitialised buffer for a batch of ``sizes`` bytes, and each sample's offset."""
+def _offsets(sizes: Sequence[int]) -> list[int]:
     offsets, pos = [], 0
     for size in sizes:
         offsets.append(pos)
         pos += -(-size // _ALIGN) * _ALIGN
-    return np.empty(pos, dtype=np.uint8), offsets
+    return offsets
+
+
+def _batch_buffer(sizes: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+    """One uninitialised buffer for a batch of ``sizes`` bytes, and each sample's offset."""
+    offsets = _offsets(sizes)
+    end = offsets[-1] + -(-sizes[-1] // _ALIGN) * _ALIGN if sizes else 0
+    return np.empty(end, dtype=np.uint8), offsets
 
 
 class _CachedDataset(torch.utils.data.Dataset):
@@ -191,7 +199,7 @@ class FileDataset(_CachedDataset):
         item = self._sized([index])[0]
         return self._sample(index, item, self.reader.read(item))
 
-    def _sample(self, index: int, item: RemoteItem, data: bytes) -> dict[str, Any]:
+    def _sample(self, index: int, item: RemoteItem, data: bytes | Slot) -> dict[str, Any]:
         sample: dict[str, Any] = {"data": self._apply(data, item.url), "url": item.url}
         if self.label is not None:
             sample["label"] = self.label_of(index)
@@ -206,7 +214,17 @@ class FileDataset(_CachedDataset):
         if not self._own_getitem(FileDataset):
             return super().read_batch(indices)
         items = self._sized(indices)
-        out, offsets = _batch_buffer([item.size for item in items])
+        sizes = [item.size for item in items]
+        if self.transform is None and get_worker_info() is not None:
+            # In a DataLoader worker whose batches cross through shared buffers, and
+            # no transform to see the bytes: read into the batch's buffer, hand out
+            # slots of it; the parent makes the bytes (fastload._worker_pack).
+            offsets = _offsets(sizes)
+            lease = read_buffer(offsets[-1] + sizes[-1]) if sizes else None
+            if lease is not None:
+                self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], lease)
+                return [self._sample(i, item, Slot(off, item.size)) for i, item, off in zip(indices, items, offsets)]
+        out, offsets = _batch_buffer(sizes)
         self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], out)
         view = out.data
         return [

@@ -128,3 +128,80 @@ def _join(batch: list[dict[str, Any]]) -> dict[str, Any]:
 def test_user_collate_sees_torchs_samples_and_its_output_arrives(dataset: FileDataset) -> None:
     kw: dict[str, Any] = dict(batch_size=6, num_workers=2, collate_fn=_join)
     assert_same(_torch_batches(dataset, 1, **kw), list(fastload.DataLoader(dataset, stats=False, **kw)))
+
+
+def _upper(data: bytes) -> bytes:
+    return data.upper()
+
+
+def _big_label(relpath: str) -> bytes:
+    return relpath.encode() * 200  # large bytes beside the slots a worker reads into
+
+
+@pytest.mark.parametrize("change", ["transform", "label"])
+def test_samples_user_code_sees_are_bytes_and_arrive_equal(dataset: FileDataset, change: str) -> None:
+    # A transform sees bytes (no slots read straight into a buffer); a label function's
+    # large bytes make the worker turn its slots back into bytes before packing.
+    if change == "transform":
+        dataset.transform = _upper
+    else:
+        dataset.label = _big_label
+    kw: dict[str, Any] = dict(batch_size=5, num_workers=2, shuffle=True)
+    expected = _torch_batches(dataset, 2, **kw)
+    loader = fastload.DataLoader(dataset, generator=_seeded(), **kw)
+    assert_same(expected, [b for _ in range(2) for b in loader])
+    if change == "transform":
+        assert expected[0]["data"][0] == expected[0]["data"][0].upper()
+
+
+def test_read_buffer_is_only_lent_in_a_packing_worker() -> None:
+    from fastload._worker_pack import read_buffer
+
+    assert read_buffer(100) is None  # the parent: datasets read into their own buffers
+
+
+def _as_array(data: bytes) -> Any:
+    import numpy as np
+
+    return np.frombuffer(data, dtype=np.uint8).copy()
+
+
+def _arrays(batch: list[dict[str, Any]]) -> list[Any]:
+    return [s["data"] for s in batch]  # numpy arrays: pickled through the pipe
+
+
+@pytest.fixture()
+def big(tmp_path: Path) -> FileDataset:
+    """Batches of 12 files are 1.2 MB."""
+    (tmp_path / "big").mkdir()
+    for i in range(24):
+        (tmp_path / "big" / f"{i:02d}.bin").write_bytes(bytes([i]) * 100_000)
+    return FileDataset(str(tmp_path / "big"), "*.bin", settings=Settings(cache_dir=tmp_path / "c"))
+
+
+def test_slow_worker_configuration_warns_once_with_the_number_and_the_fix(big: FileDataset) -> None:
+    dataset = big
+    dataset.transform = _as_array
+    loader = fastload.DataLoader(dataset, batch_size=12, num_workers=2, collate_fn=_arrays)
+    pattern = r"1\.2 MB of each batch from FileDataset .*pickled.*fix: .*torch tensors.*num_workers=0"
+    with pytest.warns(UserWarning, match=pattern) as caught:
+        list(loader)
+        list(loader)
+    assert len([w for w in caught if "pickled" in str(w.message)]) == 1
+
+
+def test_packed_batches_do_not_warn(big: FileDataset, recwarn: pytest.WarningsRecorder) -> None:
+    batches = list(fastload.DataLoader(big, batch_size=12, num_workers=2, collate_fn=_join))
+    assert len(batches) == 2 and len(batches[0]["blob"]) == 12 * 100_000 + 11
+    assert not [w for w in recwarn if "pickled" in str(w.message)]
+
+
+def test_spawned_workers_get_the_ring_by_pickle(big: FileDataset) -> None:
+    # Workers get settings, not handles: the ring's free table crosses as shared memory.
+    kw: dict[str, Any] = dict(batch_size=4, num_workers=2, multiprocessing_context="spawn", persistent_workers=True)
+    loader = fastload.DataLoader(big, **kw)
+    got = list(loader) + list(loader)
+    assert_same(_torch_batches(big, 1, batch_size=4) * 2, got)
+    ring = _WORKER_COLLATE[loader._iterator].ring
+    assert ring is not None and 0 < len(ring.mapped) <= 2 * ring.depth
+    loader._iterator._shutdown_workers()
