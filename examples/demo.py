@@ -151,7 +151,7 @@ def run_epochs(work: Path, args: argparse.Namespace, *, shaped: bool) -> int:
     server, kind = serve(work / "www")
     url = f"{server.url}/train/"
     print(f"serving over HTTP with {kind} at {url}")
-    settings = Settings(cache_dir=work / "cache", workers=8)
+    settings = Settings(cache_dir=work / "cache")
     try:
         report = fastload.stage(url, pattern="**/*.jpg", settings=settings, progress=True)
     finally:

@@ -18,8 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _no_cuda_env() -> dict[str, str]:
-    # Hides a GPU where there is one, so this test checks the same thing everywhere.
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    # Hides a GPU where there is one, so this test checks the same thing everywhere;
+    # no PYTHONPATH: the script finds this checkout's fastload itself.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("PYTHONPATH", None)
+    return env
 
 
 def test_without_a_gpu_it_says_so_writes_the_report_and_exits_0(tmp_path: Path) -> None:
@@ -116,3 +119,15 @@ def test_tiled_arrays_compress_and_jpegs_decode(load_script: Callable[[str], Mod
     assert codec.parse_header(codec.encode(arrays[0].tobytes())).codec == codec.LZ4
     jpegs, _ = bench.synthetic_jpegs(2, (48, 64))
     assert all(j[:2] == b"\xff\xd8" for j in jpegs)
+
+
+def test_a_missing_dependency_of_fastload_is_named(
+    tmp_path: Path, load_script: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check = load_script("scripts/gpu_check.py")
+    monkeypatch.setattr(check, "gpu_present", lambda torch: True)
+    monkeypatch.setitem(sys.modules, "fastload", None)  # import fastload now raises ImportError
+    out = tmp_path / "r.json"
+    assert check.main(check.parse_args(["--out", str(out)])) == 1
+    report = json.loads(out.read_text())
+    assert report["status"] == "failed" and "pip install -e ." in report["reason"]
