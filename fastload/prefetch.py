@@ -16,7 +16,7 @@ staging slots:
    allocator that the consumer uses the buffer from then on.
 4. A slot is reused only after the event of its last copy has completed.
 
-Pitfalls avoided (see ``shared/reference/limits.md`` section 5):
+Pitfalls avoided (numbers without a repository are pytorch/pytorch's):
 
 * **Per-batch pinned allocation.** torch's ``pin_memory=True`` path pins every
   batch anew in the ``pt_data_pin`` thread through the CachingHostAllocator
@@ -26,7 +26,7 @@ Pitfalls avoided (see ``shared/reference/limits.md`` section 5):
   :attr:`DevicePrefetcher.slot_allocations` counts every allocation.
 * **Pinned memory held twice.** The CachingHostAllocator rounds every request up
   to a power of two and keeps freed blocks cached (pinned) until its cache is
-  emptied. So slots grow in powers of two themselves (what is asked for is what
+  emptied (#171662, #275). So slots grow in powers of two themselves (what is asked for is what
   is pinned), and a slot that grows empties torch's host cache after dropping its
   old buffer: peak pinned memory is the ring, not the ring plus every size it
   outgrew (``tests/unit/test_prefetch.py::test_slots_grow_in_powers_of_two_and_release_the_old_block``).
