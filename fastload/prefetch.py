@@ -47,7 +47,8 @@ Pitfalls avoided (numbers without a repository are pytorch/pytorch's):
 Stats: each copy is recorded as ``h2d`` (bytes, seconds between its CUDA events)
 when its event is first seen complete: at hand-over, at the slot's reuse, at the
 end of the pass (which waits for every copy still pending), or when a pass ends
-early (closed or dropped: the copies complete by then).
+early (closed or dropped: the copies complete by then; one still in flight is
+recorded at its slot's reuse or at the end of the next pass).
 
 On a CPU device the same code runs (flatten, slot ring, growth, unflatten) with
 plain, non-pinned slots and synchronous copies, so CI exercises the bookkeeping.
