@@ -46,9 +46,10 @@ Pitfalls avoided (numbers without a repository are pytorch/pytorch's):
 
 Stats: each copy is recorded as ``h2d`` (bytes, seconds between its CUDA events)
 when its event is first seen complete: at hand-over, at the slot's reuse, at the
-end of the pass (which waits for every copy still pending), or when a pass ends
-early (closed or dropped: the copies complete by then; one still in flight is
-recorded at its slot's reuse or at the end of the next pass).
+end of the pass (which waits for every copy still pending; without a collector
+it does not wait), or when a pass ends early (closed or dropped: the copies
+complete by then; one still in flight is recorded at its slot's reuse or at the
+end of the next pass).
 
 On a CPU device the same code runs (flatten, slot ring, growth, unflatten) with
 plain, non-pinned slots and synchronous copies, so CI exercises the bookkeeping.
@@ -463,7 +464,12 @@ class DevicePrefetcher(Generic[T]):
             pause = min(pause * 2, 1e-3)
 
     def _flush(self) -> None:
-        """End of a pass: record every copy not recorded yet (waits for it, bounded)."""
+        """End of a pass: record every copy not recorded yet (waits for it, bounded).
+
+        Without a collector there is nothing to record, so the host does not wait.
+        """
+        if self.collector is None:
+            return
         for slot in self._ring:
             if slot.timed_bytes:
                 self._wait_done(slot)
