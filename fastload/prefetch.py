@@ -39,7 +39,9 @@ Pitfalls avoided (numbers without a repository are pytorch/pytorch's):
   after the first one, can reuse it. ``record_stream`` is called once, at hand-over,
   for the consumer stream only (its cost is the allocator's event poll on free,
   pytorch#112526). Consequence: use the batch on the stream that was current when
-  ``next()`` returned it (or call ``record_stream`` yourself).
+  ``next()`` returned it; another stream ``s`` must first wait for that one
+  (``s.wait_stream(...)``: only it waited for the copy) and needs
+  ``batch.record_stream(s)``.
 * **A new stream per copy.** Cached blocks are not shared across streams
   (Fuser#5767), so there is one side stream per prefetcher, created once.
 * **Many small copies.** All leaves of a batch cross in one DMA from one slot.
