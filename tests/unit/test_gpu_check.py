@@ -131,3 +131,16 @@ def test_a_missing_dependency_of_fastload_is_named(
     assert check.main(check.parse_args(["--out", str(out)])) == 1
     report = json.loads(out.read_text())
     assert report["status"] == "failed" and "pip install -e ." in report["reason"]
+
+
+def test_every_guard_names_a_gpu_test_that_exists(load_script: Callable[[str], ModuleType]) -> None:
+    # The report says which issue-15 bug each outcome guards; a renamed test would
+    # silently drop its line from the report.
+    check = load_script("scripts/gpu_check.py")
+    defined = {
+        line.split("def ", 1)[1].split("(", 1)[0]
+        for path in (ROOT / "tests" / "gpu").glob("test_*.py")
+        for line in path.read_text().splitlines()
+        if line.startswith("def test_")
+    }
+    assert set(check.GUARDS) - defined == set()

@@ -243,6 +243,28 @@ def test_copy_seen_complete_at_hand_over_is_recorded_then() -> None:
     assert col.snapshot().stage("h2d").items == 1  # before any slot is reused, before the end
 
 
+class _NeverDone(_HostBackend):
+    """Copies that never complete (a hung device)."""
+
+    def is_done(self, slot: _Slot) -> bool:
+        return not slot.timed_bytes
+
+
+@pytest.mark.parametrize("stats", [False, True])
+def test_the_end_of_a_pass_waits_for_copies_only_to_record_them(stats: bool) -> None:
+    col = StatsCollector() if stats else None
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=2, lookahead=0, timeout=0.05, collector=col)
+    pf._backend = _NeverDone(torch.device("cpu"))
+    it = pf.iterate([torch.ones(100, dtype=torch.uint8)] * 2)  # two slots: no reuse waits
+    assert len([next(it), next(it)]) == 2
+    if stats:  # recording a copy needs its time, so the end of the pass waits (bounded)
+        with pytest.raises(LoaderError, match="did not complete within timeout"):
+            next(it)
+    else:
+        with pytest.raises(StopIteration):
+            next(it)
+
+
 @pytest.mark.parametrize("how", ["close", "drop"])
 def test_a_pass_ended_early_records_its_completed_copies(how: str) -> None:
     col = StatsCollector()
