@@ -45,6 +45,7 @@ import io
 import itertools
 import pickle
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -197,6 +198,20 @@ class Span:
         return (Span, (self.start, self.size))
 
 
+def _rebuilt(obj: Any, leaf: type, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with every ``leaf`` (exact type) in its lists, dicts and tuples replaced by ``fn(leaf)``."""
+    kind = type(obj)
+    if kind is leaf:
+        return fn(obj)
+    if kind is list:
+        return [_rebuilt(x, leaf, fn) for x in obj]
+    if kind is dict:
+        return {k: _rebuilt(v, leaf, fn) for k, v in obj.items()}
+    if kind is tuple:
+        return tuple(_rebuilt(x, leaf, fn) for x in obj)
+    return obj  # tensors, str, custom types: travel as torch sends them
+
+
 class _Packer:
     def __init__(self) -> None:
         self.found: list[bytes] = []
@@ -205,23 +220,17 @@ class _Packer:
         self.size = 0
 
     def walk(self, obj: Any) -> Any:
-        kind = type(obj)
-        if kind is bytes:
-            if len(obj) < PACK_MIN_BYTES:
-                return obj
-            span = self.span_of.get(id(obj))
-            if span is None:
-                span = self.span_of[id(obj)] = Span(self.size, len(obj))
-                self.found.append(obj)
-                self.size += len(obj)
-            return span
-        if kind is list:
-            return [self.walk(x) for x in obj]
-        if kind is dict:
-            return {k: self.walk(v) for k, v in obj.items()}
-        if kind is tuple:
-            return tuple(self.walk(x) for x in obj)
-        return obj  # tensors, str, custom types: travel as torch sends them
+        return _rebuilt(obj, bytes, self._span)
+
+    def _span(self, data: bytes) -> bytes | Span:
+        if len(data) < PACK_MIN_BYTES:
+            return data
+        span = self.span_of.get(id(data))
+        if span is None:
+            span = self.span_of[id(data)] = Span(self.size, len(data))
+            self.found.append(data)
+            self.size += len(data)
+        return span
 
 
 class _Reading:
@@ -241,7 +250,7 @@ class _Reading:
 _READING: _Reading | None = None
 
 
-def _collate_slots(batch: list[Span], *, collate_fn_map: Any = None) -> list[Span]:
+def _collate_spans(batch: list[Span], *, collate_fn_map: Any = None) -> list[Span]:
     return batch  # as torch's default_collate does for bytes and str
 
 
@@ -252,7 +261,7 @@ def activate(buffers: SharedBuffers, worker: int, default_collate: bool) -> None
         if default_collate:
             from torch.utils.data._utils.collate import default_collate_fn_map
 
-            default_collate_fn_map.setdefault(Span, _collate_slots)
+            default_collate_fn_map.setdefault(Span, _collate_spans)
         _READING = _Reading(buffers, worker, default_collate)
 
 
@@ -286,7 +295,7 @@ def pack(batch: Any, buffers: SharedBuffers, worker: int) -> tuple[Any, BufferRe
         state.pending = None
         packer = _Packer()
         out = packer.walk(batch)
-        if not packer.found:  # the batch's Slots point into the buffer it was read into
+        if not packer.found:  # the batch's Spans point into the buffer it was read into
             return out, (pending[0] if pending[0] is not None else pending[1])
         # Other large bytes too (a label function's?): make the spans bytes again.
         batch = _Unpacker(pending[1].numpy().data).walk(batch)
@@ -310,19 +319,13 @@ class _Unpacker:
         self.made: dict[int, bytes] = {}
 
     def walk(self, obj: Any) -> Any:
-        kind = type(obj)
-        if kind is Span:
-            data = self.made.get(obj.start)
-            if data is None:
-                data = self.made[obj.start] = bytes(self.view[obj.start : obj.start + obj.size])
-            return data
-        if kind is list:
-            return [self.walk(x) for x in obj]
-        if kind is dict:
-            return {k: self.walk(v) for k, v in obj.items()}
-        if kind is tuple:
-            return tuple(self.walk(x) for x in obj)
-        return obj
+        return _rebuilt(obj, Span, self._bytes)
+
+    def _bytes(self, span: Span) -> bytes:
+        data = self.made.get(span.start)
+        if data is None:
+            data = self.made[span.start] = bytes(self.view[span.start : span.start + span.size])
+        return data
 
 
 def unpack(batch: Any, where: BufferRef | torch.Tensor) -> Any:

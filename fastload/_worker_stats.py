@@ -161,4 +161,3 @@ class Unwrap:
                 col.add(name, items=items, bytes=size, seconds=seconds)
             for name, n in counters:
                 col.count(name, n)
-        return out.batch
