@@ -582,9 +582,12 @@ class Cache:
     def limit_bytes(self) -> int:
         """The limit in force: ``cache_limit_bytes``, capped so that the disk keeps its reserve
         free (``Settings.disk_reserve_bytes``; docs/cache.md, "Size limit and eviction")."""
-        room = self._room()
+        return self._capped(self.volume(), self._room())
+
+    def _capped(self, used: int, room: int | None) -> int:
+        # The cache may hold what it holds plus the disk's room: evicting frees disk space.
         limit = self.settings.cache_limit_bytes
-        return limit if room is None else max(0, min(limit, self.volume() + room))
+        return limit if room is None else max(0, min(limit, used + room))
 
     def _room(self) -> int | None:
         return room(self.data_dir, self.settings.disk_reserve_bytes)
@@ -597,7 +600,7 @@ class Cache:
             room = self._room()  # outside the transaction: a syscall, not an index read
             with self.index.transact():
                 used = self.index.get(_BYTES, 0)
-                limit = self.settings.cache_limit_bytes if room is None else max(0, min(self.settings.cache_limit_bytes, used + room))
+                limit = self._capped(used, room)
                 if n > limit:  # even an empty cache could not take it: the disk keeps its reserve
                     raise CacheFullError(
                         f"disk under {self.root} has room for {format_size(max(0, used + (room or 0)))} of cache "

@@ -51,6 +51,12 @@ def reserve_bytes(path: Path, setting: int | None) -> int:
         st = os.statvfs(path)
     except OSError:
         return 0
+    return _reserve_of(st, setting)
+
+
+def _reserve_of(st: os.statvfs_result, setting: int | None) -> int:
+    if setting is not None:
+        return setting
     return min(RESERVE_MAX_BYTES, int(st.f_blocks * st.f_frsize * RESERVE_FRACTION))
 
 
@@ -63,7 +69,7 @@ def room(path: Path, setting: int | None) -> int | None:
         st = os.statvfs(path)
     except OSError:
         return None
-    return st.f_bavail * st.f_frsize - reserve_bytes(path, setting)
+    return st.f_bavail * st.f_frsize - _reserve_of(st, setting)  # one statvfs: this runs per cache write
 
 
 def disk_full(err: BaseException) -> bool:
@@ -136,7 +142,8 @@ class ReadOnlyIndex:
                     con.execute("SELECT 1 FROM Cache LIMIT 1").fetchall()
                 finally:
                     con.close()
-                if "immutable" in uri and Path(f"{self._db}-wal").stat().st_size if Path(f"{self._db}-wal").exists() else False:
+                wal = Path(f"{self._db}-wal")
+                if "immutable" in uri and wal.exists() and wal.stat().st_size:
                     _log.info("cache index %s: its write-ahead log was not checkpointed before the file system went "
                               "read-only; the entries written last are not seen (they stream)", self._db)
                 return uri
