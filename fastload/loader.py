@@ -124,6 +124,9 @@ class DataLoader(tud.DataLoader[T_co]):
         max_slot_bytes: Cap on one device staging slot (see DevicePrefetcher).
         log_every: Every ``log_every`` batches, log the interval's :meth:`stats` (batches/s,
             data stall, cache hits, slowest stage) at INFO on the ``fastload.live`` logger.
+            The lines are shown without any logging setup: that logger is set to INFO
+            unless it or ``fastload`` has a level, and while no handler of yours (on
+            ``fastload.live``, ``fastload`` or the root logger) takes them they go to stderr.
         summary_writer: Anything with ``add_scalar(tag, value, step)`` (e.g. a TensorBoard
             ``SummaryWriter``): the same interval stats as ``fastload/...`` scalars, every
             ``log_every`` batches (100 when ``log_every`` is None). See

@@ -104,6 +104,11 @@ def test_storage_http_examples(photos: Path, nginx_server: Callable[..., _server
     out = run_blocks("storage.md", "http", {"http://data.example.com": http.url}, ns)
     assert "8 images" in out, out
     assert len(ns["ds"]) == 8 and ns["ds"][0]["data"][:3] == b"\xff\xd8\xff"  # the headers example's dataset
+    # The URL-list example: no listing, labels from the parallel list, bytes as served.
+    assert "8 listed images" in out, out
+    listed = ns["listed"]
+    assert [listed[k]["label"] for k in range(8)] == [0, 1] * 4
+    assert listed[7]["data"] == (photos / "train" / "class_01" / "00008.jpg").read_bytes()
 
 
 def test_storage_nfs_examples(photos: Path, tmp_path: Path) -> None:
