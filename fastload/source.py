@@ -263,17 +263,21 @@ class Source:
             EmptyDatasetError: Nothing matches: an empty folder, or a pattern that
                 matches none of the files the listing found (the message counts them).
         """
-        if isinstance(self.fs, _http_fs_class()):
-            found, folders = self._http_list(pattern)
-        else:
-            found, folders = self._find(pattern)
+        found, folders = self.find(pattern)
         if isinstance(found, RemoteItem):
             return [found]
-        regex = glob_to_regex(pattern) if pattern else None
-        items = [item for rel, item in sorted(found.items()) if regex is None or regex.match(rel)]
-        if not items:
-            raise nothing_matched(self.url, pattern, folders, list(found))
+        items = matching(self.url, found, folders, pattern)
         return self.complete_all(items) if complete else items
+
+    def find(self, pattern: str | None = None) -> tuple[RemoteItem | dict[str, RemoteItem], int]:
+        """What :meth:`list` filters: the root as one item, or every file under it by its
+        path relative to the root, and the number of folders seen.
+
+        ``pattern`` filters nothing here; it only says the root is meant as a folder.
+        """
+        if isinstance(self.fs, _http_fs_class()):
+            return self._http_list(pattern)
+        return self._find(pattern)
 
     def _find(self, pattern: str | None) -> tuple[RemoteItem | dict[str, RemoteItem], int]:
         """The root as one item, or its files by relative path and its folder count (fsspec find)."""
@@ -609,6 +613,19 @@ def _describe(err: BaseException, timeout_s: float) -> str:
     if err.__cause__ is not None and str(err.__cause__) and str(err.__cause__) not in text:
         text += f" (from {type(err.__cause__).__name__}: {err.__cause__})"
     return f"{type(err).__name__}: {text}"
+
+
+def matching(url: str, files: dict[str, RemoteItem], folders: int, pattern: str | None) -> list[RemoteItem]:
+    """The items of ``url``'s listing (by relative path) that ``pattern`` matches, in path order.
+
+    Raises:
+        EmptyDatasetError: None does (:func:`nothing_matched`).
+    """
+    regex = glob_to_regex(pattern) if pattern else None
+    items = [item for rel, item in sorted(files.items()) if regex is None or regex.match(rel)]
+    if not items:
+        raise nothing_matched(url, pattern, folders, list(files))
+    return items
 
 
 def nothing_matched(url: str, pattern: str | None, folders: int, files: Sequence[str]) -> EmptyDatasetError:

@@ -3,8 +3,10 @@
 Everything goes through fsspec, as fastload itself reads (any protocol, any
 ``storage_options``). The probe reads real objects of the dataset:
 
-* **Listing.** ``fs.find`` of the prefix, timed, with fsspec's listing cache
-  invalidated first.
+* **Listing.** fastload's own listing of the URL (``Source.find``: fsspec's
+  ``find``, or fastload's level-at-a-time HTTP listing), timed, with fsspec's
+  listing cache invalidated first. Nothing matching is the datasets' error
+  (``EmptyDatasetError``'s message), as a skipped section.
 * **Sizes.** From the listing; stores whose listings carry no size (plain HTTP)
   get a HEAD for a spread sample of objects. The average is the sample size the
   verdict uses.
@@ -26,9 +28,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastload.diagnose._util import median, ok, percentile, skipped
+
+if TYPE_CHECKING:
+    from fastload.source import Source
 
 __all__ = ["StorageBudget", "probe_storage", "saturating"]
 
@@ -117,32 +122,28 @@ def _open(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     return url_to_fs(url, skip_instance_cache=True, **storage_options)  # type: ignore[no-any-return]
 
 
-def _list(fs: Any, root: str, url: str, pattern: str | None, repeats: int) -> tuple[list[tuple[str, int | None]], dict[str, Any]]:
-    from fastload.source import glob_to_regex
+def _list(src: Source, fs: Any, pattern: str | None, repeats: int) -> tuple[list[tuple[str, int | None]], dict[str, Any]]:
+    """fastload's own listing of the URL (:meth:`fastload.source.Source.find`), timed.
 
-    info = fs.info(root)
-    maybe_dir = info.get("type") == "directory" or info.get("size") is None or url.endswith("/") or pattern is not None
-    if not (maybe_dir and fs.isdir(root)):
-        return [(root, info.get("size"))], skipped("the URL is a single object; nothing to list")
+    Raises:
+        EmptyDatasetError: Nothing matches (:func:`fastload.source.matching`'s message).
+    """
+    from fastload.source import RemoteItem, matching
+
     times = []
-    found: dict[str, Any] = {}
     for _ in range(max(1, repeats)):
-        fs.invalidate_cache()
+        src.fs.invalidate_cache()  # fsspec's listing cache, on the shared filesystem instance
         t0 = time.perf_counter()
-        found = fs.find(root, detail=True, withdirs=False)
+        found, folders = src.find(pattern)
         times.append(time.perf_counter() - t0)
-    regex = glob_to_regex(pattern) if pattern else None
-    prefix = root.rstrip("/") + "/"
-    objects = []
-    for path, detail in sorted(found.items()):
-        rel = path[len(prefix):] if path.startswith(prefix) else path
-        if regex is None or regex.match(rel):
-            size = detail.get("size")
-            objects.append((path, None if size is None else int(size)))
+    if isinstance(found, RemoteItem):
+        return [(fs._strip_protocol(found.url), found.size)], skipped("the URL is a single object; nothing to list")
     secs = median(times)
-    listing = ok(items=len(found), matched=len(objects), seconds=round(secs, 4),
+    listing = ok(items=len(found), matched=0, seconds=round(secs, 4),
                  items_per_s=len(found) / secs if secs > 0 else None, repeats=len(times))
-    return objects, listing
+    items = matching(src.url, found, folders, pattern)
+    listing["matched"] = len(items)
+    return [(fs._strip_protocol(i.url), None if i.size < 0 else i.size) for i in items], listing
 
 
 def _spread(items: list[Any], n: int) -> list[Any]:
@@ -203,17 +204,13 @@ def _sweep(fs: Any, units: list[tuple[str, int, int]], budget: StorageBudget) ->
     return levels
 
 
-def _settled(url: str, storage_options: dict[str, Any] | None, fs: Any, units: list[tuple[str, int, int]],
-             budget: StorageBudget) -> dict[str, Any] | None:
+def _settled(src: Source, fs: Any, units: list[tuple[str, int, int]], budget: StorageBudget) -> dict[str, Any] | None:
     """Where fastload's own request limit settles for this host (fastload.hostlimit).
 
     The probe units are fetched through a :class:`fastload.source.Source` for about
     ``level_s``, as training would fetch them: the controller grows while throughput
     rises and cuts on the server's busy signals. None for local files (no limit).
     """
-    from fastload.source import Source
-
-    src = Source(url, storage_options)
     limit = src.host_limit
     if limit is None:
         return None
@@ -231,10 +228,15 @@ def probe_storage(url: str | None, storage_options: dict[str, Any] | None = None
     if not url:
         return skipped("no URL given; `fastload diagnose URL` measures the storage behind URL")
     budget = budget or StorageBudget()
-    fs, root = _open(url, dict(storage_options or {}))
-    objects, listing = _list(fs, root, url, pattern, budget.list_repeats)
-    if not objects:
-        return skipped(f"no objects match {pattern!r} under {url}", listing=listing)
+    from fastload.errors import EmptyDatasetError
+    from fastload.source import Source
+
+    fs, _ = _open(url, dict(storage_options or {}))
+    src = Source(url, storage_options)
+    try:
+        objects, listing = _list(src, fs, pattern, budget.list_repeats)
+    except EmptyDatasetError as err:
+        return skipped(str(err))
     sized, sizes_from = _sizes(fs, objects, budget)
     if not sized:
         return skipped(f"the store reports no object sizes under {url}", listing=listing)
@@ -247,7 +249,7 @@ def probe_storage(url: str | None, storage_options: dict[str, Any] | None = None
         return skipped(f"every object under {url} is empty", listing=listing)
     ttfb = _ttfb(fs, units, budget.ttfb_requests)
     levels = _sweep(fs, units, budget)
-    settled = _settled(url, storage_options, fs, units, budget)
+    settled = _settled(src, fs, units, budget)
     conns, best = saturating(levels)
     one = next(lv for lv in levels if lv["connections"] == 1)
     return ok(
