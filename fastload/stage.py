@@ -152,7 +152,7 @@ def stage(
     marker = "p:" + manifest_key(root, pattern)
     fresh = not refresh and reader.cache.index.get(marker) is None
     reader.cache.index.set(marker, time.time())
-    items = _fetch_all(reader, items, settings.workers, report, _show(progress), "staging", one_request=fresh)
+    items = _fetch_all(reader, items, report, _show(progress), "staging", heads="pinned" if fresh else "all")
     reader.save_manifest(root, pattern, items)
     reader.cache.index.delete(marker)
     report.remote_bytes = sum(i.size for i in items)
@@ -162,7 +162,7 @@ def stage(
     if verify:
         bad = _verify(reader, items, settings.workers, _show(progress))
         report.bad_entries = len(bad)
-        _fetch_blocks(reader, bad, settings.workers, report, _show(progress), "refetching")
+        _fetch_blocks(reader, bad, report, _show(progress), "refetching")
     report.stored_bytes = _stored(reader, items)
     report.seconds = time.perf_counter() - t0
     limit = reader.source(url).host_limit
@@ -218,105 +218,73 @@ class _Progress:
             self.bar.set_postfix(items=f"{self.done}/{self.items}", refresh=False)
 
 
-CHUNK = 32  # sizeless HTTP items whose GETs one staging thread keeps in flight (_fetch_all)
-CHUNK_THREADS = 4  # threads that run those chunks
+CHUNK = 32  # items one staging task completes and fetches together: their requests overlap
+CHUNK_THREADS = 4  # tasks at once; the requests in flight are bounded by the host limit, not here
+BATCH_BYTES = 64 * 1024**2  # blocks one fetch call holds in memory, at most
 
 
-def _fetch_all(reader: Reader, items: list[RemoteItem], workers: int, report: StageReport, show: bool, label: str,
-               one_request: bool = False) -> list[RemoteItem]:
-    """Complete, skip-or-fetch every block of every item with ``workers`` threads; returns completed items.
+def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, show: bool, label: str,
+               heads: str) -> list[RemoteItem]:
+    """Complete, skip-or-fetch every block of every item through the fetch stage; returns completed items.
 
-    With ``one_request``, a sizeless (HTTP) item that no earlier listing pinned is completed
-    by the GET of its first block (Source.read_first_many, CHUNK items per task) instead of
-    a HEAD and then a GET.
+    CHUNK items per task: their sizeless ones are completed together (a GET each that
+    brings the first block, or a HEAD each as ``heads`` says: Fetcher.complete), then
+    the blocks not cached yet are fetched together. Staging exists to cache, so a
+    cache that cannot hold a block ends it (``strict``; tests/reliability/test_disk_full.py).
     """
     if not items:
         return []
-    src = reader.source(items[0].url)
-    total = sum(i.size for i in items if i.size >= 0)
-    progress = _Progress(report, total, len(items), show, label)
+    fetcher = reader.fetcher
+    progress = _Progress(report, sum(i.size for i in items if i.size >= 0), len(items), show, label)
     completed: list[RemoteItem | None] = [None] * len(items)
 
-    def do_block(item: RemoteItem, block: int) -> None:  # same result type as do_item
-        start, end = reader.block_span(item, block)
-        if reader.cache.contains(reader.key(item, block)):
-            progress.skipped(end - start)
-        else:
-            progress.fetched(len(_fetch_and_store(reader, item, block)))
-        return None
-
-    def finish(index: int, item: RemoteItem, first: bytes | None) -> list[tuple[RemoteItem, int]]:
-        """Account for ``item``, whose first block is already cached when ``first`` is given."""
-        if item.size != items[index].size:
-            with progress.lock:
-                progress.bar.total += item.size
-        completed[index] = item
-        blocks = reader.blocks(item)
-        if first is None:
-            do_block(item, blocks[0])
-        else:
-            progress.fetched(len(first))
-        if len(blocks) == 1:
+    def do_chunk(indices: list[int]) -> None:
+        done, fresh = fetcher.complete([items[i] for i in indices], heads=heads, strict=True)
+        todo: list[tuple[RemoteItem, int]] = []
+        for i, item in zip(indices, done):
+            if item.size != items[i].size:
+                with progress.lock:
+                    progress.bar.total += item.size
+            completed[i] = item
+            todo += [(item, b) for b in reader.blocks(item)]
+        entries = reader.cache.entries_for([reader.key(item, b) for item, b in todo])
+        missing = []
+        for (item, block), entry in zip(todo, entries):
+            key = reader.key(item, block)
+            if key in fresh:
+                progress.fetched(len(fresh[key]))
+            elif entry is not None:
+                start, end = reader.block_span(item, block)
+                progress.skipped(end - start)
+            else:
+                missing.append((item, block))
+        per_call = max(1, BATCH_BYTES // reader.settings.block_bytes)
+        for k in range(0, len(missing), per_call):
+            for data in fetcher.fetch(missing[k : k + per_call], strict=True):
+                progress.fetched(len(data))
+        for _ in indices:
             progress.item_done()
-        return [(item, b) for b in blocks[1:]]
 
-    def do_item(index: int) -> list[tuple[RemoteItem, int]] | None:
-        item = items[index]
-        return finish(index, src.complete(item) if item.size < 0 else item, None)
-
-    def do_chunk(indices: list[int]) -> list[tuple[RemoteItem, int]] | None:
-        # One GET per sizeless item gives its size, version and first block: HEAD + GET
-        # doubled the per-item latency (2 x 20 ms to first byte on the cloud link of
-        # benchmarks/peers). The chunk's GETs overlap (Source.read_first_many), so each
-        # thread keeps CHUNK requests in flight. A pinned URL may be cached: HEAD it.
-        pinned = [i for i, item in zip(indices, reader.pinned([items[i] for i in indices])) if item.size >= 0]
-        fresh = [i for i in indices if i not in pinned]
-        rest = [r for i in pinned for r in (do_item(i) or [])]
-        got = src.read_first_many([items[i] for i in fresh], reader.settings.block_bytes)
-        # One cache batch for the chunk: two index transactions, not two per item.
-        reader.cache.put_many([(reader.key(item, 0), first, item.url, 0) for item, first in got])
-        for i, (item, first) in zip(fresh, got):
-            rest += finish(i, item, first)
-        return rest
-
-    # Chunks keep CHUNK requests each in flight on the event loop, so a few threads
-    # suffice; 16 of them cost more in switches than they added (benchmarks/peers).
-    with progress.bar, ThreadPoolExecutor(workers) as pool, ThreadPoolExecutor(min(workers, CHUNK_THREADS)) as chunk_pool:
-        # Each item's first block is fetched by the task that completes the item;
-        # the other blocks of a large object fan out to the pool afterwards.
-        sizeless = [i for i, item in enumerate(items) if item.size < 0] if one_request else []
-        chunks = [sizeless[k : k + CHUNK] for k in range(0, len(sizeless), CHUNK)]
-        others = sorted(set(range(len(items))) - set(sizeless))
-        futures: set[Future[list[tuple[RemoteItem, int]] | None]] = {pool.submit(do_item, i) for i in others}
-        futures |= {chunk_pool.submit(do_chunk, c) for c in chunks}
-        while futures:
-            done, futures = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in done:
-                if f.exception() is not None:
-                    for g in futures:
-                        g.cancel()
-                    raise f.exception()  # type: ignore[misc]
-                result = f.result()
-                if isinstance(result, list):
-                    futures |= {pool.submit(do_block, item, b) for item, b in result}
+    chunks = [list(range(k, min(k + CHUNK, len(items)))) for k in range(0, len(items), CHUNK)]
+    with progress.bar, ThreadPoolExecutor(CHUNK_THREADS) as pool:
+        futures: set[Future[None]] = {pool.submit(do_chunk, c) for c in chunks}
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in done:
+            if f.exception() is not None:
+                for g in futures:
+                    g.cancel()
+                raise f.exception()  # type: ignore[misc]
+        wait(futures)
     return [c for c in completed if c is not None]
 
 
-def _fetch_and_store(reader: Reader, item: RemoteItem, block: int) -> bytes:
-    # Not reader.fetch_block(store=True): a reader that cannot cache a block
-    # streams it with a warning, and staging onto a full disk then "succeeded"
-    # with nothing staged. Staging exists to cache, so CacheFullError must end it
-    # (tests/reliability/test_disk_full.py).
-    data = reader.fetch_block(item, block, store=False)
-    reader.cache.put(reader.key(item, block), data, url=item.url, block=block)
-    return data
-
-
-def _fetch_blocks(reader: Reader, todo: list[tuple[RemoteItem, int]], workers: int, report: StageReport, show: bool, label: str) -> None:
+def _fetch_blocks(reader: Reader, todo: list[tuple[RemoteItem, int]], report: StageReport, show: bool, label: str) -> None:
     progress = _Progress(report, sum(e - s for s, e in (reader.block_span(i, b) for i, b in todo)), len(todo), show, label)
-    with progress.bar, ThreadPoolExecutor(workers) as pool:
-        for data in pool.map(lambda t: _fetch_and_store(reader, *t), todo):
-            progress.fetched(len(data))
+    per_call = max(1, BATCH_BYTES // reader.settings.block_bytes)
+    with progress.bar:
+        for k in range(0, len(todo), per_call):
+            for data in reader.fetcher.fetch(todo[k : k + per_call], strict=True):
+                progress.fetched(len(data))
 
 
 def _verify(reader: Reader, items: list[RemoteItem], workers: int, show: bool) -> list[tuple[RemoteItem, int]]:
