@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-all reliability-doc demo bench bench-cache lint clean
+.PHONY: test test-all test-deps reliability-doc demo bench bench-cache lint clean
 
 $(STAMP): pyproject.toml setup.py native/_native.c
 	@if [ ! -x $(BIN)/python ]; then \
@@ -23,28 +23,35 @@ $(STAMP): pyproject.toml setup.py native/_native.c
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# nginx, iproute2 and curl for the tests: installed as root with apt-get, else one
+# line saying what is missing (those tests then skip). .ci/run runs the same script.
+test-deps:
+	@scripts/install-test-deps
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 # The second run forces the pure-Python fallback of fastload._native on the tests that use it.
-test: lint
+test: test-deps lint
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 	FASTLOAD_PURE_PYTHON=1 FASTLOAD_REQUIRE_NATIVE=0 $(BIN)/python -m pytest -m "not slow" -p no:cacheprovider tests/unit/test_gather.py tests/unit/test_cache.py tests/unit/test_dataset.py tests/unit/test_loader_datasets.py tests/unit/test_bench_native_smoke.py $(PYTEST_ARGS)
 
 # test-all also runs the `slow` tests: among them the reliability suite's full
 # counts (20 SIGKILLs of `fastload cache`, 30 soak epochs, 3000 fuzz examples...;
 # tests/reliability/faults.py lists them). `make test` runs the short version.
-test-all: lint
+test-all: test-deps lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Runs tests/reliability (short and full counts), records what each fault trial
 # measured, and re-renders the table in docs/reliability.md from that record.
-reliability-doc: $(STAMP)
+reliability-doc: test-deps $(STAMP)
 	rm -f docs/reliability-results.json
 	FASTLOAD_RELIABILITY_RESULTS=docs/reliability-results.json $(BIN)/python -m pytest tests/reliability $(PYTEST_ARGS)
 	$(BIN)/python tests/reliability/render_doc.py
 
+# As root with tc, the demo's cold epoch runs over a 200 Mbit shaped namespace;
+# elsewhere it says its link is unshaped.
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
@@ -59,3 +66,15 @@ bench-cache: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# gpu-check: every GPU path in one command and one JSON report, for the first CUDA
+# machine (docs/loader.md, "What has run on a GPU"). It runs scripts/gpu_check.py on
+# GPU_PY, the interpreter that holds the CUDA torch, against this checkout, and never
+# builds .venv: that could install the pinned CPU torch and hide the GPU. It needs
+# fastload's dependencies there (pip install -e . , or wheels on an offline machine).
+# Without a GPU it says so and exits 0. Under 5 minutes on one GPU.
+.PHONY: gpu-check
+GPU_PY ?= python3
+GPU_REPORT ?= benchmarks/gpu/results/gpu-check.json
+gpu-check:
+	$(GPU_PY) scripts/gpu_check.py --out $(GPU_REPORT)

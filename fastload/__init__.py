@@ -45,6 +45,8 @@ _LAZY = {
     "ShardedSampler": "fastload.sampler:ShardedSampler",
     "TarDataset": "fastload.dataset:TarDataset",
     "TokenDataset": "fastload.dataset:TokenDataset",
+    "TorchPatch": "fastload.patch:TorchPatch",
+    "patch_torch": "fastload.patch:patch_torch",
 }
 
 __all__ = [
@@ -78,10 +80,12 @@ __all__ = [
     "StatsCollector",
     "TarDataset",
     "TokenDataset",
+    "TorchPatch",
     "current_collector",
     "format_size",
     "open",
     "parse_size",
+    "patch_torch",
     "stage",
 ]
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fastload._torch_surface import surfaced
 from fastload.readahead import ReadAhead
 from fastload.stats import (
     _ACTIVE,
@@ -191,6 +192,9 @@ class _LoaderIter(Iterator[Any]):
     timed, picked at random, and the others are counted and charged the sampled mean
     wait (tests/unit/test_stats.py::test_fast_loop_waits_are_sampled_and_scaled).
 
+    ``iter(loader)`` returns it as a subclass of the torch iterator it wraps, which
+    forwards torch's attributes and methods (:func:`new_iter`, :mod:`fastload._torch_surface`).
+
     The loader's collector becomes the active one at the first ``next()`` and stays so
     until the pass ends or the iterator is closed. It is checked again before the next
     batch when any other scope starts or ends (:meth:`recheck`,
@@ -200,7 +204,7 @@ class _LoaderIter(Iterator[Any]):
     __slots__ = (
         "_next", "_progress", "_collector", "_collate", "_fetch", "_length", "_keep",
         "_mark", "_last", "_due", "_wait", "_flushed", "_report", "_scope", "_untimed",
-        "_gaps", "_timed", "_mean_wait", "_tick_at", "_tick_n", "_arm_in", "__weakref__",
+        "_gaps", "_timed", "_mean_wait", "_tick_at", "_tick_n", "_arm_in", "_torch", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -213,7 +217,9 @@ class _LoaderIter(Iterator[Any]):
         length: Callable[[], int],
         keep: Any,
         report: Callable[[], None] | None = None,
+        torch_iter: Any = None,
     ) -> None:
+        self._torch = torch_iter  # torch's iterator whose surface is forwarded (fastload._torch_surface)
         self._next = nxt
         self._progress = progress
         self._collector = collector
@@ -364,3 +370,10 @@ class _LiveLoaderIter(_LoaderIter):
         batch = _LoaderIter.__next__(self)
         self._report()  # type: ignore[misc]
         return batch
+
+
+def new_iter(kind: type[_LoaderIter], torch_iter: object, *args: Any) -> _LoaderIter:
+    """A ``kind`` (built with ``args``) that is also an instance of ``type(torch_iter)``, forwarding to it."""
+    cls = surfaced(kind, type(torch_iter), frozenset(vars(torch_iter)))  # type: ignore[arg-type]
+    it: _LoaderIter = cls(*args, torch_iter=torch_iter)
+    return it

@@ -15,6 +15,10 @@ the batch inside (:meth:`WorkerBatch.pin_memory`).
 Shipping with the batches needs no extra queue or process, and a delta is a few
 small tuples. A worker that fails a batch sends torch's ExceptionWrapper instead;
 its records then travel with that worker's next batch.
+
+The same wrapper carries a fastload dataset's payload bytes through reused
+shared-memory buffers (:mod:`fastload._worker_pack`), with or without stats;
+:class:`Unwrap` puts them back before anyone sees the batch.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
+import torch
+from torch.utils.data import get_worker_info
+
+from fastload._worker_pack import Ring, RingRef, pack, unpack
 from fastload.stats import StatsCollector, default_collector, nbytes
 
 __all__ = ["Delta", "Unwrap", "WorkerBatch", "WorkerCollate"]
@@ -33,35 +41,44 @@ Delta = tuple[tuple[tuple[str, int, int, float], ...], tuple[tuple[str, int], ..
 
 
 class WorkerBatch:
-    """A collated batch and the stats its worker recorded since its previous batch."""
+    """A collated batch, the stats its worker recorded since its previous batch, its packed bytes."""
 
-    __slots__ = ("batch", "delta")
+    __slots__ = ("batch", "delta", "packed")
 
-    def __init__(self, batch: Any, delta: Delta) -> None:
+    def __init__(self, batch: Any, delta: Delta, packed: RingRef | torch.Tensor | None = None) -> None:
         self.batch = batch
         self.delta = delta
+        self.packed = packed
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (WorkerBatch, (self.batch, self.delta))
+        return (WorkerBatch, (self.batch, self.delta, self.packed))
 
     def pin_memory(self) -> WorkerBatch:
-        """Pin the batch inside (torch's pin_memory thread calls this method when it exists)."""
+        """Pin the batch inside (torch's pin_memory thread calls this method when it exists).
+
+        The packed buffer is not pinned: its bytes become ``bytes`` in the parent.
+        """
         from torch.utils.data._utils.pin_memory import pin_memory
 
-        return WorkerBatch(pin_memory(self.batch), self.delta)
+        return WorkerBatch(pin_memory(self.batch), self.delta, self.packed)
 
 
 class WorkerCollate:
-    """The collate_fn torch's workers run: the user's, plus the worker's stats delta.
+    """The collate_fn torch's workers run: the user's, plus the worker's stats delta and packed bytes.
 
     Args:
         fn: The loader's collate_fn.
         auto: Whether the loader batches (``fn`` then gets a list of samples).
+        stats: Ship the worker's stats delta.
+        ring: Move the batch's large ``bytes`` through this ring's shared buffers
+            (fastload datasets), or None.
     """
 
-    def __init__(self, fn: Callable[[Any], Any], auto: bool) -> None:
+    def __init__(self, fn: Callable[[Any], Any], auto: bool, *, stats: bool = True, ring: Ring | None = None) -> None:
         self.fn = fn
         self.auto = auto
+        self.stats = stats
+        self.ring = ring
         # Other threads' totals at the previous batch (they may be writing: diffed, not
         # detached). Per worker process: each gets its own copy, by fork or pickle.
         self._seen: tuple[dict[str, list[Any]], dict[str, int]] = ({}, {})
@@ -71,7 +88,12 @@ class WorkerCollate:
         out = self.fn(data)
         dt = perf_counter() - t0
         n = len(data) if self.auto else 1
-        return WorkerBatch(out, self._delta(("collate", n, nbytes(out), dt)))
+        delta = self._delta(("collate", n, nbytes(out), dt)) if self.stats else None
+        if self.ring is not None:
+            info = get_worker_info()
+            out, packed = pack(out, self.ring, 0 if info is None else info.id)
+            return WorkerBatch(out, delta, packed)
+        return WorkerBatch(out, delta)
 
     def _delta(self, collate: tuple[str, int, int, float]) -> Delta:
         col = default_collector()  # reset in each forked worker (fastload.stats)
@@ -94,19 +116,27 @@ class WorkerCollate:
 
 
 class Unwrap:
-    """Calls torch's ``__next__``; merges a WorkerBatch's delta into ``collector``, returns its batch."""
+    """Calls torch's ``__next__``; merges a WorkerBatch's delta into ``collector``, returns its batch.
 
-    __slots__ = ("fn", "collector")
+    A batch that came packed gets its bytes back here (:func:`fastload._worker_pack.unpack`).
+    """
 
-    def __init__(self, fn: Callable[[], Any], collector: StatsCollector) -> None:
+    __slots__ = ("fn", "collector", "keep")
+
+    def __init__(self, fn: Callable[[], Any], collector: StatsCollector | None, keep: Any = None) -> None:
         self.fn = fn
         self.collector = collector
+        self.keep = keep  # the WorkerCollate whose ring this iterator's batches use
 
     def __call__(self) -> Any:
         out = self.fn()
         if type(out) is not WorkerBatch:
             return out
-        if out.delta is not None:
+        self._merge(out)
+        return out.batch if out.packed is None else unpack(out.batch, out.packed)
+
+    def _merge(self, out: WorkerBatch) -> None:
+        if out.delta is not None and self.collector is not None:
             stages, counters = out.delta
             col = self.collector
             for name, items, size, seconds in stages:

@@ -214,9 +214,24 @@ class Cache:
     def read_payload(self, key: str) -> bytes | None:
         """The stored payload of ``key`` (codec.py format, still compressed), checked as
         :meth:`get` checks it; None on a miss or a dropped bad entry. For consumers that
-        decode elsewhere (the GPU's LZ4 inflate in pipelines/array.py)."""
+        decode elsewhere (the GPU's LZ4 inflate in pipelines/array.py).
+
+        An entry without a stored checksum is decoded here once, raw checksum
+        verified, as :meth:`get` does: nvCOMP reports no bad chunk (DALI's inflate
+        never reads its per-chunk statuses and zero-fills short outputs), so its
+        raw checksum is the only thing that would catch a flip, and only the host
+        can check it."""
         checked = self._checked_payload(key)
-        return checked[1] if checked is not None else None
+        if checked is None:
+            return None
+        entry, payload, info = checked
+        if entry.stored_checksum is None:
+            try:
+                codec.decode(payload, info=info)
+            except CodecError as err:
+                self._corrupt(entry, str(err))
+                return None
+        return payload
 
     def _checked_payload(self, key: str) -> tuple[Entry, bytes, codec.PayloadInfo] | None:
         entry = self.entry(key)
@@ -686,13 +701,24 @@ def _mtime(path: Path) -> float:
 
 
 def _alive(pid: str) -> bool:
+    """Whether the writer ``pid`` can still write: a zombie cannot.
+
+    A SIGKILLed DataLoader worker is reparented to PID 1, and in a container that
+    init may never reap it; ``kill(pid, 0)`` still succeeds on the zombie, so its
+    reservations would be counted forever (tests/unit/test_cache.py::test_a_zombie_writer_is_dead).
+    """
     try:
         os.kill(int(pid), 0)
     except (ValueError, ProcessLookupError):
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{int(pid)}/stat").read_text()
+    except OSError:  # no /proc (not Linux), or it went away: kill() is the answer
+        return True
+    # The state letter follows the command name, which may itself hold ") ".
+    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] not in ("Z", "X")
 
 
 class _ForkGate:

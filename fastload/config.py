@@ -92,7 +92,10 @@ class Settings:
         block_bytes: Remote files larger than this are cached as fixed-size blocks of
             this size, so random access never downloads a whole multi-GB shard.
         chunk_bytes: LZ4 payloads are split into independent blocks of this raw size,
-            so a GPU (nvCOMP inflate) can decompress chunks in parallel.
+            so a GPU (nvCOMP inflate) can decompress chunks in parallel. nvCOMP is
+            said to work best near 64 KiB chunks; 1 MiB stays the default until a
+            GPU measures it (``make gpu-check``'s inflate case compares 64 KiB,
+            256 KiB and 1 MiB; none has run yet).
         lz4_level: 0 = fast LZ4 block; 1..12 = LZ4-HC at that level (pre-staging only).
         min_saving: Store LZ4 only if it saves at least this fraction, else store raw.
         workers: The most requests in flight to one host from one process (staging

@@ -108,7 +108,11 @@ class _CachedDataset(torch.utils.data.Dataset):
             # otherwise anonymous (tests/reliability/test_hostile_input.py).
             url = url or (value.get("__url__") if isinstance(value, dict) else None)
             if url is not None:
-                err.add_note(f"fastload: the transform failed on {url}; fix: check or remove that file, or make the transform handle bad input")
+                # Blame left open: the file may be bad, or the transform may not handle it.
+                err.add_note(
+                    f"fastload: the transform raised {type(err).__name__} on {url}; "
+                    "the file may be bad, or the transform may not handle it"
+                )
             raise
 
     def read_batch(self, indices: Sequence[int]) -> list[Any]:

@@ -33,9 +33,14 @@ from fastload._loader_iter import (
     _Progress,
     _TimedCollate,
     _TimedNext,
+    new_iter,
 )
+from fastload._torch_compat import accelerator_available
+from fastload._torch_surface import TORCH_BASE_ITER, TORCH_DATALOADER, TORCH_SINGLE_ITER
+from fastload._worker_pack import Ring
 from fastload._worker_stats import Unwrap, WorkerCollate
 from fastload.config import default_read_threads
+from fastload.dataset import _CachedDataset
 from fastload.errors import ConfigError, LoaderError
 from fastload.lookahead import Lookahead, depth_for
 from fastload.prefetch import DevicePrefetcher
@@ -50,6 +55,8 @@ T_co = TypeVar("T_co", covariant=True)
 STATE_VERSION = 1
 DEFAULT_READ_THREADS = default_read_threads()
 DEFAULT_READ_AHEAD = 2  # batches, for datasets with read_batch
+# torch's multi-process iterator -> the WorkerCollate its workers run.
+_WORKER_COLLATE: weakref.WeakKeyDictionary[Any, WorkerCollate] = weakref.WeakKeyDictionary()
 
 
 def _dist_settings(world_size: int | None, rank: int | None) -> tuple[int, int]:
@@ -66,6 +73,8 @@ def _dist_settings(world_size: int | None, rank: int | None) -> tuple[int, int]:
     return world_size, rank
 
 
+# torch's class, as imported here: a later rebinding of torch's name (patch_torch)
+# never changes the base, and no method looks the class up through torch's module.
 class DataLoader(tud.DataLoader[T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` that also moves, shards, resumes and measures.
 
@@ -273,7 +282,9 @@ class DataLoader(tud.DataLoader[T_co]):
         # torch's iterators read this property once per iterator (and per persistent
         # worker reset); returning one long-lived ResumableSampler lets a loaded state
         # skip at the index level without touching torch's frozen attributes.
-        inner = tud.DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+        # torch's class as captured at import: after `torch.utils.data.DataLoader =
+        # fastload.DataLoader` (patch_torch), the module attribute is this class.
+        inner = TORCH_DATALOADER._index_sampler.fget(self)  # type: ignore[attr-defined]
         if isinstance(self.dataset, tud.IterableDataset):
             return inner
         wrapper = self.__dict__.get("_fl_resumable")
@@ -335,35 +346,58 @@ class DataLoader(tud.DataLoader[T_co]):
             return int(self.batch_sampler.batch_size)
         return None
 
+    def _packs(self) -> bool:
+        # fastload's datasets hand out bytes payloads (FileDataset, TarDataset): with
+        # workers they cross to the parent through shared memory (fastload._worker_pack).
+        return self.num_workers > 0 and isinstance(self.dataset, _CachedDataset)
+
+    def _wraps_worker_batches(self, stats: bool) -> bool:
+        return self.num_workers > 0 and (stats or self._packs())
+
     def _torch_iter(self, stats: bool) -> Iterator[Any]:
-        if not stats or self.num_workers == 0:
+        if not self._wraps_worker_batches(stats):
             return super().__iter__()
         # Workers run a collate_fn that also ships their stats with each batch
         # (fastload._worker_stats); torch reads loader.collate_fn only while it builds
         # the iterator, so the user's attribute is back in place before any batch.
+        # Its _collate_fn is the user's again too: torch hands it to workers only while
+        # it starts them, in the constructor.
+        if self.persistent_workers and self._iterator is not None:
+            return super().__iter__()  # its workers keep the WorkerCollate they started with
         user = self.collate_fn
-        self.collate_fn = WorkerCollate(user, self._auto_collation)
+        # One buffer per batch a worker may have in flight (prefetch_factor), plus one.
+        ring = Ring(self.num_workers, (self.prefetch_factor or 2) + 1) if self._packs() else None
+        collate = WorkerCollate(user, self._auto_collation, stats=stats, ring=ring)
+        self.collate_fn = collate
         try:
-            return super().__iter__()
+            it = super().__iter__()
         finally:
             self.collate_fn = user
+        it._collate_fn = user
+        _WORKER_COLLATE[it] = collate  # the parent's ring lives as long as torch's iterator
+        return it
 
-    def _read_ahead_iter(self, read_fn: Callable[[list[Any]], Any]) -> ReadAhead:
-        # torch's iterator draws a base seed from the loader's generator (or the global
-        # RNG) when it is created; draw it too so RNG streams match torch's loader.
-        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+    def _read_ahead_iter(self, read_fn: Callable[[list[Any]], Any]) -> tuple[Any, ReadAhead]:
+        # The read_batch path is a torch single-process iterator whose _next_data is
+        # the ReadAhead: torch's own constructor draws the sampler iterator and the base
+        # seed (so RNG streams match torch's loader), torch's __next__ counts
+        # _num_yielded, and isinstance checks see torch's class. Its __init__ is
+        # skipped: it only rejects timeout != 0 and makes a fetcher that is not used.
+        state = TORCH_SINGLE_ITER.__new__(TORCH_SINGLE_ITER)
+        TORCH_BASE_ITER.__init__(state, self)
         post = None
-        if self.pin_memory and torch.accelerator.is_available():
+        if self.pin_memory and accelerator_available():  # torch.accelerator needs torch 2.6
             from torch.utils.data._utils.pin_memory import pin_memory
 
             post = pin_memory
         ahead = DEFAULT_READ_AHEAD if self.read_ahead is None else self.read_ahead
         collector = self._fl_collector if self.stats_enabled else None
-        batches: Iterator[Any] = iter(self._index_sampler)
+        batches: Iterator[Any] = state._sampler_iter
         hint = getattr(self.dataset, "fetch_ahead", None)
         if callable(hint) and self._auto_collation:
             batches = Lookahead(batches, hint, depth_for(self.batch_size))
-        return ReadAhead(
+        state._sampler_iter = batches
+        ahead_iter = ReadAhead(
             batches,
             read_fn,
             self.collate_fn,  # type: ignore[arg-type]
@@ -375,6 +409,8 @@ class DataLoader(tud.DataLoader[T_co]):
             post=post,
             name=type(self.dataset).__name__,
         )
+        state._next_data = ahead_iter.__next__  # type: ignore[method-assign]
+        return state, ahead_iter
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         collector = self._fl_collector if self.stats_enabled else None
@@ -398,10 +434,11 @@ class DataLoader(tud.DataLoader[T_co]):
         else:
             gen_start = [g.get_state() for g in gens]
         self._fl_pending_start = None
+        keep: Any
         if read_fn is not None:
-            source: Iterator[Any] = self._read_ahead_iter(read_fn)
+            source, keep = self._read_ahead_iter(read_fn)
         else:
-            source = self._torch_iter(collector is not None)
+            source = keep = self._torch_iter(collector is not None)
             if collector is not None and hasattr(source, "_dataset_fetcher"):
                 # Splits time inside next() into reading samples and collating them.
                 timed = _TimedCollate(source, self._items_per_index_batch())
@@ -409,8 +446,9 @@ class DataLoader(tud.DataLoader[T_co]):
             torch.set_rng_state(caller_rng)
         nxt: Callable[[], Any] = source.__next__
         plain = nxt
-        if collector is not None and self.num_workers > 0:
-            nxt = Unwrap(nxt, collector)  # before the prefetcher: it must see plain batches
+        if read_fn is None and self._wraps_worker_batches(collector is not None):
+            # Before the prefetcher: it must see plain batches.
+            nxt = Unwrap(nxt, collector, _WORKER_COLLATE.get(source))
         fetch = None
         if self.device is not None:
             if self._fl_prefetcher is None:
@@ -434,7 +472,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._fl_progress = progress
         kind = _LoaderIter if self._fl_live_stats is None else _LiveLoaderIter
         live = self._fl_live_stats
-        it = kind(nxt, progress, collector, timed, fetch, lambda: len(self), source, live)
+        it = new_iter(kind, source, nxt, progress, collector, timed, fetch, lambda: len(self), keep, live)
         self._fl_live = weakref.ref(it)
         return it
 

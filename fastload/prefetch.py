@@ -7,10 +7,13 @@ staging slots:
 1. The batch's CPU tensors are copied into one slot, each at an aligned offset of
    a single flat ``uint8`` buffer (pinned when the device is CUDA).
 2. One copy of the used part of the slot is issued with ``non_blocking=True`` on
-   ONE long-lived side CUDA stream, into a device buffer allocated on the
-   consumer's stream; the batch's tensors are views into that buffer.
-3. The consumer's stream waits on the copy's CUDA event when the batch is handed
-   out, so the host never blocks; batch N+1 copies while step N computes.
+   ONE long-lived side CUDA stream, into a device buffer allocated *on that side
+   stream*; the batch's tensors are views into that buffer. The side stream waits
+   for nothing on the consumer's stream, so batch N+1 copies while step N computes,
+   at every ``lookahead`` (0 included).
+3. When the batch is handed out, the consumer's stream waits on the copy's CUDA
+   event (the host never blocks) and ``record_stream(consumer)`` tells the caching
+   allocator that the consumer uses the buffer from then on.
 4. A slot is reused only after the event of its last copy has completed.
 
 Pitfalls avoided (see ``shared/reference/limits.md`` section 5):
@@ -21,17 +24,29 @@ Pitfalls avoided (see ``shared/reference/limits.md`` section 5):
   2x host memory, #95823). Here slots are allocated once, grow only when a batch
   outgrows them (bounded by ``max_slot_bytes``) and are then reused:
   :attr:`DevicePrefetcher.slot_allocations` counts every allocation.
-* **``record_stream``.** Tensors allocated on a side stream and used on another
-  need ``record_stream`` or the caching allocator may hand their memory to a new
-  allocation while a copy is still in flight (NaNs, torchrec#4231); and
-  ``record_stream`` makes frees unpredictable (pytorch#112526). Instead the device
-  buffer is allocated on the *consumer's* stream, the side stream first waits for
-  the consumer stream (apex's documented alternative), and slots are released by
-  our own events. Consequence: use the batch on the stream that was current when
+* **Pinned memory held twice.** The CachingHostAllocator rounds every request up
+  to a power of two and keeps freed blocks cached (pinned) until its cache is
+  emptied. So slots grow in powers of two themselves (what is asked for is what
+  is pinned), and a slot that grows empties torch's host cache after dropping its
+  old buffer: peak pinned memory is the ring, not the ring plus every size it
+  outgrew (``tests/unit/test_prefetch.py::test_slots_grow_in_powers_of_two``).
+* **A copy into memory that was given away.** A device buffer allocated on one
+  stream and filled on another needs ``record_stream`` or the caching allocator may
+  hand its block to a new allocation while the copy is still in flight (NaNs,
+  torchrec#4231). Allocating on the side stream keeps the block in the side
+  stream's pool: a batch that is copied but never handed out (a loop that
+  breaks, a new pass) frees its block there, and only a later copy, queued
+  after the first one, can reuse it. ``record_stream`` is called once, at hand-over,
+  for the consumer stream only (its cost is the allocator's event poll on free,
+  pytorch#112526). Consequence: use the batch on the stream that was current when
   ``next()`` returned it (or call ``record_stream`` yourself).
 * **A new stream per copy.** Cached blocks are not shared across streams
   (Fuser#5767), so there is one side stream per prefetcher, created once.
 * **Many small copies.** All leaves of a batch cross in one DMA from one slot.
+
+Stats: each copy is recorded as ``h2d`` (bytes, seconds between its CUDA events)
+when its event is first seen complete: at hand-over, at the slot's reuse, or at
+the end of the pass, which records every copy still pending.
 
 On a CPU device the same code runs (flatten, slot ring, growth, unflatten) with
 plain, non-pinned slots and synchronous copies, so CI exercises the bookkeeping.
@@ -53,6 +68,7 @@ from typing import Any, Generic, TypeVar, cast
 
 import torch
 
+from fastload._torch_compat import empty_host_cache
 from fastload.errors import ConfigError, LoaderError
 from fastload.stats import StatsCollector
 
@@ -61,11 +77,27 @@ __all__ = ["DevicePrefetcher"]
 T = TypeVar("T")
 
 ALIGN = 256  # bytes; every leaf starts at a multiple (any dtype view; vectorised kernels)
-_GRAIN = 64 * 1024  # slot sizes are rounded up to this
+MIN_SLOT_BYTES = 64 * 1024  # the smallest slot; larger ones are powers of two
 
 
 def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
+
+
+def slot_size(need: int, max_slot_bytes: int | None) -> int:
+    """Bytes to allocate for a slot that must hold ``need``: the next power of two.
+
+    torch's pinned allocator rounds every request up to a power of two anyway, so
+    asking for exactly that keeps what a slot can hold equal to what it pins.
+    ``max_slot_bytes`` caps the request (never below ``need``).
+
+    >>> slot_size(1, None), slot_size(65537, None), slot_size(3 * 2**20, 2**21 + 2**20)
+    (65536, 131072, 3145728)
+    """
+    size = max(MIN_SLOT_BYTES, 1 << max(need - 1, 0).bit_length())
+    if max_slot_bytes is not None:
+        size = max(min(size, max_slot_bytes), need)
+    return size
 
 
 # --- nesting: the same container rules as torch.utils.data._utils.pin_memory ---------
@@ -133,13 +165,12 @@ def rebuild(data: Any, new: Iterator[torch.Tensor]) -> Any:
 class _Slot:
     """One staging buffer of the ring."""
 
-    __slots__ = ("buf", "busy", "done", "ready", "start", "timed_bytes", "timed_s")
+    __slots__ = ("buf", "busy", "done", "start", "timed_bytes", "timed_s")
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
         self.busy = False  # holds a staged batch not yet handed to the consumer
         self.done: Any = None  # event: the slot's last copy has completed
-        self.ready: Any = None  # event: consumer stream reached the copy's issue point
         self.start: Any = None
         self.timed_bytes = 0  # a copy whose duration is not yet recorded
         self.timed_s = 0.0
@@ -150,7 +181,12 @@ class _Slot:
 
 
 class _HostBackend:
-    """CPU device: plain slots and synchronous copies; events are always complete."""
+    """CPU device: plain slots and synchronous copies; events are always complete.
+
+    The seam of the ring: a backend allocates slots, issues one slot's copy
+    (``transfer``), says whether it has completed (``is_done``) and how long it
+    took, and hands the copied buffer to the consumer (``hand_over``).
+    """
 
     pinned = False
 
@@ -159,6 +195,10 @@ class _HostBackend:
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def release_cached(self, timeout: float) -> None:
+        """Called after a slot dropped its buffer to grow: nothing is cached on the CPU."""
+        return None
 
     def init_events(self, slot: _Slot) -> None:
         slot.done = None
@@ -177,7 +217,7 @@ class _HostBackend:
     def copy_seconds(self, slot: _Slot) -> float:
         return slot.timed_s
 
-    def hand_over(self, slot: _Slot) -> None:
+    def hand_over(self, slot: _Slot, out: torch.Tensor) -> None:
         return None
 
     def move(self, t: torch.Tensor) -> torch.Tensor:
@@ -196,24 +236,36 @@ class _CudaBackend(_HostBackend):
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
+    def release_cached(self, timeout: float) -> None:
+        # The dropped slot's block sits in torch's host cache, still pinned, and a
+        # grown slot never fits in it again. The allocator frees a block that copies
+        # used only once an event it records on their stream at free time has
+        # completed, so mark the side stream after that event and poll the mark
+        # (a bounded wait for the copies queued there, no device sync) first.
+        mark = torch.cuda.Event()
+        mark.record(self.stream)
+        deadline = time.monotonic() + timeout
+        while not mark.query():
+            if time.monotonic() > deadline:
+                return  # the block stays cached: more memory held, nothing wrong
+            time.sleep(1e-4)
+        empty_host_cache()
+
     def init_events(self, slot: _Slot) -> None:
         slot.done = torch.cuda.Event(enable_timing=True)
         slot.start = torch.cuda.Event(enable_timing=True)
-        slot.ready = torch.cuda.Event()
 
     def is_done(self, slot: _Slot) -> bool:
         return bool(slot.done.query())
 
     def transfer(self, slot: _Slot, used: int) -> torch.Tensor:
         buf = cast(torch.Tensor, slot.buf)  # acquired slots always hold a buffer
-        consumer = torch.cuda.current_stream(self.device)
-        # Allocated on the consumer stream, so its block is freed and reused in
-        # consumer-stream order: no record_stream needed.
-        out = torch.empty(used, dtype=torch.uint8, device=self.device)
-        # The block may have held a tensor that consumer kernels still read.
-        slot.ready.record(consumer)
-        self.stream.wait_event(slot.ready)
         with torch.cuda.stream(self.stream):
+            # Allocated on the side stream, so until hand-over its block is freed and
+            # reused in side-stream order only: a dropped batch's block can go only
+            # to a later copy, queued behind this one. Nothing here waits for the
+            # consumer stream, so this copy overlaps the step running there.
+            out = torch.empty(used, dtype=torch.uint8, device=self.device)
             slot.start.record(self.stream)
             out.copy_(buf[:used], non_blocking=True)
             slot.done.record(self.stream)
@@ -224,8 +276,12 @@ class _CudaBackend(_HostBackend):
         # Only called once slot.done has completed, so this never blocks.
         return float(slot.start.elapsed_time(slot.done)) / 1e3
 
-    def hand_over(self, slot: _Slot) -> None:
-        torch.cuda.current_stream(self.device).wait_event(slot.done)
+    def hand_over(self, slot: _Slot, out: torch.Tensor) -> None:
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(slot.done)
+        # From here the consumer uses the block: freeing it waits for the consumer's
+        # work queued by then (tests/gpu/test_prefetch_gpu.py::test_dropped_batch_*).
+        out.record_stream(consumer)
 
     def move(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
@@ -235,12 +291,19 @@ class _CudaBackend(_HostBackend):
 
 
 class _Staged:
-    __slots__ = ("batch", "slot", "error")
+    __slots__ = ("batch", "slot", "error", "buffer")
 
-    def __init__(self, batch: Any, slot: _Slot | None, error: BaseException | None = None) -> None:
+    def __init__(
+        self,
+        batch: Any,
+        slot: _Slot | None,
+        error: BaseException | None = None,
+        buffer: torch.Tensor | None = None,
+    ) -> None:
         self.batch = batch
         self.slot = slot
         self.error = error
+        self.buffer = buffer  # the device buffer the batch's ringed tensors view
 
 
 class DevicePrefetcher(Generic[T]):
@@ -371,11 +434,12 @@ class DevicePrefetcher(Generic[T]):
         self._wait_done(slot)
         self._record_copy(slot)
         if slot.capacity < need:
-            cap = _round_up(max(need, 2 * slot.capacity), _GRAIN)
-            if self.max_slot_bytes is not None:
-                cap = max(min(cap, self.max_slot_bytes), need)  # need <= cap, checked by caller
-            slot.buf = None  # drop the old buffer first: peak memory is one slot, not two
-            slot.buf = self._backend.alloc(cap)
+            if slot.buf is not None:
+                # Drop the old buffer and empty the host cache before allocating, so
+                # the old size is not kept pinned next to the new one.
+                slot.buf = None
+                self._backend.release_cached(self.timeout)
+            slot.buf = self._backend.alloc(slot_size(need, self.max_slot_bytes))
             self.slot_allocations += 1
         return slot
 
@@ -394,6 +458,13 @@ class DevicePrefetcher(Generic[T]):
                 )
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+    def _flush(self) -> None:
+        """End of a pass: record every copy not recorded yet (waits for it, bounded)."""
+        for slot in self._ring:
+            if slot.timed_bytes:
+                self._wait_done(slot)
+                self._record_copy(slot)
 
     def _record_copy(self, slot: _Slot) -> None:
         if slot.timed_bytes and self.collector is not None:
@@ -443,7 +514,7 @@ class DevicePrefetcher(Generic[T]):
                     views.append(self._backend.move(t))
         slot.busy = True
         self.copies += 1
-        return _Staged(rebuild(batch, iter(views)), slot)
+        return _Staged(rebuild(batch, iter(views)), slot, buffer=out)
 
     def _oversize(self, batch: Any, tensors: list[torch.Tensor], used: int) -> _Staged:
         self.oversize_batches += 1
@@ -464,8 +535,10 @@ class DevicePrefetcher(Generic[T]):
     def _deliver(self, staged: _Staged) -> Any:
         slot = staged.slot
         if slot is not None:
-            self._backend.hand_over(slot)  # consumer stream waits on the copy event
+            self._backend.hand_over(slot, cast(torch.Tensor, staged.buffer))  # staged with its slot
             slot.busy = False
+            if self._backend.is_done(slot):  # a query, never a wait
+                self._record_copy(slot)
         return staged.batch
 
 
@@ -505,6 +578,7 @@ class _Pass(Iterator[T]):
                 break
             queue.append(owner._stage(batch))
         if not queue:
+            owner._flush()
             raise StopIteration
         staged = queue.popleft()
         if staged.error is not None:

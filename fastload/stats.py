@@ -341,7 +341,8 @@ class StatsCollector:
             batches=total.batches,
             wait_seconds=total.wait,
             wall_seconds=total.wall,
-            concurrency=MappingProxyType(hostlimit.settled()),
+            # Process-wide, like the limits themselves; a disabled collector reports nothing.
+            concurrency=MappingProxyType(hostlimit.settled() if self.enabled else {}),
         )
 
     def _take_mine(self) -> tuple[dict[str, list[Any]], dict[str, int], _Shard]:

@@ -1,7 +1,8 @@
 """Shared fixtures: real nginx, moto S3 and shaped-link servers.
 
-Where a server is missing, its tests skip with the reason, except under
-FASTLOAD_REQUIRE_SERVERS=1 (set by .ci/run after installing them), where a
+Where a server is missing, its tests skip with the reason, and the run ends with
+one line per missing server saying how many tests skipped and how to get it.
+Under FASTLOAD_REQUIRE_SERVERS=1 (set by .ci/run after installing them), a
 missing nginx or moto fails the test instead of hiding it. Traffic shaping needs
 root, so a shaped-link test skips without it even in CI.
 """
@@ -44,13 +45,28 @@ def load_script() -> Callable[[str], ModuleType]:
     return load
 
 
-def require_server(available: bool, reason: str) -> None:
+# Reasons require_server skipped for, each with how to get the server; the summary
+# line counts the skipped tests per reason (tests/integration/test_fresh_machine.py).
+_MISSING_SERVERS: dict[str, str] = {}
+NGINX_MISSING = "nginx not found"
+NGINX_HOW = "`sudo make test` installs it (scripts/install-test-deps), or: apt-get install nginx"
+
+
+def require_server(available: bool, reason: str, how: str = "") -> None:
     """Skips the test when a server is unavailable, or fails it in CI."""
     if available:
         return
     if os.environ.get("FASTLOAD_REQUIRE_SERVERS") == "1":
         pytest.fail(f"{reason} (FASTLOAD_REQUIRE_SERVERS=1, so this fails instead of skipping)")
-    pytest.skip(reason)
+    _MISSING_SERVERS[reason] = how
+    pytest.skip(reason)  # how to get it: once, in the summary line
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    skipped = [str(getattr(r, "longrepr", "")) for r in terminalreporter.stats.get("skipped", [])]
+    for reason, how in _MISSING_SERVERS.items():
+        n = sum(reason in text for text in skipped)
+        terminalreporter.write_line(f"fastload: {n} tests skipped: {reason}; {how or 'install it'}")
 
 
 @pytest.fixture
@@ -59,7 +75,7 @@ def nginx_server() -> Iterator[Callable[..., _servers.NginxServer]]:
 
     Every server it started is stopped (and its processes reaped) on teardown.
     """
-    require_server(_servers.nginx_available(), "nginx not found (apt-get install nginx-light)")
+    require_server(_servers.nginx_available(), NGINX_MISSING, NGINX_HOW)
     started: list[_servers.NginxServer] = []
 
     def start(root: Path, **kwargs: Any) -> _servers.NginxServer:
@@ -75,8 +91,8 @@ def nginx_server() -> Iterator[Callable[..., _servers.NginxServer]]:
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[_servers.MotoServer]:
     """One moto S3 server for the session; use unique buckets (``s3_bucket``)."""
-    require_server(_servers.moto_available(), "moto server missing (pip install 'moto[server]')")
-    require_server(importlib.util.find_spec("s3fs") is not None, "s3fs missing (pip install s3fs)")
+    require_server(_servers.moto_available(), "moto server missing", "pip install 'moto[server]'")
+    require_server(importlib.util.find_spec("s3fs") is not None, "s3fs missing", "pip install s3fs")
     with _servers.MotoServer() as server:
         yield server
 

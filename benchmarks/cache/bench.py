@@ -193,7 +193,7 @@ def open_link(args: argparse.Namespace, root: Path) -> Iterator[Link]:
     rate = _tc_value(args.rate, _TC_RATE, "rate")
     burst = _tc_value(args.burst, _TC_SIZE, "burst")
     if not _servers.nginx_available():
-        raise RuntimeError("nginx not found; the benchmark serves the dataset with it (apt-get install nginx-light)")
+        raise RuntimeError("nginx not found; the benchmark serves the dataset with it (apt-get install nginx)")
     reason = "disabled with --no-shaping" if args.no_shaping else _servers.shaping_unavailable_reason()
     with contextlib.ExitStack() as stack:
         if reason is None:

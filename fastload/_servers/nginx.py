@@ -159,7 +159,7 @@ class NginxServer:
         """
         binary = find_nginx()
         if binary is None:
-            raise ServerError("nginx not found; install it (apt-get install nginx-light)")
+            raise ServerError("nginx not found; install it (apt-get install nginx)")
         tmp = self._tmp = Path(tempfile.mkdtemp(prefix="fastload-nginx-"))
         fixed_port = self.port
         attempt = 0

@@ -199,8 +199,8 @@ def _wants_decode(opts: BenchOptions, ds: Any) -> bool:
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
     """Run the benchmark described by ``opts``; returns the JSON-ready report."""
     import torch
-    import torch.utils.data as tud
 
+    from fastload._torch_surface import TORCH_DATALOADER  # torch's own, even under patch_torch()
     from fastload.loader import DEFAULT_READ_THREADS, DataLoader
 
     t_start = time.perf_counter()
@@ -247,7 +247,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             tds = _dataset(opts, url, fresh_cache("torch"))
             tds.transform = ds.transform
             gen = torch.Generator().manual_seed(0)
-            tloader = tud.DataLoader(tds, batch_size=opts.batch_size, num_workers=opts.num_workers, generator=gen)
+            tloader = TORCH_DATALOADER(tds, batch_size=opts.batch_size, num_workers=opts.num_workers, generator=gen)
             tcol = StatsCollector()
             for epoch in range(1, opts.epochs + 1):
                 # torch's loader has no collector of its own; the dataset records into this

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fastload.config import default_read_threads
+
 __all__ = ["add_parsers", "bench_command", "diagnose_command"]
 
 EXIT_OK, EXIT_FAIL = 0, 1
@@ -76,7 +78,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, *, size_arg: Callable
     b.add_argument("--batches", type=_positive_int, help="stop each epoch after this many batches")
     b.add_argument("--batch-size", type=_positive_int, default=32, help="batch size (default 32)")
     b.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes (default 0)")
-    b.add_argument("--read-threads", type=int, help="fastload read threads (default 8)")
+    b.add_argument("--read-threads", type=int,
+                   help=f"fastload read threads (default {default_read_threads()}: this process's CPUs, 2 to 8)")
     b.add_argument("--decode", choices=("auto", "cpu", "none"), default="auto",
                    help="decode JPEGs on the CPU to uint8 tensors (auto: when the files are JPEG)")
     b.add_argument("--image-size", type=_positive_int, default=224, help="decoded image side (default 224)")

@@ -6,7 +6,11 @@ total, which hides a recent stall) is
 
 * logged through :mod:`logging` (logger ``fastload.live``): one INFO line with
   batches/s, the data-stall fraction, the cache hit rate and the slowest stage,
-  and the full stats table at DEBUG;
+  and the full stats table at DEBUG. Asking for ``log_every`` is asking to see
+  the lines, so when neither ``fastload.live`` nor ``fastload`` has a level of
+  its own the logger is set to INFO, and while no handler of the user's would
+  take the lines (none on ``fastload.live``, ``fastload`` or the root logger) they
+  go to stderr;
 * written as scalars to ``summary_writer`` when one is given: anything with
   ``add_scalar(tag, value, step)``, e.g. ``torch.utils.tensorboard.SummaryWriter``
   (fastload does not depend on tensorboard).
@@ -21,6 +25,7 @@ second, as in the stats table).
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +35,36 @@ from fastload.stats import STAGES, LoaderStats
 __all__ = ["DEFAULT_WRITE_EVERY", "LiveStats", "interval"]
 
 _log = logging.getLogger("fastload.live")
+
+
+class _StderrUnlessHandled(logging.Handler):
+    """Writes to stderr only while the user's logging config has no handler that
+    would take the record, so a user who configures logging later sees each line once
+    (tests/unit/test_live_stats.py::test_log_every_lines_reach_stderr_once)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger: logging.Logger | None = _log
+        while logger is not None:
+            if any(h is not self for h in logger.handlers):
+                return
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        try:
+            sys.stderr.write(self.format(record) + "\n")  # looked up per line: redirects work
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def _make_visible() -> None:
+    # The default logging config (root at WARNING, no handlers) drops INFO lines.
+    if _log.level == logging.NOTSET and logging.getLogger("fastload").level == logging.NOTSET:
+        _log.setLevel(logging.INFO)
+    if not any(isinstance(h, _StderrUnlessHandled) for h in _log.handlers):
+        handler = _StderrUnlessHandled()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        _log.addHandler(handler)
 #: Batches between writes to a summary writer when ``log_every`` is not given.
 DEFAULT_WRITE_EVERY = 100
 
@@ -89,6 +124,8 @@ class LiveStats:
             self._stats = lambda: stats
         self.every = every
         self.log = log
+        if log:
+            _make_visible()
         self.writer = writer
         self.step = 0
         self._last: LoaderStats | None = None

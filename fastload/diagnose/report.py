@@ -86,6 +86,9 @@ def _gpu(report: dict[str, Any]) -> list[str]:
     for d in link.get("devices", []):
         lines.append(f"  link {d['index']}    H2D pinned {fmt_bps(d['h2d_pinned_bps'])}, pageable {fmt_bps(d['h2d_pageable_bps'])}; "
                      f"D2H pinned {fmt_bps(d['d2h_pinned_bps'])}, pageable {fmt_bps(d['d2h_pageable_bps'])}")
+        loaded = d.get("pcie_under_load") or {}
+        if loaded.get("gen"):
+            lines.append(f"            PCIe Gen{loaded['gen']} x{loaded.get('width')} while copying (NVML)")
         cls = d.get("classification") or {}
         if cls:
             lines.append(f"            looks like {cls.get('band')}" + ("; eGPU suspected" if cls.get("egpu_suspected") else ""))

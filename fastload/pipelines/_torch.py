@@ -22,6 +22,7 @@ same crops whatever the thread count or scheduling
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 from collections.abc import Sequence
@@ -199,6 +200,20 @@ class Decoder:
             self._pool = None
 
 
+@functools.lru_cache(maxsize=32)
+def channel_constants(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``255 * values`` as a (1, C, 1, 1) tensor on ``device``, built once per device and dtype.
+
+    Built per batch, ``torch.tensor(..., device="cuda")`` is a blocking copy that
+    stalls the host's run-ahead every step; here the one copy ever made is
+    ``non_blocking`` (from pageable memory CUDA stages it before returning, so the
+    host tensor may go), and later batches reuse the device tensor
+    (``tests/gpu/test_pipelines_gpu.py::test_torch_backend_makes_no_host_sync``).
+    """
+    host = torch.tensor([255.0 * v for v in values], dtype=dtype).view(1, len(values), 1, 1)
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
 def finish(
     batch: torch.Tensor, dtype: torch.dtype, mean: Sequence[float] | None, std: Sequence[float] | None, layout: str
 ) -> torch.Tensor:
@@ -208,8 +223,8 @@ def finish(
     else:
         x = batch.float()
         if mean is not None and std is not None:
-            m = torch.tensor([255.0 * v for v in mean], device=x.device).view(1, 3, 1, 1)
-            s = torch.tensor([255.0 * v for v in std], device=x.device).view(1, 3, 1, 1)
+            m = channel_constants(tuple(mean), x.device, x.dtype)
+            s = channel_constants(tuple(std), x.device, x.dtype)
             x = (x - m) / s
         out = x.to(dtype)
     if layout == "HWC":

@@ -25,6 +25,9 @@ def test_link_measures_both_directions_and_classifies(tmp_path):
         for key in ("h2d_pageable_bps", "h2d_pinned_bps", "d2h_pageable_bps", "d2h_pinned_bps"):
             assert 1e8 < d[key] < 1e12, key  # anything from a x1 riser to NVLink-C2C
         assert d["name"] == torch.cuda.get_device_name(d["index"])
+        loaded = d["pcie_under_load"]  # read by NVML while the pinned copies ran
+        if gpu.gpu_devices()["status"] == "ok" and loaded["gen"] is not None:
+            assert 1 <= loaded["gen"] <= 6 and loaded["width"] in (1, 2, 4, 8, 16, 32)
     gpus = gpu.gpu_devices()
     link.attach_classification(got, gpus)
     for d in got["devices"]:

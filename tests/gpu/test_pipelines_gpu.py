@@ -98,3 +98,46 @@ def test_torch_backend_cuda_without_torchvision(samples: list[dict[str, Any]], m
     arrays = [{"data": np.full((4, 4), i, np.uint8)} for i in range(3)]
     out = ArrayPipeline(device="cuda", backend="torch", dtype="float32")(arrays)["data"]
     assert out.is_cuda and out[:, 0, 0].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_torch_backend_makes_no_host_sync(samples: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A blocking copy per batch (mean/std built with torch.tensor(..., device=cuda))
+    # would end the host's run-ahead every step; "error" turns any sync into a raise.
+    monkeypatch.setattr(_registry, "_failed", {"torchvision.io": "hidden by the test"})
+    monkeypatch.setattr(_registry, "_loaded", {k: v for k, v in _registry._loaded.items() if k != "torchvision.io"})
+    images = ImageClassification(train=True, device="cuda", backend="torch", seed=3)
+    arrays = ArrayPipeline(device="cuda", backend="torch", dtype="float16")
+    rows = [{"data": np.full((8, 8), i, np.uint8), "label": i} for i in range(4)]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [images(samples[:4]) for _ in range(3)] + [arrays(rows) for _ in range(3)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert outs[0]["image"].is_cuda and outs[0]["image"].shape == (4, 3, 224, 224)
+    assert outs[-1]["data"][:, 0, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@needs_dali
+def test_corrupt_chunk_of_an_entry_without_stored_checksum_never_reaches_inflate(tmp_path: Path) -> None:
+    # nvCOMP would inflate a flipped chunk into wrong bytes without an error, so the
+    # cache decodes such (old) entries on the host and refetches a bad one.
+    from fastload.cache import _record
+
+    make_uint8_arrays(tmp_path / "arrs", n=4, shape=(64, 64, 3))
+    settings = Settings(cache_dir=tmp_path / "c", chunk_bytes=4096)
+    ds = CompressedArrayDataset(str(tmp_path / "arrs"), settings=settings)
+    [ds[i] for i in range(len(ds))]  # cached
+    cache = ds.reader.cache
+    key = ds.reader.key(ds.items[1], 0)
+    entry = cache.entry(key)
+    assert entry is not None and entry.codec == codec.LZ4
+    cache.index.set("e:" + key, (*_record(entry)[:-1], None))  # as written before stored checksums
+    path = cache.data_dir / entry.path
+    damaged = bytearray(path.read_bytes())
+    damaged[-1] ^= 0x01
+    path.write_bytes(bytes(damaged))
+    fresh = CompressedArrayDataset(str(tmp_path / "arrs"), settings=settings)
+    out = ArrayPipeline(device="cuda", backend="dali")([fresh[i] for i in range(len(fresh))])
+    want = np.stack([np.load(tmp_path / "arrs" / f"{i + 1:05d}.npy") for i in range(4)])
+    assert np.array_equal(out["data"].cpu().numpy(), want)
+    assert fresh.reader.cache.corrupt_count() == 1

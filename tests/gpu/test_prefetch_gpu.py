@@ -15,8 +15,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from _loader_helpers import DictDS, TensorDS  # noqa: E402
 
+from fastload._torch_compat import empty_host_cache  # noqa: E402
 from fastload.loader import DataLoader  # noqa: E402
 from fastload.prefetch import DevicePrefetcher  # noqa: E402
+from fastload.stats import StatsCollector  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -111,28 +113,43 @@ def test_batches_used_on_a_non_default_stream() -> None:
     assert [float(x) for x in sums] == [4096.0 * i for i in range(10)]
 
 
-def test_overlap_hides_copy_time_behind_compute() -> None:
+def _step_for(seconds: float, a: torch.Tensor) -> tuple[int, float]:
+    """Matmuls per step so that one step takes about ``seconds`` of GPU time, and the time of one."""
+    torch.mm(a, a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, a)
+    torch.cuda.synchronize()
+    one = (time.perf_counter() - t0) / 20
+    return max(1, round(seconds / one)), one
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_overlap_hides_copy_time_behind_compute(lookahead: int) -> None:
+    # Compute is sized to the measured copy time, so that perfect overlap (max) and
+    # none (sum) are far apart whatever the link: the bound is max + half of min.
     n, mb = 12, 64
     batches = [torch.randn(mb * 1024 * 256) for _ in range(n)]  # 64 MB each
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-
-    def step(x: torch.Tensor) -> None:
-        for _ in range(60):
-            torch.mm(a, a)
-        x.add_(1)
-
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)  # few, long kernels: not launch-bound
     pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=3)
-    resident = batches[0].cuda()
-    for x in pf.iterate(batches[:3], lookahead=2):  # warm-up: slots, kernels, clocks
-        step(x)
+    for _ in pf.iterate(batches[:3], lookahead=2):  # warm-up: slots, kernels, clocks
+        pass
     torch.cuda.synchronize()
 
     t0 = time.perf_counter()
-    for _ in pf.iterate(batches, lookahead=2):
+    for _ in pf.iterate(batches, lookahead=lookahead):
         pass
     torch.cuda.synchronize()
     t_copy = time.perf_counter() - t0
+    reps, _ = _step_for(t_copy / n, a)
 
+    def step(x: torch.Tensor) -> None:
+        for _ in range(reps):
+            torch.mm(a, a)
+        x.add_(1)
+
+    resident = batches[0].cuda()
     t0 = time.perf_counter()
     for _ in range(n):
         step(resident)
@@ -140,12 +157,84 @@ def test_overlap_hides_copy_time_behind_compute() -> None:
     t_compute = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    for x in pf.iterate(batches, lookahead=2):
+    for x in pf.iterate(batches, lookahead=lookahead):
         step(x)
     torch.cuda.synchronize()
     t_both = time.perf_counter() - t0
-    print(f"copy {t_copy:.3f} s, compute {t_compute:.3f} s, overlapped {t_both:.3f} s")
-    assert t_both < 0.8 * (t_copy + t_compute), (t_copy, t_compute, t_both)
+    longer, shorter = max(t_copy, t_compute), min(t_copy, t_compute)
+    print(f"lookahead {lookahead}: copy {t_copy:.3f} s, compute {t_compute:.3f} s, overlapped {t_both:.3f} s")
+    assert t_both < longer + 0.5 * shorter, (t_copy, t_compute, t_both)
+
+
+def test_next_copy_runs_while_the_step_still_computes_at_lookahead_0() -> None:
+    # The side stream must not wait for the consumer's queued step: copy N+1 completes
+    # while step N (a long sleep on the consumer stream) is still running.
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=2, lookahead=0)
+    batches = [torch.full((1 << 20,), float(i)) for i in range(3)]
+    list(pf.iterate(batches))  # warm-up: slots allocated
+    torch.cuda.synchronize()
+    it = pf.iterate(batches, lookahead=0)
+    first = next(it)
+    torch.cuda._sleep(2_000_000_000)  # step N: about a second of GPU time on the consumer stream
+    second = next(it)  # stages and copies batch N+1
+    copy_done = pf._ring[(pf._next_slot - 1) % pf.slots].done
+    consumer = torch.cuda.current_stream()
+    while not copy_done.query() and not consumer.query():
+        time.sleep(1e-3)
+    assert copy_done.query() and not consumer.query(), "copy N+1 waited for step N"
+    torch.cuda.synchronize()
+    assert float(first[0]) == 0.0 and float(second[0]) == 1.0
+
+
+def test_dropped_batch_never_lands_in_a_later_tensor() -> None:
+    # A batch copied but never handed out (the loop breaks) is freed while its copy
+    # is still queued; the consumer's next allocation of that size must not get its
+    # block, or the copy would write into it afterwards.
+    n = 32 * 2**20
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=2)
+    side = pf._backend.stream  # type: ignore[attr-defined]
+    list(pf.iterate([torch.zeros(n, dtype=torch.uint8)] * 2))  # slots and blocks allocated first
+    torch.cuda.synchronize()
+
+    def source() -> Iterator[torch.Tensor]:
+        yield torch.full((n,), 7, dtype=torch.uint8)
+        with torch.cuda.stream(side):  # batch 1's copy waits ~0.2 s behind this; batch 0's does not
+            torch.cuda._sleep(400_000_000)
+        yield torch.full((n,), 9, dtype=torch.uint8)
+        yield torch.full((n,), 9, dtype=torch.uint8)
+
+    it = pf.iterate(source(), lookahead=1)
+    first = next(it)  # batch 0 handed out; batch 1 staged, its copy still queued
+    del it  # the loop breaks: batch 1's device buffer is freed before its copy ran
+    fresh = torch.zeros(n, dtype=torch.uint8, device="cuda")  # same size, on the consumer stream
+    torch.cuda.synchronize()
+    assert int(fresh.max()) == 0, "a dropped batch's copy wrote into a new tensor"
+    assert bool((first == 7).all())
+
+
+def test_every_copy_reaches_the_stats() -> None:
+    col = StatsCollector()
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=2, collector=col)
+    out = list(pf.iterate([torch.ones(1 << 20, dtype=torch.uint8)] * 2))
+    h2d = col.snapshot().stage("h2d")
+    assert len(out) == 2 and h2d.items == 2 and h2d.bytes == 2 * (1 << 20) and h2d.seconds > 0
+
+
+def test_grown_slots_leave_no_stale_pinned_block() -> None:
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or "allocated_bytes.current" not in stats():
+        pytest.skip(f"torch {torch.__version__} has no host allocated_bytes stat")
+    if not empty_host_cache():
+        pytest.skip(f"torch {torch.__version__} cannot empty its host cache")
+    torch.cuda.synchronize()
+    base = stats()["allocated_bytes.current"]  # live pinned blocks only: the cache was emptied
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=2)
+    for size in (1 << 20, 3 << 20, 9 << 20):  # each pass outgrows both slots
+        list(pf.iterate([torch.ones(size, dtype=torch.uint8)] * 2))
+        torch.cuda.synchronize()
+    assert pf.slot_capacities == [16 << 20, 16 << 20]
+    held = stats()["allocated_bytes.current"] - base
+    assert held == sum(pf.slot_capacities), f"{held} B pinned for a {sum(pf.slot_capacities)} B ring"
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -85,8 +85,10 @@ def test_quick_run_reports_every_peer_mode_and_epoch(
 
 
 def test_cpu_per_object_reports_both_epochs(
-    capsys: pytest.CaptureFixture[str], load_script: Callable[[str], ModuleType]
+    capsys: pytest.CaptureFixture[str], load_script: Callable[[str], ModuleType], nginx_server: Any
 ) -> None:
+    # nginx_server is requested only for its skip-or-fail check; the script runs its own
+    # (a machine without nginx: tests/integration/test_fresh_machine.py).
     module = load_script("benchmarks/peers/cpu_per_object.py")
     assert module.main(["--images", "30", "--read-threads", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -180,7 +180,7 @@ _ALL = [
         "Corrupt JPEG (truncated, garbage, zero bytes) in an image dataset",
         "FileDataset with a user PIL-decode transform (in the loader's threads and in a worker), and through fastload.pipelines.ImageClassification (torch backend, CPU)",
         "a corrupt file", 3, 3,
-        "User transform: the decoder's own error, in its original type, with a note naming the URL and the fix. Pipeline: DecodeError naming the URL and the fix, or on_error='skip' drops the sample and counts decode_skipped",
+        "User transform: the decoder's own error, in its original type, with a note naming the URL and that the transform raised there (the file or the transform may be at fault). Pipeline: DecodeError naming the URL and the fix, or on_error='skip' drops the sample and counts decode_skipped",
     ),
     Fault(
         "bad-array-meta", 10,

@@ -150,3 +150,16 @@ def test_bench_epoch_waits_only_for_its_own_reads() -> None:
         release.set()
         timer.cancel()
         other.join(5)
+
+
+def test_bench_help_shows_the_read_threads_default_the_run_uses(capsys, monkeypatch):
+    import fastload.config
+    from fastload.loader import DEFAULT_READ_THREADS
+
+    assert main(["bench", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps help lines
+    assert f"(default {DEFAULT_READ_THREADS}:" in text, text
+    # The help follows the machine, not a constant: 3 CPUs -> 3 threads.
+    monkeypatch.setattr(fastload.config.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert main(["bench", "--help"]) == 0
+    assert "(default 3:" in " ".join(capsys.readouterr().out.split())

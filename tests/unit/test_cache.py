@@ -6,6 +6,7 @@ import os
 import pickle
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,24 @@ def test_memory_protocol_stages_and_reads(tmp_path: Path, settings: Settings) ->
     assert report.items == 2 and report.fetched_blocks == 2
     mem.rm("/fl-test", recursive=True)
     assert Reader(settings).read("memory://fl-test/sub/b.bin") == b"beta" * 1000
+
+
+def test_a_zombie_writer_is_dead(tmp_path: Path) -> None:
+    """A killed writer that no one reaped (PID 1 in a container) holds no reservation."""
+    pid = os.fork()
+    if pid == 0:  # the child exits at once; the parent does not reap it yet
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z":
+            assert time.monotonic() < deadline, "the child never became a zombie"
+            time.sleep(0.01)
+        cache = Cache(Settings(cache_dir=tmp_path / "c"))
+        with cache.index.transact():
+            cache.index.set(f"r:{pid}:deadbeef", 1234)
+            cache.index.incr("bytes", 1234)
+        assert cache.check()["bytes"] == 0
+        assert not [k for k in cache.index.iterkeys() if str(k).startswith("r:")]
+        cache.close()
+    finally:
+        os.waitpid(pid, 0)

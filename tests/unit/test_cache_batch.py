@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastload.cache import Cache
+from fastload import codec
+from fastload.cache import Cache, _record
 from fastload.config import Settings, default_read_threads
 from fastload.errors import CacheLimitError
 
@@ -92,3 +93,19 @@ def test_read_payload_is_checked_like_get(settings: Settings) -> None:
     path.write_bytes(bytes(damaged))
     assert cache.read_payload("k") is None  # bit rot is not shipped to a GPU decoder
     assert cache.corrupt_count() == 1 and cache.entry("k") is None
+
+
+def test_read_payload_decodes_entries_without_a_stored_checksum(settings: Settings) -> None:
+    # Entries written before the stored checksum existed: only the raw checksum can
+    # catch a flip, and nvCOMP would inflate it silently, so the host decodes them.
+    entry = Cache(settings).put("k", _blob(7, 20_000), url="mem://k")
+    old = Cache(settings)  # a fresh process: no memo
+    old.index.set("e:k", (*_record(entry)[:-1], None))
+    path = old.data_dir / entry.path
+    assert codec.parse_header(path.read_bytes()).codec == codec.LZ4
+    assert old.read_payload("k") == path.read_bytes()  # intact: served as stored
+    damaged = bytearray(path.read_bytes())
+    damaged[-1] ^= 0x01  # the last literal of the last chunk: the header still parses
+    path.write_bytes(bytes(damaged))
+    assert Cache(settings).read_payload("k") is None
+    assert old.corrupt_count() == 1

@@ -14,7 +14,9 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -200,10 +202,86 @@ def test_healthy_x16_link_is_not_flagged():
 
 
 def test_slow_link_for_its_generation_is_flagged_with_numbers():
+    # A x16 card at 3 GB/s is a slow (or parked) slot, not an enclosure: only narrow links are eGPUs.
     got = classify_link(3.0e9, gen_current=4, width_current=16, gen_max=4, width_max=16)
-    assert got["slow"] is True and got["egpu_suspected"] is True
+    assert got["slow"] is True and got["egpu_suspected"] is False
     assert any("13% of the 23.6 GB/s expected from PCIe Gen4 x16" in e for e in got["evidence"])
+    narrow = classify_link(3.0e9, gen_current=4, width_current=4, gen_max=4, width_max=16)
+    assert narrow["slow"] is True and narrow["egpu_suspected"] is True
+    assert any("over a x4 link" in e for e in narrow["evidence"])
     assert classify_link(9e9, removable=True)["egpu_suspected"] is True
+
+
+@pytest.mark.parametrize(
+    "bps,gen,width,egpu",
+    [
+        (25e9, 1, 16, False),  # parked at Gen1 when read, full speed under load: a desktop x16 card
+        (3.3e9, 1, 16, False),  # Gen4 x16 card measured while still at Gen1 x16: slow, not an eGPU
+        (2.7e9, 1, 4, True),  # a Thunderbolt port advertising 2.5 GT/s x4
+        (6.6e9, 4, 4, False),  # OCuLink at full speed: nothing to say from the rate
+        (2.7e9, None, None, False),  # no NVML: the rate alone proves nothing
+    ],
+)
+def test_egpu_rules_need_a_narrow_link(bps, gen, width, egpu):
+    got = classify_link(bps, gen_current=gen, width_current=width, gen_max=4, width_max=16 if width == 16 else 4)
+    assert got["egpu_suspected"] is egpu, got["evidence"]
+
+
+def test_classification_prefers_the_link_read_under_load():
+    gpus = {"devices": [{"pci_bus_id": "00000000:01:00.0", "pcie": {"gen_current": 1, "width_current": 16,
+                                                                     "gen_max": 4, "width_max": 16}}]}
+    measured = {"devices": [{"pci_bus_id": "0000:01:00.0", "h2d_pinned_bps": 24e9,
+                             "pcie_under_load": {"gen": 4, "width": 16}}]}
+    link_mod.attach_classification(measured, gpus)
+    cls = measured["devices"][0]["classification"]
+    assert cls["egpu_suspected"] is False and cls["reported_bps"] == pytest.approx(1.969e9 * 16)
+    idle_only = {"devices": [{"pci_bus_id": "0000:01:00.0", "h2d_pinned_bps": 24e9, "pcie_under_load": None}]}
+    link_mod.attach_classification(idle_only, gpus)
+    assert idle_only["devices"][0]["classification"]["reported_bps"] == pytest.approx(0.25e9 * 16)
+
+
+class _FakeCuda:
+    """Just enough of torch.cuda for link._rate: events stamp the host clock."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        outer = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.t = 0.0
+
+            def record(self) -> None:
+                self.t = time.perf_counter()
+
+            def synchronize(self) -> None:
+                outer.log.append("sync")
+
+            def elapsed_time(self, end: Any) -> float:
+                return (end.t - self.t) * 1e3
+
+        self.Event = Event
+
+    def synchronize(self) -> None:
+        self.log.append("sync")
+
+
+def test_rate_warms_up_for_a_fixed_time_and_reads_the_link_during_timed_copies():
+    log: list[str] = []
+    fake = SimpleNamespace(cuda=_FakeCuda(log))
+    stamps: list[float] = []
+
+    def copy() -> None:
+        stamps.append(time.perf_counter())
+        log.append("copy")
+        time.sleep(0.01)
+
+    seen: list[Any] = []
+    bps = link_mod._rate(fake, copy, 10_000_000, 3, lambda: (log.append("read") or (4, 16)), seen)
+    warm = len(stamps) - 3
+    assert warm >= 2 and stamps[warm] - stamps[0] >= link_mod.WARMUP_S  # not one copy: a fixed time
+    assert log[-9:] == ["copy", "read", "sync"] * 3  # each reading while a timed copy is in flight
+    assert seen == [(4, 16)] * 3 and 0 < bps <= 1e9  # 10 MB per >= 10 ms, timed by the events
 
 
 def test_pcie_rates_and_throttle_names():

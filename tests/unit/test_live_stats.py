@@ -152,3 +152,33 @@ def test_interval_between_two_snapshots():
     assert iv["data_stall"] == pytest.approx(0.75) and iv["cache_hit_rate"] == pytest.approx(0.75)
     assert iv["stages"]["decode"] == {"items": 30, "items_per_s": pytest.approx(60.0), "MBps": pytest.approx(0.12)}
     assert interval(first, None)["stages"]["decode"]["items"] == 10
+
+
+_LOG_SCRIPT = """
+import logging, sys
+from fastload.loader import DataLoader
+if sys.argv[1] == "before":
+    logging.basicConfig(format="USER %(message)s")  # root at WARNING, as most configs leave it
+loader = DataLoader(list(range(8)), batch_size=2, log_every=2)
+if sys.argv[1] == "after":
+    logging.basicConfig(format="USER %(message)s")
+for _ in loader:
+    pass
+"""
+
+
+@pytest.mark.parametrize("config", ["none", "before", "after"])
+def test_log_every_lines_reach_stderr_once(config: str) -> None:
+    # A fresh interpreter: pytest's own capture handlers on the root logger would hide
+    # the case that matters, a script that never configured logging.
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _LOG_SCRIPT, config], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "batches/s, data stall" in line]
+    assert len(lines) == 2, done.stderr  # batches 2 and 4, each exactly once
+    prefix = "fastload: batch" if config == "none" else "USER fastload: batch"
+    assert all(line.startswith(prefix) for line in lines), lines

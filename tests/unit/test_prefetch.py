@@ -16,7 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastload.errors import ConfigError, LoaderError
-from fastload.prefetch import DevicePrefetcher, _HostBackend, _Slot, collect_tensors, rebuild
+from fastload.prefetch import (
+    MIN_SLOT_BYTES,
+    DevicePrefetcher,
+    _HostBackend,
+    _Slot,
+    collect_tensors,
+    rebuild,
+    slot_size,
+)
 from fastload.stats import StatsCollector
 
 
@@ -196,8 +204,87 @@ def test_stage_and_h2d_are_recorded() -> None:
     list(DevicePrefetcher(src, "cpu", collector=col))
     s = col.snapshot()
     assert s.stage("stage").items == 3 and s.stage("stage").bytes >= 3000
-    # h2d is recorded when a slot is reused (its copy is known complete): 1 of 3 here.
-    assert s.stage("h2d").items == 1 and s.stage("h2d").bytes == 1024
+    # Every copy is recorded, the last ones too (they once waited for a reuse that never came).
+    assert s.stage("h2d").items == 3 and s.stage("h2d").bytes == 3 * 1024
+
+
+class _LateCopies(_HostBackend):
+    """Copies that complete only when asked a second time, as on a busy GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.asked: collections.Counter[int] = collections.Counter()
+
+    def is_done(self, slot: _Slot) -> bool:
+        if not slot.timed_bytes:  # recorded already: nothing in flight
+            return True
+        self.asked[id(slot)] += 1
+        return self.asked[id(slot)] % 2 == 0
+
+
+@pytest.mark.parametrize("slots,n", [(2, 2), (2, 5), (3, 7)])
+def test_pending_copies_are_recorded_at_the_end_of_the_pass(slots: int, n: int) -> None:
+    col = StatsCollector()
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=slots, collector=col, lookahead=0)
+    pf._backend = _LateCopies(torch.device("cpu"))
+    it = pf.iterate([torch.ones(1000, dtype=torch.uint8)] * n)
+    next(it)
+    assert col.snapshot().stage("h2d").items == 0  # not complete at hand-over: nothing to time yet
+    assert len(list(it)) == n - 1
+    s = col.snapshot().stage("h2d")
+    assert s.items == n and s.bytes == n * 1024
+
+
+def test_copy_seen_complete_at_hand_over_is_recorded_then() -> None:
+    col = StatsCollector()
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=2, collector=col)
+    it = pf.iterate([torch.ones(100, dtype=torch.uint8)] * 4)
+    next(it)
+    assert col.snapshot().stage("h2d").items == 1  # before any slot is reused, before the end
+
+
+class _CountingReleases(_HostBackend):
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.releases = 0
+        self.sizes: list[int] = []
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        self.sizes.append(nbytes)
+        return super().alloc(nbytes)
+
+    def release_cached(self, timeout: float) -> None:
+        self.releases += 1
+
+
+def test_slots_grow_in_powers_of_two_and_release_the_old_block() -> None:
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=2)
+    backend = _CountingReleases(torch.device("cpu"))
+    pf._backend = backend
+    list(pf.iterate([torch.ones(1000, dtype=torch.uint8)] * 2))
+    assert backend.sizes == [MIN_SLOT_BYTES] * 2 and backend.releases == 0  # first use: nothing to release
+    list(pf.iterate([torch.ones(300_000, dtype=torch.uint8)] * 2))
+    assert backend.sizes[2:] == [2**19, 2**19] and backend.releases == 2  # one per grown slot
+    list(pf.iterate([torch.ones(2**19, dtype=torch.uint8)] * 3))  # an exact power of two fits
+    assert len(backend.sizes) == 4 and backend.releases == 2
+
+
+@pytest.mark.parametrize(
+    "need,cap,want",
+    [(1, None, MIN_SLOT_BYTES), (MIN_SLOT_BYTES + 1, None, 2 * MIN_SLOT_BYTES), (2**20, None, 2**20),
+     (2**20 + 1, 3 * 2**20, 2**21), (5 * 2**20, 6 * 2**20, 6 * 2**20), (5000, 4096, 5000)],
+)
+def test_slot_size(need: int, cap: int | None, want: int) -> None:
+    assert slot_size(need, cap) == want
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    from fastload import prefetch
+
+    result = doctest.testmod(prefetch, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,43 @@
+"""README.md tells a new user what they need: how to reach the `fastload` command
+after `make demo` / `make test`, and where the guides are."""
+
+from __future__ import annotations
+
+import re
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_says_how_to_get_the_fastload_command() -> None:
+    setup = README[README.index("## Set up"):README.index("## Quickstart")]
+    venv = re.search(r"^VENV \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert venv is not None
+    # The activation path is the venv the Makefile builds, and the alternative installs the package.
+    assert f"source {venv[1]}/bin/activate" in setup and "fastload --help" in setup
+    assert "pip install -e ." in setup
+    scripts = (ROOT / "pyproject.toml").read_text().split("[project.scripts]", 1)[1]
+    assert scripts.lstrip().startswith('fastload = "fastload.cli:main"')
+
+
+def test_an_installed_fastload_puts_its_command_beside_the_interpreter() -> None:
+    # What the README promises: installed into an environment (make's .venv, or your
+    # own with pip install -e .), the command is in that environment's bin folder.
+    try:
+        dist = metadata.distribution("fastload")
+    except metadata.PackageNotFoundError:
+        pytest.skip("fastload is not installed in this environment (PYTHONPATH only)")
+    assert any(ep.name == "fastload" and ep.group == "console_scripts" for ep in dist.entry_points)
+    assert (Path(sys.executable).parent / "fastload").exists()
+
+
+def test_readme_links_every_guide() -> None:
+    linked = set(re.findall(r"\]\((docs/[\w.-]+\.md)\)", README))
+    assert {"docs/storage.md", "docs/egpu.md"} <= linked
+    for path in linked:
+        assert (ROOT / path).is_file(), path
