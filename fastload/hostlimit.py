@@ -15,7 +15,8 @@ in fastload bounds requests, so this is the one home of that number.
   signal: a connect timeout, a reset or refused connection, HTTP 429 or 503,
   S3 ``SlowDown``, a TCP connect slower than :data:`SLOW_CONNECT_S` (a server
   whose listen backlog overflows drops SYNs, which TCP retries only after a
-  second), or throughput collapsing. A server that closes each connection
+  second). Throughput alone never cuts: on a shared machine it dips for reasons
+  of its own (an unshaped loopback cut itself three times an epoch). A server that closes each connection
   after its answer stays at :data:`CLOSING_MAX`.
 
 The limit a host settled on is reported by :func:`settled` (``loader.stats()``,
@@ -43,7 +44,6 @@ GROW_STEP_MAX = 4  # new requests a growth step may add at once (a burst of SYNs
 RISE = 1.1  # a step "pays" when throughput rises by at least this factor
 QUEUED = 1.5  # mean latency above this many times its lowest: requests are queueing, not adding throughput
 FALL = 0.9  # a step "hurts" when throughput falls below this factor: take it back
-COLLAPSE = 0.25  # throughput below this fraction of the best seen is a congestion signal
 # A server that closes the connection after each answer (HTTP/1.0, as http.server)
 # takes every request through its listen queue: 5 deep in Python's socketserver. In
 # a namespace running `python -m http.server`, 9 requests in flight overflowed it 3
@@ -71,7 +71,7 @@ class HostLimit:
         self.in_flight = 0
         self.peak = 0  # most requests ever in flight at once
         self.cuts = 0  # congestion signals that cut the limit
-        self.last_cut = ""  # what the last one was: an error's type, or "collapse"
+        self.last_cut = ""  # what the last one was: an error's type, or "slow connect"
         self.closing = False  # the host closes each connection after its answer (CLOSING_MAX)
         self._lock = threading.Lock()
         self._waiters: collections.deque[Callable[[], bool]] = collections.deque()
@@ -223,9 +223,6 @@ class HostLimit:
         if self._window_done < max(WINDOW_MIN_REQUESTS, int(self.limit)) or elapsed < WINDOW_MIN_S:
             return
         rate = (self._window_bytes or self._window_done) / elapsed
-        if self._best and rate < self._best * COLLAPSE and self._full:
-            self._cut(now, "collapse")
-            return
         if self._full:  # only a window that used the whole limit says anything about its size
             # Latency says whether requests now queue somewhere (the link, the server's
             # threads or its accept queue): only a step that adds throughput, not queueing, pays.
@@ -278,6 +275,12 @@ def _async_waker(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], 
             future.set_result(None)
 
     def wake() -> bool:
+        try:
+            if asyncio.get_running_loop() is loop:  # released on the loop itself: no self-pipe write
+                resolve()
+                return True
+        except RuntimeError:  # released by a thread without a running loop
+            pass
         try:
             loop.call_soon_threadsafe(resolve)
         except RuntimeError:  # the loop is closed: nobody will take the slot
