@@ -9,7 +9,7 @@ in fastload bounds requests, so this is the one home of that number.
   alike (tests/integration/test_hostlimit_server.py counts connections at the server).
 * **Limit.** Under the cap, an AIMD controller chooses how many may run. It
   starts at :data:`START`, grows while the host's throughput rises and its
-  requests' latency does not (by half while each step pays, then by one while
+  requests' latency does not (doubling while each step pays, then by one while
   each step pays, taking back a step that made throughput fall, and trying one
   more now and then), and halves on a congestion
   signal: a connect timeout, a reset or refused connection, HTTP 429 or 503,
@@ -40,9 +40,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 START = 4  # requests allowed at first: a small server is never met with a burst
-GROW_STEP_MAX = 4  # new requests a growth step may add at once (a burst of SYNs overflows a backlog of 5)
-RISE = 1.1  # a step "pays" when throughput rises by at least this factor
-QUEUED = 1.5  # mean latency above this many times its lowest: requests are queueing, not adding throughput
+RISE = 1.05  # a step "pays" when throughput rises by at least this factor
+QUEUED = 2.0  # mean latency above this many times its lowest: requests are queueing, not adding throughput
 FALL = 0.9  # a step "hurts" when throughput falls below this factor: take it back
 # A server that closes the connection after each answer (HTTP/1.0, as http.server)
 # takes every request through its listen queue: 5 deep in Python's socketserver. In
@@ -51,7 +50,7 @@ FALL = 0.9  # a step "hurts" when throughput falls below this factor: take it ba
 # SYN retried after 1 s.
 CLOSING_MAX = 4
 SLOW_CONNECT_S = 0.5  # a TCP connect this slow was retried: the server's listen backlog overflowed
-WINDOW_MIN_S = 0.1  # a window shorter than this is too noisy to judge
+WINDOW_MIN_S = 0.05  # a window shorter than this is too noisy to judge
 WINDOW_MIN_REQUESTS = 8
 PROBE_EVERY = 8  # windows held before trying one more again (conditions change)
 
@@ -233,7 +232,7 @@ class HostLimit:
             if self._slow_start and not paid:
                 self._slow_start = False  # that step did not pay: one at a time from here
             if self._slow_start:
-                self._step(min(GROW_STEP_MAX, max(1.0, self.limit / 2)))
+                self._step(self.limit)  # doubles: 20 ms to first byte needs ~30 in flight at 1 Gbit
             elif self._grew and rate < self._prev * FALL:
                 self._step(-1.0)  # one more made it worse
             elif paid or self._held >= PROBE_EVERY:

@@ -480,6 +480,8 @@ def run_peer(link: Link, peer: str, mode: str, args: argparse.Namespace, work: P
         epochs.append({**e, "total_s": round(seconds, 3), "samples_per_s": round(e["samples"] / seconds, 1),
                        "mb_s": round(e["samples"] * jpeg / seconds / 1e6, 2), "complete": ok})
     row["epochs"] = epochs
+    if res.get("concurrency"):
+        row["concurrency"] = res["concurrency"]
     if not all(e["complete"] for e in epochs):
         row["error"] = (f"incomplete epoch: samples {[e['samples'] for e in epochs]} of {n}, bytes "
                         f"{[e['delivered_bytes'] for e in epochs]} of {data['jpeg_bytes']}")
