@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from fastload._worker_pack import Ring, RingRef, activate, pack, pickled_bytes, unpack
+from fastload._worker_pack import BufferRef, SharedBuffers, activate, pack, pickled_bytes, unpack
 from fastload.stats import StatsCollector, default_collector, nbytes
 
 __all__ = ["Delta", "Unwrap", "WorkerBatch", "WorkerCollate"]
@@ -46,7 +46,7 @@ class WorkerBatch:
     __slots__ = ("batch", "delta", "packed", "pickled")
 
     def __init__(
-        self, batch: Any, delta: Delta, packed: RingRef | torch.Tensor | None = None, pickled: int | None = None
+        self, batch: Any, delta: Delta, packed: BufferRef | torch.Tensor | None = None, pickled: int | None = None
     ) -> None:
         self.batch = batch
         self.delta = delta
@@ -73,15 +73,15 @@ class WorkerCollate:
         fn: The loader's collate_fn.
         auto: Whether the loader batches (``fn`` then gets a list of samples).
         stats: Ship the worker's stats delta.
-        ring: Move the batch's large ``bytes`` through this ring's shared buffers
+        buffers: Move the batch's large ``bytes`` through these shared buffers
             (fastload datasets), or None.
     """
 
-    def __init__(self, fn: Callable[[Any], Any], auto: bool, *, stats: bool = True, ring: Ring | None = None) -> None:
+    def __init__(self, fn: Callable[[Any], Any], auto: bool, *, stats: bool = True, buffers: SharedBuffers | None = None) -> None:
         self.fn = fn
         self.auto = auto
         self.stats = stats
-        self.ring = ring
+        self.buffers = buffers
         self._measured = False  # per worker process, like _seen
         # Other threads' totals at the previous batch (they may be writing: diffed, not
         # detached). Per worker process: each gets its own copy, by fork or pickle.
@@ -93,14 +93,14 @@ class WorkerCollate:
         dt = perf_counter() - t0
         n = len(data) if self.auto else 1
         delta = self._delta(("collate", n, nbytes(out), dt)) if self.stats else None
-        if self.ring is not None:
+        if self.buffers is not None:
             info = get_worker_info()
             worker = 0 if info is None else info.id
-            out, packed = pack(out, self.ring, worker)
+            out, packed = pack(out, self.buffers, worker)
             # Measured once per worker: what still crosses pickled (Unwrap warns).
             pickled = None if self._measured else pickled_bytes(out)
             self._measured = True
-            activate(self.ring, worker, self.fn is default_collate)
+            activate(self.buffers, worker, self.fn is default_collate)
             return WorkerBatch(out, delta, packed, pickled)
         return WorkerBatch(out, delta)
 
@@ -141,7 +141,7 @@ class Unwrap:
     ) -> None:
         self.fn = fn
         self.collector = collector
-        self.keep = keep  # the WorkerCollate whose ring this iterator's batches use
+        self.keep = keep  # the WorkerCollate whose buffers this iterator's batches use
         self.warn = warn  # called with a worker's pickled bytes per batch, when measured
 
     def __call__(self) -> Any:

@@ -31,7 +31,7 @@ import numpy as np
 import torch.utils.data
 from torch.utils.data import get_worker_info
 
-from fastload._worker_pack import Slot, read_buffer
+from fastload._worker_pack import Span, read_buffer
 from fastload.cache import cannot_write
 from fastload.config import Settings
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
@@ -199,7 +199,7 @@ class FileDataset(_CachedDataset):
         item = self._sized([index])[0]
         return self._sample(index, item, self.reader.read(item))
 
-    def _sample(self, index: int, item: RemoteItem, data: bytes | Slot) -> dict[str, Any]:
+    def _sample(self, index: int, item: RemoteItem, data: bytes | Span) -> dict[str, Any]:
         sample: dict[str, Any] = {"data": self._apply(data, item.url), "url": item.url}
         if self.label is not None:
             sample["label"] = self.label_of(index)
@@ -218,12 +218,12 @@ class FileDataset(_CachedDataset):
         if self.transform is None and get_worker_info() is not None:
             # In a DataLoader worker whose batches cross through shared buffers, and
             # no transform to see the bytes: read into the batch's buffer, hand out
-            # slots of it; the parent makes the bytes (fastload._worker_pack).
+            # spans of it; the parent makes the bytes (fastload._worker_pack).
             offsets = _offsets(sizes)
             lease = read_buffer(offsets[-1] + sizes[-1]) if sizes else None
             if lease is not None:
                 self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], lease)
-                return [self._sample(i, item, Slot(off, item.size)) for i, item, off in zip(indices, items, offsets)]
+                return [self._sample(i, item, Span(off, item.size)) for i, item, off in zip(indices, items, offsets)]
         out, offsets = _batch_buffer(sizes)
         self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], out)
         view = out.data

@@ -37,7 +37,7 @@ from fastload._loader_iter import (
 )
 from fastload._torch_compat import accelerator_available
 from fastload._torch_surface import TORCH_BASE_ITER, TORCH_DATALOADER, TORCH_SINGLE_ITER
-from fastload._worker_pack import Ring
+from fastload._worker_pack import SharedBuffers
 from fastload._worker_stats import Unwrap, WorkerCollate
 from fastload.config import default_read_threads
 from fastload.dataset import _CachedDataset
@@ -396,15 +396,15 @@ class DataLoader(tud.DataLoader[T_co]):
             return super().__iter__()  # its workers keep the WorkerCollate they started with
         user = self.collate_fn
         # One buffer per batch a worker may have in flight (prefetch_factor), plus one.
-        ring = Ring(self.num_workers, (self.prefetch_factor or 2) + 1) if self._packs() else None
-        collate = WorkerCollate(user, self._auto_collation, stats=stats, ring=ring)
+        buffers = SharedBuffers(self.num_workers, (self.prefetch_factor or 2) + 1) if self._packs() else None
+        collate = WorkerCollate(user, self._auto_collation, stats=stats, buffers=buffers)
         self.collate_fn = collate
         try:
             it = super().__iter__()
         finally:
             self.collate_fn = user
         it._collate_fn = user
-        _WORKER_COLLATE[it] = collate  # the parent's ring lives as long as torch's iterator
+        _WORKER_COLLATE[it] = collate  # the parent's buffers live as long as torch's iterator
         return it
 
     def _read_ahead_iter(self, read_fn: Callable[[list[Any]], Any]) -> tuple[Any, ReadAhead]:
