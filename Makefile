@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-all test-deps reliability-doc demo bench bench-cache lint clean
+.PHONY: test test-all test-deps reliability-doc demo bench bench-cache lint clean gpu-check
 
 $(STAMP): pyproject.toml setup.py native/_native.c
 	@if [ ! -x $(BIN)/python ]; then \
@@ -73,7 +73,6 @@ clean:
 # builds .venv: that could install the pinned CPU torch and hide the GPU. It needs
 # fastload's dependencies there (pip install -e . , or wheels on an offline machine).
 # Without a GPU it says so and exits 0. Under 5 minutes on one GPU.
-.PHONY: gpu-check
 GPU_PY ?= python3
 GPU_REPORT ?= benchmarks/gpu/results/gpu-check.json
 gpu-check:

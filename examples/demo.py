@@ -52,7 +52,7 @@ class FallbackHTTP:
     backlog of 128 instead of http.server's 5: with 5, the kernel drops the SYNs of
     a burst of connections and each dropped one waits a 1 s retransmit (the old
     demo staged at 1.0 MB/s). And HTTP/1.1, so a connection serves many requests
-    instead of one (tests/unit/test_demo.py).
+    instead of one (tests/integration/test_demo.py).
     """
 
     backlog = 128
@@ -151,7 +151,7 @@ def run_epochs(work: Path, args: argparse.Namespace, *, shaped: bool) -> int:
     server, kind = serve(work / "www")
     url = f"{server.url}/train/"
     print(f"serving over HTTP with {kind} at {url}")
-    settings = Settings(cache_dir=work / "cache", workers=8)
+    settings = Settings(cache_dir=work / "cache")
     try:
         report = fastload.stage(url, pattern="**/*.jpg", settings=settings, progress=True)
     finally:

@@ -25,7 +25,6 @@ from torch.utils.data import dataloader as _torch_dataloader
 __all__ = [
     "TORCH_BASE_ITER",
     "TORCH_DATALOADER",
-    "TORCH_MULTI_ITER",
     "TORCH_SINGLE_ITER",
     "surfaced",
 ]
@@ -33,7 +32,6 @@ __all__ = [
 TORCH_DATALOADER: type[_torch_dataloader.DataLoader[Any]] = _torch_dataloader.DataLoader
 TORCH_BASE_ITER = _torch_dataloader._BaseDataLoaderIter
 TORCH_SINGLE_ITER = _torch_dataloader._SingleProcessDataLoaderIter
-TORCH_MULTI_ITER = _torch_dataloader._MultiProcessingDataLoaderIter
 
 
 def _attribute(name: str) -> property:

@@ -9,48 +9,58 @@ against 10,600-13,400 with ``num_workers=0``). A fresh shared buffer per batch
 is not enough either: the parent then maps new pages for every batch and
 faults each one in.
 
-So each worker keeps a ring of ``depth`` shared uint8 buffers, and the parent
-maps each buffer once:
+So each worker keeps ``depth`` shared uint8 buffers (one :class:`SharedBuffers`
+per loader iterator holds them all), and the parent maps each buffer once:
 
 * :func:`pack` (in the worker, after the user's collate_fn) puts every ``bytes``
   of at least PACK_MIN_BYTES found in the batch's dicts, lists and tuples into a
-  free buffer of its ring and leaves a :class:`Slot` in its place. The
-  :class:`RingRef` it returns carries the buffer itself only the first time
+  free buffer of its own and leaves a :class:`Span` in its place. The
+  :class:`BufferRef` it returns carries the buffer itself only the first time
   (or when the buffer grew); later batches name it by ``(worker, index, generation)``.
-* The parent learns a buffer when a RingRef is unpickled (torch unpickles every
+* The parent learns a buffer when a BufferRef is unpickled (torch unpickles every
   result in arrival order, even results it then drops), so a name always refers
-  to a buffer already seen. The unpickled RingRef holds the buffer's lease: when
+  to a buffer already seen. The unpickled BufferRef holds the buffer's lease: when
   it is released (after :func:`unpack`, or when torch drops the batch) the
-  buffer's flag in the ring's shared ``free`` table is set and the worker may
+  buffer's flag in the shared ``free`` table is set and the worker may
   reuse it. A worker that finds no free buffer uses a one-off one.
+* When no user code looks at a worker's samples before they are collated (the
+  dataset has no transform and the collate_fn is torch's default_collate), a
+  FileDataset reads a batch straight into a leased buffer (:func:`read_buffer`)
+  and its samples hold Spans instead of ``bytes``; torch's default_collate lists
+  them as it lists bytes. The payload is then copied once, in the parent, as
+  with ``num_workers=0``.
 * :func:`unpack` (in the parent, before anything sees the batch) puts equal
   ``bytes`` back, so the batch the user gets is what their collate_fn returned
   (an object that appeared twice is one object again). Other containers and
   values travel untouched, as torch sends them.
 
-Vocabulary: a *ring* is one loader iterator's set of buffers over all workers; a
-*slot* is one packed ``bytes``' place in a buffer; a *lease* is the parent's hold
-on a buffer until its bytes are copied out.
+Vocabulary: a *span* is one packed ``bytes``' place (offset, size) in a buffer;
+a *lease* is the parent's hold on a buffer until its bytes are copied out.
+("Slot" and "ring" are the device prefetcher's words; they are not used here.)
 """
 
 from __future__ import annotations
 
+import io
 import itertools
+import pickle
 import weakref
 from typing import Any
 
 import torch
 
-__all__ = ["PACK_MIN_BYTES", "Ring", "RingRef", "Slot", "pack", "unpack"]
+__all__ = [
+    "PACK_MIN_BYTES", "BufferRef", "SharedBuffers", "Span", "activate", "pack", "pickled_bytes", "read_buffer", "unpack",
+]  # fmt: skip
 
-#: Smaller bytes stay in the pickle: a slot and its copy cost more than they save.
+#: Smaller bytes stay in the pickle: a span and its copy cost more than they save.
 PACK_MIN_BYTES = 1024
 #: A buffer that must grow gets this much headroom, so slightly larger batches fit.
 GROWTH = 1.25
 
-_RING_IDS = itertools.count()
-# Rings alive in this (parent) process, by id: where unpickled RingRefs find theirs.
-_PARENT_RINGS: weakref.WeakValueDictionary[int, Ring] = weakref.WeakValueDictionary()
+_SET_IDS = itertools.count()
+# SharedBuffers alive in this (parent) process, by id: where unpickled BufferRefs find theirs.
+_PARENT_BUFFERS: weakref.WeakValueDictionary[int, SharedBuffers] = weakref.WeakValueDictionary()
 
 
 def _shared_bytes(size: int) -> torch.Tensor:
@@ -60,7 +70,7 @@ def _shared_bytes(size: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).new(storage)  # type: ignore[call-overload,no-any-return]
 
 
-class Ring:
+class SharedBuffers:
     """Reused shared buffers, ``depth`` per worker; built in the parent before workers start.
 
     Pickled (or inherited by fork) into each worker with its ``free`` table, which
@@ -68,7 +78,7 @@ class Ring:
     """
 
     def __init__(self, workers: int, depth: int) -> None:
-        self.id = next(_RING_IDS)
+        self.id = next(_SET_IDS)
         self.depth = depth
         self.free = torch.ones(workers * depth, dtype=torch.uint8).share_memory_()
         self._free = self.free.numpy()
@@ -76,7 +86,7 @@ class Ring:
         self._mine: dict[int, list[Any]] = {}
         # parent side: (worker, index) -> (generation, buffer as a memoryview)
         self.mapped: dict[tuple[int, int], tuple[int, memoryview]] = {}
-        _PARENT_RINGS[self.id] = self
+        _PARENT_BUFFERS[self.id] = self
 
     def __getstate__(self) -> dict[str, Any]:
         return {"id": self.id, "depth": self.depth, "free": self.free}
@@ -86,10 +96,10 @@ class Ring:
         self._free = self.free.numpy()
         self._mine, self.mapped = {}, {}
 
-    def acquire(self, worker: int, size: int) -> tuple[RingRef | None, torch.Tensor]:
+    def acquire(self, worker: int, size: int) -> tuple[BufferRef | None, torch.Tensor]:
         """A buffer of at least ``size`` bytes for this worker's next batch, and its ref.
 
-        The ref is None for a one-off buffer (every buffer of the ring is leased).
+        The ref is None for a one-off buffer (every buffer of this worker is leased).
         """
         base = worker * self.depth
         free = self._free
@@ -100,7 +110,7 @@ class Ring:
             held = self._mine.get(j)
             if held is not None and held[1].numel() >= size:
                 free[base + j] = 0
-                ref = RingRef(self.id, worker, j, held[0], None if held[2] else held[1])
+                ref = BufferRef(self.id, worker, j, held[0], None if held[2] else held[1])
                 held[2] = True
                 return ref, held[1]
             if grow is None:
@@ -111,7 +121,7 @@ class Ring:
         buf = _shared_bytes(max(size, int(size * GROWTH)))
         self._mine[grow] = [gen, buf, True]
         free[base + grow] = 0
-        return RingRef(self.id, worker, grow, gen, buf), buf
+        return BufferRef(self.id, worker, grow, gen, buf), buf
 
     def learn(self, worker: int, index: int, gen: int, buf: torch.Tensor) -> None:
         """Parent: map a buffer a worker sent (called while its batch is unpickled)."""
@@ -121,53 +131,61 @@ class Ring:
         """Parent: the buffer's bytes are copied out (or its batch was dropped)."""
         self._free[worker * self.depth + index] = 1
 
+    def give_back(self, ref: BufferRef | None) -> None:
+        """Worker: a buffer acquired for a batch that will not be sent."""
+        if ref is None:
+            return
+        if ref.buf is not None:
+            self._mine[ref.index][2] = False  # the parent has not seen it yet
+        self._free[ref.worker * self.depth + ref.index] = 1
 
-class RingRef:
+
+class BufferRef:
     """A batch's buffer: by name, plus the buffer itself the first time it crosses.
 
     In the parent it is the buffer's lease: :meth:`release` (or garbage collection)
     hands the buffer back to its worker.
     """
 
-    __slots__ = ("ring", "worker", "index", "gen", "buf", "_ring", "__weakref__")
+    __slots__ = ("set_id", "worker", "index", "gen", "buf", "_owner", "__weakref__")
 
-    def __init__(self, ring: int, worker: int, index: int, gen: int, buf: torch.Tensor | None) -> None:
-        self.ring, self.worker, self.index, self.gen, self.buf = ring, worker, index, gen, buf
-        self._ring: Ring | None = None  # set in the parent only: the lease is held
+    def __init__(self, set_id: int, worker: int, index: int, gen: int, buf: torch.Tensor | None) -> None:
+        self.set_id, self.worker, self.index, self.gen, self.buf = set_id, worker, index, gen, buf
+        self._owner: SharedBuffers | None = None  # set in the parent only: the lease is held
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_received, (self.ring, self.worker, self.index, self.gen, self.buf))
+        return (_received, (self.set_id, self.worker, self.index, self.gen, self.buf))
 
     def view(self) -> memoryview:
         """Parent: the buffer's bytes."""
-        ring = self._ring
-        if ring is None:
-            raise RuntimeError(f"fastload: batch buffer {self.worker}/{self.index} arrived without its ring")
-        gen, view = ring.mapped[(self.worker, self.index)]
+        owner = self._owner
+        if owner is None:
+            raise RuntimeError(f"fastload: batch buffer {self.worker}/{self.index} arrived without its SharedBuffers")
+        gen, view = owner.mapped[(self.worker, self.index)]
         if gen != self.gen:
             raise RuntimeError(f"fastload: batch buffer {self.worker}/{self.index} is generation {gen}, not {self.gen}")
         return view
 
     def release(self) -> None:
-        ring, self._ring = self._ring, None
-        if ring is not None:
-            ring.release(self.worker, self.index)
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner.release(self.worker, self.index)
 
     def __del__(self) -> None:
         self.release()
 
 
-def _received(ring_id: int, worker: int, index: int, gen: int, buf: torch.Tensor | None) -> RingRef:
-    ref = RingRef(ring_id, worker, index, gen, None)
-    ring = _PARENT_RINGS.get(ring_id)
-    if ring is not None:
+def _received(set_id: int, worker: int, index: int, gen: int, buf: torch.Tensor | None) -> BufferRef:
+    ref = BufferRef(set_id, worker, index, gen, None)
+    buffers = _PARENT_BUFFERS.get(set_id)
+    if buffers is not None:
         if buf is not None:
-            ring.learn(worker, index, gen, buf)
-        ref._ring = ring
+            buffers.learn(worker, index, gen, buf)
+        ref._owner = buffers
     return ref
 
 
-class Slot:
+class Span:
     """Where a packed ``bytes`` was: its (offset, size) in the batch's buffer."""
 
     __slots__ = ("start", "size")
@@ -176,14 +194,14 @@ class Slot:
         self.start, self.size = start, size
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Slot, (self.start, self.size))
+        return (Span, (self.start, self.size))
 
 
 class _Packer:
     def __init__(self) -> None:
         self.found: list[bytes] = []
-        self.slots: list[Slot] = []
-        self.slot_of: dict[int, Slot] = {}  # id(bytes) -> its slot, so aliases stay one object
+        self.spans: list[Span] = []
+        self.span_of: dict[int, Span] = {}  # id(bytes) -> its span, so aliases stay one object
         self.size = 0
 
     def walk(self, obj: Any) -> Any:
@@ -191,12 +209,12 @@ class _Packer:
         if kind is bytes:
             if len(obj) < PACK_MIN_BYTES:
                 return obj
-            slot = self.slot_of.get(id(obj))
-            if slot is None:
-                slot = self.slot_of[id(obj)] = Slot(self.size, len(obj))
+            span = self.span_of.get(id(obj))
+            if span is None:
+                span = self.span_of[id(obj)] = Span(self.size, len(obj))
                 self.found.append(obj)
                 self.size += len(obj)
-            return slot
+            return span
         if kind is list:
             return [self.walk(x) for x in obj]
         if kind is dict:
@@ -206,18 +224,78 @@ class _Packer:
         return obj  # tensors, str, custom types: travel as torch sends them
 
 
-def pack(batch: Any, ring: Ring, worker: int) -> tuple[Any, RingRef | torch.Tensor | None]:
-    """``batch`` with its large ``bytes`` replaced by slots, and where they went.
+class _Reading:
+    """A worker's state: its buffers, and the buffer its latest batch was read into."""
+
+    def __init__(self, buffers: SharedBuffers, worker: int, default_collate: bool) -> None:
+        self.buffers, self.worker, self.default_collate = buffers, worker, default_collate
+        self.pending: tuple[BufferRef | None, torch.Tensor] | None = None
+
+    def drop_pending(self) -> None:
+        if self.pending is not None:
+            self.buffers.give_back(self.pending[0])
+            self.pending = None
+
+
+# Set in a worker process by its WorkerCollate (so from its second batch on).
+_READING: _Reading | None = None
+
+
+def _collate_slots(batch: list[Span], *, collate_fn_map: Any = None) -> list[Span]:
+    return batch  # as torch's default_collate does for bytes and str
+
+
+def activate(buffers: SharedBuffers, worker: int, default_collate: bool) -> None:
+    """Worker: let datasets read batches straight into ``buffers`` (see :func:`read_buffer`)."""
+    global _READING
+    if _READING is None or _READING.buffers is not buffers:
+        if default_collate:
+            from torch.utils.data._utils.collate import default_collate_fn_map
+
+            default_collate_fn_map.setdefault(Span, _collate_slots)
+        _READING = _Reading(buffers, worker, default_collate)
+
+
+def read_buffer(size: int) -> Any:
+    """Worker: a leased buffer (a uint8 ndarray of ``size``) to read a batch into, or None.
+
+    Only when this process packs batches into shared buffers and collates with torch's
+    default_collate: the caller's samples may then hold a :class:`Span` (offset,
+    size in this buffer) where they would hold ``bytes``.
+    """
+    state = _READING
+    if state is None or not state.default_collate:
+        return None
+    state.drop_pending()  # a batch that failed before its collate
+    ref, buf = state.buffers.acquire(state.worker, size)
+    state.pending = (ref, buf)
+    return buf.numpy()[:size]
+
+
+def pack(batch: Any, buffers: SharedBuffers, worker: int) -> tuple[Any, BufferRef | torch.Tensor | None]:
+    """``batch`` with its large ``bytes`` replaced by spans, and where they went.
 
     Returns the batch unchanged and None when it holds no such bytes; else the
-    packed batch and a RingRef (or, when the ring had no free buffer, a one-off
+    packed batch and a BufferRef (or, when no buffer was free, a one-off
     shared tensor).
     """
+    state = _READING
+    pending = state.pending if state is not None and state.buffers is buffers else None
+    if pending is not None:
+        assert state is not None
+        state.pending = None
+        packer = _Packer()
+        out = packer.walk(batch)
+        if not packer.found:  # the batch's Slots point into the buffer it was read into
+            return out, (pending[0] if pending[0] is not None else pending[1])
+        # Other large bytes too (a label function's?): make the spans bytes again.
+        batch = _Unpacker(pending[1].numpy().data).walk(batch)
+        buffers.give_back(pending[0])
     packer = _Packer()
     out = packer.walk(batch)
     if not packer.found:
         return batch, None
-    ref, buf = ring.acquire(worker, packer.size)
+    ref, buf = buffers.acquire(worker, packer.size)
     view = buf.numpy().data
     pos = 0
     for data in packer.found:
@@ -233,7 +311,7 @@ class _Unpacker:
 
     def walk(self, obj: Any) -> Any:
         kind = type(obj)
-        if kind is Slot:
+        if kind is Span:
             data = self.made.get(obj.start)
             if data is None:
                 data = self.made[obj.start] = bytes(self.view[obj.start : obj.start + obj.size])
@@ -247,11 +325,26 @@ class _Unpacker:
         return obj
 
 
-def unpack(batch: Any, where: RingRef | torch.Tensor) -> Any:
+def unpack(batch: Any, where: BufferRef | torch.Tensor) -> Any:
     """The batch :func:`pack` was given, with equal ``bytes`` copied out of the buffer."""
-    if isinstance(where, RingRef):
+    if isinstance(where, BufferRef):
         try:
             return _Unpacker(where.view()).walk(batch)
         finally:
             where.release()
     return _Unpacker(where.numpy().data).walk(batch)
+
+
+class _SizePickler(pickle.Pickler):
+    # Tensors cross as shared-memory handles: count them as nothing.
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return (int, ())
+        return NotImplemented
+
+
+def pickled_bytes(batch: Any) -> int:
+    """Bytes of ``batch`` (already packed) that torch's queue would copy through its pipe."""
+    buf = io.BytesIO()
+    _SizePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(batch)
+    return buf.tell()

@@ -28,9 +28,9 @@ from time import perf_counter
 from typing import Any
 
 import torch
-from torch.utils.data import get_worker_info
+from torch.utils.data import default_collate, get_worker_info
 
-from fastload._worker_pack import Ring, RingRef, pack, unpack
+from fastload._worker_pack import BufferRef, SharedBuffers, activate, pack, pickled_bytes, unpack
 from fastload.stats import StatsCollector, default_collector, nbytes
 
 __all__ = ["Delta", "Unwrap", "WorkerBatch", "WorkerCollate"]
@@ -43,15 +43,18 @@ Delta = tuple[tuple[tuple[str, int, int, float], ...], tuple[tuple[str, int], ..
 class WorkerBatch:
     """A collated batch, the stats its worker recorded since its previous batch, its packed bytes."""
 
-    __slots__ = ("batch", "delta", "packed")
+    __slots__ = ("batch", "delta", "packed", "pickled")
 
-    def __init__(self, batch: Any, delta: Delta, packed: RingRef | torch.Tensor | None = None) -> None:
+    def __init__(
+        self, batch: Any, delta: Delta, packed: BufferRef | torch.Tensor | None = None, pickled: int | None = None
+    ) -> None:
         self.batch = batch
         self.delta = delta
         self.packed = packed
+        self.pickled = pickled  # bytes of the batch that cross pickled (a worker's first batch only)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (WorkerBatch, (self.batch, self.delta, self.packed))
+        return (WorkerBatch, (self.batch, self.delta, self.packed, self.pickled))
 
     def pin_memory(self) -> WorkerBatch:
         """Pin the batch inside (torch's pin_memory thread calls this method when it exists).
@@ -60,7 +63,7 @@ class WorkerBatch:
         """
         from torch.utils.data._utils.pin_memory import pin_memory
 
-        return WorkerBatch(pin_memory(self.batch), self.delta, self.packed)
+        return WorkerBatch(pin_memory(self.batch), self.delta, self.packed, self.pickled)
 
 
 class WorkerCollate:
@@ -70,15 +73,16 @@ class WorkerCollate:
         fn: The loader's collate_fn.
         auto: Whether the loader batches (``fn`` then gets a list of samples).
         stats: Ship the worker's stats delta.
-        ring: Move the batch's large ``bytes`` through this ring's shared buffers
+        buffers: Move the batch's large ``bytes`` through these shared buffers
             (fastload datasets), or None.
     """
 
-    def __init__(self, fn: Callable[[Any], Any], auto: bool, *, stats: bool = True, ring: Ring | None = None) -> None:
+    def __init__(self, fn: Callable[[Any], Any], auto: bool, *, stats: bool = True, buffers: SharedBuffers | None = None) -> None:
         self.fn = fn
         self.auto = auto
         self.stats = stats
-        self.ring = ring
+        self.buffers = buffers
+        self._measured = False  # per worker process, like _seen
         # Other threads' totals at the previous batch (they may be writing: diffed, not
         # detached). Per worker process: each gets its own copy, by fork or pickle.
         self._seen: tuple[dict[str, list[Any]], dict[str, int]] = ({}, {})
@@ -89,10 +93,15 @@ class WorkerCollate:
         dt = perf_counter() - t0
         n = len(data) if self.auto else 1
         delta = self._delta(("collate", n, nbytes(out), dt)) if self.stats else None
-        if self.ring is not None:
+        if self.buffers is not None:
             info = get_worker_info()
-            out, packed = pack(out, self.ring, 0 if info is None else info.id)
-            return WorkerBatch(out, delta, packed)
+            worker = 0 if info is None else info.id
+            out, packed = pack(out, self.buffers, worker)
+            # Measured once per worker: what still crosses pickled (Unwrap warns).
+            pickled = None if self._measured else pickled_bytes(out)
+            self._measured = True
+            activate(self.buffers, worker, self.fn is default_collate)
+            return WorkerBatch(out, delta, packed, pickled)
         return WorkerBatch(out, delta)
 
     def _delta(self, collate: tuple[str, int, int, float]) -> Delta:
@@ -121,17 +130,26 @@ class Unwrap:
     A batch that came packed gets its bytes back here (:func:`fastload._worker_pack.unpack`).
     """
 
-    __slots__ = ("fn", "collector", "keep")
+    __slots__ = ("fn", "collector", "keep", "warn")
 
-    def __init__(self, fn: Callable[[], Any], collector: StatsCollector | None, keep: Any = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[[], Any],
+        collector: StatsCollector | None,
+        keep: Any = None,
+        warn: Callable[[int], None] | None = None,
+    ) -> None:
         self.fn = fn
         self.collector = collector
-        self.keep = keep  # the WorkerCollate whose ring this iterator's batches use
+        self.keep = keep  # the WorkerCollate whose buffers this iterator's batches use
+        self.warn = warn  # called with a worker's pickled bytes per batch, when measured
 
     def __call__(self) -> Any:
         out = self.fn()
         if type(out) is not WorkerBatch:
             return out
+        if out.pickled is not None and self.warn is not None:
+            self.warn(out.pickled)
         self._merge(out)
         return out.batch if out.packed is None else unpack(out.batch, out.packed)
 

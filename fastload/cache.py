@@ -43,7 +43,6 @@ Contracts (DESIGN.md, "Contracts that matter"):
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import logging
@@ -61,8 +60,23 @@ from typing import Any
 import diskcache
 
 from fastload import codec, gather
+from fastload.cache_disk import (
+    KIND_WORDS,
+    ReadOnlyIndex,
+    cannot_write,
+    disk_full,
+    reserve_bytes,
+    room,
+    unwritable_kind,
+)
 from fastload.config import Settings, format_size
-from fastload.errors import CacheError, CacheFullError, CacheLimitError, CodecError
+from fastload.errors import (
+    CacheError,
+    CacheFullError,
+    CacheLimitError,
+    CacheReadOnlyError,
+    CodecError,
+)
 from fastload.stats import current_collector
 
 _log = logging.getLogger("fastload")
@@ -129,15 +143,28 @@ class Cache:
         self.root = self.settings.cache_dir
         self.data_dir = self.root / "data"
         self.tmp_dir = self.root / "tmp"
+        self.index: _GatedIndex | ReadOnlyIndex
+        # Why this cache cannot store (None: it can): "read-only" or "full". It then
+        # serves what it holds from a read-only index (cache_disk.py), and callers stream.
+        self.unwritable: str | None = None
         try:
             for folder in (self.root, self.data_dir, self.tmp_dir):
                 folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(self.root, 0o700)  # mkdir's mode is filtered by the umask
-            self._diskcache = diskcache.Cache(str(self.root / "index"), eviction_policy="none", size_limit=2**62, timeout=60)
-            self.index = _GatedIndex(self._diskcache)
+            if self.root.stat().st_mode & 0o777 != 0o700:
+                os.chmod(self.root, 0o700)  # mkdir's mode is filtered by the umask
+            self._open_index()
         except (OSError, sqlite3.Error) as err:
-            error = CacheFullError if disk_full(err) else CacheError
-            raise error(f"cache dir {self.root} cannot be created or opened ({err}); fix: free space there, or set FASTLOAD_CACHE_DIR to a writable folder") from err
+            kind = unwritable_kind(err, self.root)
+            try:
+                if kind is None:
+                    raise
+                self.index = ReadOnlyIndex(self.root / "index", KIND_WORDS[kind])
+                self.unwritable = kind
+            except (OSError, sqlite3.Error):
+                error = CacheReadOnlyError if kind == "read-only" else CacheFullError if kind == "full" else CacheError
+                fix = "remount it read-write" if kind == "read-only" else "free space there"
+                raise error(f"cache dir {self.root} cannot be created or opened ({err}); fix: {fix}, or set "
+                            "FASTLOAD_CACHE_DIR to a writable folder") from err
         self._lock_path = self.root / "evict.lock"
         self._touched: dict[str, float] = {}
         # Entries this process has looked up or written. Safe to reuse: a payload's
@@ -146,6 +173,42 @@ class Cache:
         self._memo: dict[str, Entry] = {}
         self._dirs: set[str] = set()  # data/ fan-out folders known to exist
         self.corrupt_seen = 0
+
+    def _open_index(self) -> None:
+        # SQLite checkpoints its write-ahead log only once it holds 1,000 pages (4 MB), and
+        # never shrinks it: on a 3 MB disk the log took 2.9 MB and the payloads were evicted
+        # for it. On a small disk the log is checkpointed (and truncated) at 1% of the disk.
+        try:
+            st = os.statvfs(self.root)
+            pages = max(16, min(1000, st.f_blocks * st.f_frsize // 100 // 4096))
+        except OSError:
+            pages = 1000
+        self._diskcache = diskcache.Cache(str(self.root / "index"), eviction_policy="none", size_limit=2**62, timeout=60,
+                                          sqlite_wal_autocheckpoint=pages, sqlite_journal_size_limit=pages * 4096)
+        self.index = _GatedIndex(self._diskcache)
+        self.unwritable = None
+
+    def _reopen_writable(self) -> bool:
+        """Open the index read-write again (space was freed); False if it still cannot be."""
+        try:
+            self._open_index()
+        except (OSError, sqlite3.Error) as err:
+            if unwritable_kind(err, self.root) is None:
+                raise
+            return False
+        return True
+
+    def unwritable_error(self, err: BaseException, what: str) -> CacheFullError:
+        """The error for a write that failed because the disk is full or read-only."""
+        if self.unwritable == "read-only" or unwritable_kind(err, self.root) == "read-only":
+            return CacheReadOnlyError(
+                f"cache dir {self.root} is read-only ({err}) while {what}; it serves what it holds and does not store "
+                "more; fix: remount it read-write, or set FASTLOAD_CACHE_DIR to a writable folder for new data"
+            )
+        return CacheFullError(
+            f"disk under {self.root} is full while {what} ({err}); fix: free space, lower "
+            "--cache-limit below the free space, or move FASTLOAD_CACHE_DIR"
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         return {"settings": self.settings}
@@ -337,7 +400,7 @@ class Cache:
                 self.index.set("t:" + key, now)
             except sqlite3.OperationalError as err:
                 # LRU order is advisory: a full disk must not turn a cache hit into a crash.
-                if not disk_full(err):
+                if not cannot_write(err):
                     raise
 
     def _touch_many(self, keys: list[str]) -> None:
@@ -350,7 +413,7 @@ class Cache:
                 for key in keys:
                     self._touch(key)
         except sqlite3.OperationalError as err:
-            if not disk_full(err):  # LRU order is advisory, as in _touch
+            if not cannot_write(err):  # LRU order is advisory, as in _touch
                 raise
 
     def _missing(self, entry: Entry) -> Entry | None:
@@ -369,7 +432,7 @@ class Cache:
         except sqlite3.OperationalError as err:
             # On a full disk the index cannot record the drop; the caller still
             # treats it as a miss and refetches, and the next read re-detects it.
-            if not disk_full(err):
+            if not cannot_write(err):
                 raise
         self.corrupt_seen += 1
         current_collector().count("cache_corrupt")
@@ -416,7 +479,7 @@ class Cache:
                 )
             payloads[i] = payload
         try:
-            if len(todo) > 1 and sum(len(payloads[i]) for i in todo) > limit // 2:
+            if len(todo) > 1 and sum(len(payloads[i]) for i in todo) > self.limit_bytes() // 2:
                 for i in todo:
                     out[i] = self._publish([(items[i], payloads[i])])[0]
             elif todo:
@@ -425,12 +488,9 @@ class Cache:
         except sqlite3.OperationalError as err:
             # SQLite reports ENOSPC as "database or disk is full"; it used to escape
             # as a crash mid-epoch (tests/reliability/test_disk_full.py).
-            if not disk_full(err):
+            if not cannot_write(err):
                 raise
-            raise CacheFullError(
-                f"disk under {self.root} is full while indexing {items[0][2]!r} ({err}); fix: free space, lower "
-                "--cache-limit below the free space, or move FASTLOAD_CACHE_DIR"
-            ) from err
+            raise self.unwritable_error(err, f"indexing {items[0][2]!r}") from err
         for i, e in enumerate(out):
             if e is None:  # a duplicate key within the batch
                 out[i] = self.entry(items[i][0])
@@ -515,21 +575,37 @@ class Cache:
                     raise CacheError(f"cannot write cache entry for {url!r} under {self.root}: {err}") from err
             except OSError as err:
                 tmp.unlink(missing_ok=True)
-                if err.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise CacheFullError(
-                        f"disk under {self.root} is full while caching {url!r} ({err}); fix: free space, lower "
-                        "--cache-limit below the free space, or move FASTLOAD_CACHE_DIR"
-                    ) from err
+                if cannot_write(err):
+                    raise self.unwritable_error(err, f"caching {url!r}") from err
                 raise CacheError(f"cannot write cache entry for {url!r} under {self.root}: {err}") from err
+
+    def limit_bytes(self) -> int:
+        """The limit in force: ``cache_limit_bytes``, capped so that the disk keeps its reserve
+        free (``Settings.disk_reserve_bytes``; docs/cache.md, "Size limit and eviction")."""
+        room = self._room()
+        limit = self.settings.cache_limit_bytes
+        return limit if room is None else max(0, min(limit, self.volume() + room))
+
+    def _room(self) -> int | None:
+        return room(self.data_dir, self.settings.disk_reserve_bytes)
 
     def _reserve(self, n: int, url: str) -> str:
         """Count ``n`` bytes against the limit (evicting if needed); returns the reservation key."""
-        limit = self.settings.cache_limit_bytes
         token = f"{_RESERVED}{os.getpid()}:{uuid.uuid4().hex}"
         deadline = time.monotonic() + self.settings.lock_timeout_s
         while True:
+            room = self._room()  # outside the transaction: a syscall, not an index read
             with self.index.transact():
-                if self.index.get(_BYTES, 0) + n <= limit:
+                used = self.index.get(_BYTES, 0)
+                limit = self.settings.cache_limit_bytes if room is None else max(0, min(self.settings.cache_limit_bytes, used + room))
+                if n > limit:  # even an empty cache could not take it: the disk keeps its reserve
+                    raise CacheFullError(
+                        f"disk under {self.root} has room for {format_size(max(0, used + (room or 0)))} of cache "
+                        f"(its free space less the {format_size(reserve_bytes(self.data_dir, self.settings.disk_reserve_bytes))} it "
+                        f"keeps free) but {url!r} needs {format_size(n)}; fix: free space there, lower "
+                        "FASTLOAD_DISK_RESERVE (0 turns the reserve off), or move FASTLOAD_CACHE_DIR"
+                    )
+                if used + n <= limit:
                     self.index.incr(_BYTES, n)
                     self.index.set(token, n)
                     _IN_FLIGHT.add(token)
@@ -552,7 +628,7 @@ class Cache:
                     self.index.incr(_BYTES, -n)
         except sqlite3.OperationalError as err:
             # Left behind, the reservation is returned by the next eviction or check().
-            if not disk_full(err):
+            if not cannot_write(err):
                 raise
 
     # -- eviction and maintenance ---------------------------------------------
@@ -582,7 +658,33 @@ class Cache:
         return True
 
     def evict(self, to_bytes: int) -> int:
-        """Delete least-recently-used entries until at most ``to_bytes`` remain; returns bytes freed."""
+        """Delete least-recently-used entries until at most ``to_bytes`` remain; returns bytes freed.
+
+        On a full disk the index cannot record a delete (SQLite needs space to write
+        one), so the payload files of those entries go first; with that space back the
+        index drops their records (tests/reliability/test_disk_full.py).
+        """
+        self._refuse_if_read_only("evict from it")
+        if self.unwritable is None:
+            try:
+                return self._evict(to_bytes)
+            except sqlite3.OperationalError as err:
+                if not disk_full(err):
+                    raise
+        with self._flock():
+            gone = self._unlink_lru(to_bytes)
+            if self.unwritable is not None and not self._reopen_writable():
+                raise CacheFullError(
+                    f"disk under {self.root} is still full after deleting {len(gone)} cached payloads "
+                    f"({format_size(sum(e.stored for e in gone))}); fix: evict to a lower size, `fastload clear`, "
+                    "or free space there"
+                )
+            for e in gone:
+                self.drop(e.key, path=e.path)
+        self.compact()
+        return sum(e.stored for e in gone) + self._evict(to_bytes)
+
+    def _evict(self, to_bytes: int) -> int:
         with self._flock():
             # No recount from the published records here: it used to forget the
             # bytes of writes in flight, which then landed past the limit (one entry
@@ -598,6 +700,36 @@ class Cache:
                 if self.drop(e.key):
                     freed += e.stored
             return freed
+
+    def compact(self) -> None:
+        """Give the index's write-ahead log back to the disk (best effort).
+
+        SQLite's WAL only grows until a checkpoint truncates it; on a small disk it held
+        2 MB of a 3 MB tmpfs after a full-disk epoch (tests/reliability/test_disk_full.py).
+        """
+        if isinstance(self.index, _GatedIndex):  # not the read-only index
+            try:
+                with _FORK_GATE.shared(), self.index.writing():
+                    self._diskcache._sql("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            except sqlite3.Error as err:
+                _log.info("cache index not compacted: %s", err)
+
+    def _refuse_if_read_only(self, what: str) -> None:
+        if self.unwritable == "read-only":
+            raise CacheReadOnlyError(f"cache dir {self.root} is read-only; cannot {what}; fix: remount it read-write")
+
+    def _unlink_lru(self, to_bytes: int) -> list[Entry]:
+        """Delete least-recently-used payload files (not their records) until ``to_bytes`` remain."""
+        entries = list(self.entries())
+        atimes = {e.key: self.index.get("t:" + e.key) or _written(self.data_dir / e.path) for e in entries}
+        left, gone = sum(e.stored for e in entries), []
+        for e in sorted(entries, key=lambda e: atimes[e.key]):
+            if left <= to_bytes:
+                break
+            (self.data_dir / e.path).unlink(missing_ok=True)
+            left -= e.stored
+            gone.append(e)
+        return gone
 
     def _reservations(self) -> list[tuple[str, int]]:
         out = []
@@ -632,7 +764,12 @@ class Cache:
         return int(self.index.get(_CORRUPT, 0))
 
     def check(self, max_tmp_age_s: float = 3600.0) -> dict[str, int]:
-        """Repair after crashes: remove orphan payloads and stale temp files, recount bytes."""
+        """Repair after crashes: remove orphan payloads and stale temp files, recount bytes.
+
+        A cache that cannot be written (read-only, or a full disk) is left as it is.
+        """
+        if self.unwritable is not None:
+            return {"orphans": 0, "stale_tmp": 0, "bytes": self.volume()}
         with self._flock():
             known = {e.path for e in self.entries()}
             orphans = 0
@@ -659,7 +796,26 @@ class Cache:
         return {"orphans": orphans, "stale_tmp": stale, "bytes": total}
 
     def clear(self) -> None:
-        """Delete every entry, manifest and payload file."""
+        """Delete every entry, manifest and payload file.
+
+        On a full disk the payload files go first (the index needs space to record
+        the deletes); with that space back the index is cleared.
+        """
+        self._refuse_if_read_only("clear it")
+        try:
+            self._clear()
+        except sqlite3.OperationalError as err:
+            if not cannot_write(err):
+                raise
+            for path in [*self.data_dir.glob("*/*.flp"), *self.temp_files()]:
+                path.unlink(missing_ok=True)
+            if self.unwritable is not None and not self._reopen_writable():
+                raise CacheFullError(f"disk under {self.root} is still full after deleting every cached payload; "
+                                     "fix: free space there (other files fill it)") from err
+            self._clear()
+        self.compact()
+
+    def _clear(self) -> None:
         with self._flock():
             self._memo.clear()
             self.index.clear()
@@ -676,13 +832,6 @@ class Cache:
 def _record(entry: Entry) -> tuple[Any, ...]:
     """An entry as its index record (the fields after the key)."""
     return (entry.path, entry.stored, entry.raw, entry.codec, entry.checksum, entry.url, entry.block, entry.stored_checksum)
-
-
-def disk_full(err: BaseException) -> bool:
-    """ENOSPC/EDQUOT, or SQLite's wording for them."""
-    if isinstance(err, OSError):
-        return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(err, sqlite3.OperationalError) and "full" in str(err)
 
 
 def _written(path: Path) -> float:

@@ -1,7 +1,7 @@
 """The ``fastload`` command line: ``cache``, ``info``/``ls``, ``clear``, ``evict``, ``diagnose``, ``bench``.
 
 Exit codes: 0 success, 1 failure (a :class:`FastloadError`, or bad entries that
-could not be repaired), 2 usage error (argparse). ``--json`` prints one JSON
+could not be repaired), 2 usage error (argparse), 130 interrupted (Ctrl-C). ``--json`` prints one JSON
 document on stdout for machines; humans get tables, and progress bars on stderr.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from fastload.config import Settings, format_size, parse_size
 from fastload.errors import ConfigError, FastloadError
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _json_arg(text: str) -> dict[str, Any]:
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     cache = sub.add_parser("cache", parents=[common], help="pre-stage a remote dataset into the local cache")
-    cache.add_argument("url", help="any fsspec URL: s3://bucket/prefix/, https://host/dir/, /local/dir ...")
+    cache.add_argument("url", nargs="?", help="any fsspec URL: s3://bucket/prefix/, https://host/dir/, /local/dir ...")
+    cache.add_argument("--url-list", metavar="FILE", help="stage the objects listed in FILE (one URL per line) instead of URL")
     cache.add_argument("--pattern", help="glob relative to URL, e.g. '**/*.jpg' (default: everything)")
     cache.add_argument("--storage-options", type=_json_arg, default={}, help="JSON fsspec options (credentials, endpoint)")
     cache.add_argument("--workers", type=int, help="most requests in flight to one host (default 64; an adaptive limit runs under it)")
@@ -94,8 +96,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from fastload.stage import stage
 
     progress = False if args.no_progress or args.json else (True if args.progress else None)
+    target: str | list[str] = args.url if args.url is not None else _read_url_list(args.url_list)
     report = stage(
-        args.url,
+        target,
         pattern=args.pattern,
         storage_options=args.storage_options,
         settings=_settings(args),
@@ -106,6 +109,14 @@ def cmd_cache(args: argparse.Namespace) -> int:
     )
     _emit(args, report.to_dict(), str(report))
     return EXIT_OK if (report.fits or not report.dry_run) else EXIT_FAIL
+
+
+def _read_url_list(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except OSError as err:
+        raise ConfigError(f"--url-list {path!r} cannot be read ({err}); fix: give a text file with one URL per line") from err
 
 
 def dataset_summaries(settings: Settings) -> dict[str, Any]:
@@ -135,6 +146,9 @@ def dataset_summaries(settings: Settings) -> dict[str, Any]:
     return {
         "cache_dir": str(settings.cache_dir),
         "cache_limit_bytes": settings.cache_limit_bytes,
+        "limit_in_force_bytes": reader.cache.limit_bytes(),
+        "writable": reader.cache.unwritable is None,
+        "unwritable_reason": reader.cache.unwritable,
         "entries": len(entries),
         "stored_bytes": sum(e.stored for e in entries),
         "raw_bytes": sum(e.raw for e in entries),
@@ -147,11 +161,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     info = dataset_summaries(_settings(args))
     lines = [
         f"cache dir   {info['cache_dir']}",
-        f"limit       {format_size(info['cache_limit_bytes'])}",
+        f"limit       {format_size(info['cache_limit_bytes'])}"
+        + (f" ({format_size(info['limit_in_force_bytes'])} in force: the disk's free space less its reserve)"
+           if info["limit_in_force_bytes"] < info["cache_limit_bytes"] else ""),
         f"entries     {info['entries']}, {format_size(info['stored_bytes'])} on disk "
         f"({format_size(info['raw_bytes'])} raw)",
         f"corrupt     {info['corrupt_detected']} detected and dropped so far",
     ]
+    if not info["writable"]:
+        lines.append(f"writable    no: the disk is {info['unwritable_reason']}; cached data is served, new data streams")
     if info["datasets"]:
         lines.append("")
         lines.append(f"{'dataset':<50} {'items':>14} {'remote':>11} {'on disk':>11}")
@@ -196,6 +214,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     cache = Cache(_settings(args))
     before = cache.volume()
     freed = cache.evict(args.to_bytes)
+    cache.compact()  # the index's log too: on a small disk it can hold more than the payloads
     after = cache.volume()
     _emit(args, {"before_bytes": before, "freed_bytes": freed, "after_bytes": after},
           f"evicted {format_size(freed)}: {format_size(before)} -> {format_size(after)}")
@@ -223,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if args.command == "cache" and (args.url is None) == (args.url_list is None):
+            parser.error("cache: give a URL or --url-list FILE (one of them), e.g. fastload cache s3://bucket/train/")
     except SystemExit as exit_:
         return int(exit_.code or 0)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="fastload: %(message)s")
@@ -235,7 +256,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAIL
     except KeyboardInterrupt:
         print(f"fastload {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+        if argv is None:  # the `fastload` command itself, not a caller of main()
+            # Staging stopped every write before re-raising (stage._Stop); what is left
+            # are threads waiting on the remote, for up to request_timeout_s. Joining
+            # them at exit is what made Ctrl-C take 23 s (tests/integration/test_stage_interrupt.py).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

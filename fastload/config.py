@@ -89,6 +89,9 @@ class Settings:
     Attributes:
         cache_dir: Where payloads and the index live (created with mode 0700).
         cache_limit_bytes: Upper bound on payload bytes on disk; LRU eviction keeps it.
+        disk_reserve_bytes: Space the cache leaves free on its disk, whatever the limit:
+            the limit in force is also capped at the cache's bytes plus the disk's free
+            space less this. None (default): 5% of the disk, at most 1 GB; 0: no cap.
         block_bytes: Remote files larger than this are cached as fixed-size blocks of
             this size, so random access never downloads a whole multi-GB shard.
         chunk_bytes: LZ4 payloads are split into independent blocks of this raw size,
@@ -109,6 +112,7 @@ class Settings:
 
     cache_dir: Path = dataclasses.field(default_factory=default_cache_dir)
     cache_limit_bytes: int = 50 * 1000**3
+    disk_reserve_bytes: int | None = None
     block_bytes: int = 8 * 1024**2
     chunk_bytes: int = 1024**2
     lz4_level: int = 0
@@ -124,6 +128,8 @@ class Settings:
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
         if self.cache_limit_bytes <= 0:
             raise ConfigError(f"cache limit {self.cache_limit_bytes} must be positive")
+        if self.disk_reserve_bytes is not None and self.disk_reserve_bytes < 0:
+            raise ConfigError(f"disk reserve {self.disk_reserve_bytes} B is negative; use e.g. '1GB', or 0 for none")
         if self.block_bytes < 4096:
             raise ConfigError(f"block size {self.block_bytes} B is below 4 KiB; use e.g. '8MiB'")
         if not 4096 <= self.chunk_bytes <= 2**31 - 1:
@@ -137,7 +143,7 @@ class Settings:
 
     def replace(self, **changes: Any) -> Settings:
         """Return a copy with ``changes`` applied (sizes may be human strings)."""
-        for key in ("cache_limit_bytes", "block_bytes", "chunk_bytes"):
+        for key in ("cache_limit_bytes", "disk_reserve_bytes", "block_bytes", "chunk_bytes"):
             if key in changes and changes[key] is not None:
                 changes[key] = parse_size(changes[key])
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -146,7 +152,7 @@ class Settings:
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
         """Build settings from ``FASTLOAD_*`` variables, then apply ``overrides``.
 
-        Recognised: FASTLOAD_CACHE_DIR, FASTLOAD_CACHE_LIMIT, FASTLOAD_BLOCK_SIZE,
+        Recognised: FASTLOAD_CACHE_DIR, FASTLOAD_CACHE_LIMIT, FASTLOAD_DISK_RESERVE, FASTLOAD_BLOCK_SIZE,
         FASTLOAD_CHUNK_SIZE, FASTLOAD_LZ4_LEVEL, FASTLOAD_WORKERS, FASTLOAD_RETRIES,
         FASTLOAD_BACKOFF_S, FASTLOAD_BACKOFF_MAX_S, FASTLOAD_TIMEOUT_S.
         """
@@ -155,6 +161,7 @@ class Settings:
         table: dict[str, tuple[str, Any]] = {
             "FASTLOAD_CACHE_DIR": ("cache_dir", Path),
             "FASTLOAD_CACHE_LIMIT": ("cache_limit_bytes", parse_size),
+            "FASTLOAD_DISK_RESERVE": ("disk_reserve_bytes", parse_size),
             "FASTLOAD_BLOCK_SIZE": ("block_bytes", parse_size),
             "FASTLOAD_CHUNK_SIZE": ("chunk_bytes", parse_size),
             "FASTLOAD_LZ4_LEVEL": ("lz4_level", int),

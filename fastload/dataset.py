@@ -29,10 +29,12 @@ from typing import Any
 
 import numpy as np
 import torch.utils.data
+from torch.utils.data import get_worker_info
 
-from fastload.cache import disk_full
+from fastload._worker_pack import Span, read_buffer
+from fastload.cache import cannot_write
 from fastload.config import Settings
-from fastload.errors import ConfigError, DecodeError
+from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
 from fastload.reader import Reader
 from fastload.source import RemoteItem
 
@@ -41,21 +43,28 @@ _NPY_HEADER_MAX = 64 * 1024
 _ALIGN = 64  # sample offsets in a batch buffer, as .npy aligns its data
 
 
-def _batch_buffer(sizes: Sequence[int]) -> tuple[np.ndarray, list[int]]:
-    """One uninitialised buffer for a batch of ``sizes`` bytes, and each sample's offset."""
+def _offsets(sizes: Sequence[int]) -> list[int]:
     offsets, pos = [], 0
     for size in sizes:
         offsets.append(pos)
         pos += -(-size // _ALIGN) * _ALIGN
-    return np.empty(pos, dtype=np.uint8), offsets
+    return offsets
+
+
+def _batch_buffer(sizes: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+    """One uninitialised buffer for a batch of ``sizes`` bytes, and each sample's offset."""
+    offsets = _offsets(sizes)
+    end = offsets[-1] + -(-sizes[-1] // _ALIGN) * _ALIGN if sizes else 0
+    return np.empty(end, dtype=np.uint8), offsets
 
 
 class _CachedDataset(torch.utils.data.Dataset):
     """Shared plumbing: a reader, a recorded listing, a CPU transform hook."""
 
-    def __init__(self, url: str, pattern: str | None, *, transform: Transform | None, storage_options: dict[str, Any] | None,
-                 settings: Settings | None, refresh: bool, lazy_sizes: bool = False) -> None:
-        self.url = url
+    def __init__(self, url: str | Sequence[str], pattern: str | None, *, transform: Transform | None,
+                 storage_options: dict[str, Any] | None, settings: Settings | None, refresh: bool,
+                 lazy_sizes: bool = False) -> None:
+        self.url = url if isinstance(url, str) else list(url)
         self.pattern = pattern
         self.transform = transform
         self.reader = Reader(settings, storage_options)
@@ -64,8 +73,8 @@ class _CachedDataset(torch.utils.data.Dataset):
         # A refresh re-checks every item now, so no pin of the old listing is trusted.
         lazy = lazy_sizes and not refresh
         self.items: list[RemoteItem] = self.reader.list(url, pattern, refresh=refresh, complete=not lazy)
-        if not self.items:
-            raise ConfigError(f"no objects match {pattern!r} under {url}; check the URL and the pattern")
+        if not self.items:  # a listing raises EmptyDatasetError itself; this is a manifest recorded empty
+            raise EmptyDatasetError(f"{url}: the recorded listing holds no items; fix: refresh=True to list it again")
         self._manifest_due = any(i.size < 0 for i in self.items)
         self.items = self.reader.pinned(self.items)
         self._unsized = sum(1 for i in self.items if i.size < 0)
@@ -94,7 +103,7 @@ class _CachedDataset(torch.utils.data.Dataset):
             try:
                 self.reader.save_manifest(self.reader.manifest_root(self.url), self.pattern, self.items)
             except sqlite3.OperationalError as err:
-                if not disk_full(err):  # a full disk only costs the next dataset a listing
+                if not cannot_write(err):  # a full or read-only disk only costs the next dataset a listing
                     raise
 
     def _apply(self, value: Any, url: str | None = None) -> Any:
@@ -134,11 +143,15 @@ class FileDataset(_CachedDataset):
     """One remote file per sample.
 
     Args:
-        url: Folder or prefix URL (any fsspec protocol).
-        pattern: Glob relative to ``url``, e.g. ``"**/*.jpg"``.
+        url: Folder or prefix URL (any fsspec protocol), or a sequence of file URLs
+            (a CSV column, a text file of URLs, a server without listings): each is
+            a sample, in order, with no listing (sizes come from each file's first
+            read, and the list is recorded as a manifest like a listing).
+        pattern: Glob relative to ``url``, e.g. ``"**/*.jpg"`` (not with a URL list).
         label: ``"parent"`` for ImageFolder layouts (the class folder name, mapped
             to an index in sorted order like torchvision's ImageFolder), a callable
-            ``relative_path -> label``, or None for no label.
+            ``relative_path -> label`` (the URL itself for a URL list), a sequence
+            of labels parallel to the samples, or None for no label.
         transform: Applied on CPU to the raw bytes.
         storage_options: fsspec options for the remote.
         settings: Cache settings.
@@ -149,27 +162,37 @@ class FileDataset(_CachedDataset):
     batch into lists of bytes/URLs and a label tensor.
     """
 
-    def __init__(self, url: str, pattern: str | None = None, *, label: str | Callable[[str], Any] | None = None,
+    def __init__(self, url: str | Sequence[str], pattern: str | None = None, *,
+                 label: str | Callable[[str], Any] | Sequence[Any] | None = None,
                  transform: Transform | None = None, storage_options: dict[str, Any] | None = None,
                  settings: Settings | None = None, refresh: bool = False) -> None:
+        if pattern is not None and not isinstance(url, str):
+            raise ConfigError("pattern= filters a listing; a URL list has none; fix: filter the list itself")
         super().__init__(url, pattern, transform=transform, storage_options=storage_options, settings=settings,
                          refresh=refresh, lazy_sizes=True)
         root = self.reader.manifest_root(url) + "/"
         self.relpaths = [i.url[len(root):] if i.url.startswith(root) else i.url for i in self.items]
+        is_parent = isinstance(label, str) and label == "parent"
+        if label is not None and not is_parent and not callable(label):
+            if isinstance(label, str) or not hasattr(label, "__len__"):
+                raise ConfigError(f"label={label!r} is not understood; use 'parent', a callable, a sequence or None")
+            label = list(label)  # a column of a table or array: one label per sample
+            if len(label) != len(self.items):
+                raise ConfigError(f"label= has {len(label)} entries for {len(self.items)} samples; fix: one label per URL")
         self.label = label
         self.classes: list[str] = []
         self.class_to_idx: dict[str, int] = {}
-        if label == "parent":
+        if is_parent:
             self.classes = sorted({p.rsplit("/", 2)[-2] if "/" in p else "" for p in self.relpaths})
             self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-        elif label is not None and not callable(label):
-            raise ConfigError(f"label={label!r} is not understood; use 'parent', a callable or None")
 
     def __len__(self) -> int:
         return len(self.items)
 
     def label_of(self, index: int) -> Any:
         rel = self.relpaths[index]
+        if isinstance(self.label, list):
+            return self.label[index]
         if self.label == "parent":
             return self.class_to_idx[rel.rsplit("/", 2)[-2] if "/" in rel else ""]
         return self.label(rel) if callable(self.label) else None
@@ -178,7 +201,7 @@ class FileDataset(_CachedDataset):
         items, fresh = self._sized([index])
         return self._sample(index, items[0], self.reader.read(items[0], fresh))
 
-    def _sample(self, index: int, item: RemoteItem, data: bytes) -> dict[str, Any]:
+    def _sample(self, index: int, item: RemoteItem, data: bytes | Span) -> dict[str, Any]:
         sample: dict[str, Any] = {"data": self._apply(data, item.url), "url": item.url}
         if self.label is not None:
             sample["label"] = self.label_of(index)
@@ -193,7 +216,17 @@ class FileDataset(_CachedDataset):
         if not self._own_getitem(FileDataset):
             return super().read_batch(indices)
         items, fresh = self._sized(indices)
-        out, offsets = _batch_buffer([item.size for item in items])
+        sizes = [item.size for item in items]
+        if self.transform is None and get_worker_info() is not None:
+            # In a DataLoader worker whose batches cross through shared buffers, and
+            # no transform to see the bytes: read into the batch's buffer, hand out
+            # spans of it; the parent makes the bytes (fastload._worker_pack).
+            offsets = _offsets(sizes)
+            lease = read_buffer(offsets[-1] + sizes[-1]) if sizes else None
+            if lease is not None:
+                self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], lease, fresh)
+                return [self._sample(i, item, Span(off, item.size)) for i, item, off in zip(indices, items, offsets)]
+        out, offsets = _batch_buffer(sizes)
         self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], out, fresh)
         view = out.data
         return [
@@ -225,13 +258,14 @@ class ArrayDataset(_CachedDataset):
     """Rows of one ``.npy`` file (``url`` is the file), or one ``.npy`` per sample (``url`` is a folder).
 
     Rows are read with ranged reads through cached blocks, so a 50 GB array is
-    never downloaded whole for one row. A sample is ``{"data": ndarray, "url": str,
+    never downloaded whole for one row. ``url`` may also be a list of ``.npy`` URLs
+    (one sample each; ``pattern`` does not apply). A sample is ``{"data": ndarray, "url": str,
     "index": int}``.
     """
 
-    def __init__(self, url: str, pattern: str | None = "**/*.npy", *, transform: Transform | None = None,
+    def __init__(self, url: str | Sequence[str], pattern: str | None = "**/*.npy", *, transform: Transform | None = None,
                  storage_options: dict[str, Any] | None = None, settings: Settings | None = None, refresh: bool = False) -> None:
-        super().__init__(url, pattern, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
+        super().__init__(url, pattern if isinstance(url, str) else None, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
         self.single = len(self.items) == 1 and self.items[0].url.rstrip("/") == self.reader.manifest_root(url)
         self.dtype: np.dtype | None = None
         self.shape: tuple[int, ...] = ()
@@ -371,12 +405,13 @@ class TarDataset(_CachedDataset):
     Member names are never trusted as paths: they are only strings used to group
     members; nothing is ever extracted to disk, and non-file members (links,
     devices) are skipped. A sample is ``{"__key__": key, "__url__": shard_url,
-    "<ext>": bytes, ...}``.
+    "<ext>": bytes, ...}``. ``url`` may also be a list of shard URLs (no listing;
+    ``pattern`` does not apply).
     """
 
-    def __init__(self, url: str, pattern: str | None = "**/*.tar", *, transform: Transform | None = None,
+    def __init__(self, url: str | Sequence[str], pattern: str | None = "**/*.tar", *, transform: Transform | None = None,
                  storage_options: dict[str, Any] | None = None, settings: Settings | None = None, refresh: bool = False) -> None:
-        super().__init__(url, pattern, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
+        super().__init__(url, pattern if isinstance(url, str) else None, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
         # (shard index, key, [(ext, offset, size), ...]) per sample, in shard order.
         self.samples: list[tuple[int, str, list[tuple[str, int, int]]]] = []
         for shard, item in enumerate(self.items):

@@ -18,6 +18,10 @@ class ConfigError(FastloadError, ValueError):
     """A setting or argument is invalid (bad size string, bad JSON, bad combination)."""
 
 
+class EmptyDatasetError(ConfigError):
+    """A URL (and pattern) names no data item: an empty folder, or a pattern that matches nothing."""
+
+
 class SourceError(FastloadError, OSError):
     """The remote could not be read (after retries, where retrying made sense)."""
 
@@ -40,6 +44,10 @@ class CacheError(FastloadError, OSError):
 
 class CacheFullError(CacheError):
     """The cache limit or the disk cannot hold what was asked of it."""
+
+
+class CacheReadOnlyError(CacheFullError):
+    """The cache is on a read-only file system: reads are served, new data streams uncached."""
 
 
 class CacheLimitError(CacheFullError, ValueError):

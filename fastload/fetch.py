@@ -29,11 +29,11 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from fastload.cache import disk_full
+from fastload.cache import cannot_write
 from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError
 from fastload.source import RemoteItem
 
@@ -44,6 +44,11 @@ AHEAD_ITEMS = 512  # first blocks fetched ahead per Fetcher, at most (memory bou
 AHEAD_ITEM_BYTES = 1 << 20  # larger objects are not fetched ahead: their transfer, not latency, dominates
 
 Block = tuple[RemoteItem, int]
+Gate = Callable[[Callable[[], Any]], Any]  # runs a cache write, or refuses it (staging's stop)
+
+
+def _now(write: Callable[[], Any]) -> Any:
+    return write()
 
 
 class _Flight:
@@ -123,8 +128,8 @@ class Fetcher:
 
     # -- sizeless items -------------------------------------------------------------
 
-    def complete(self, items: Sequence[RemoteItem], *, heads: str = "none",
-                 strict: bool = False) -> tuple[list[RemoteItem], dict[str, bytes]]:
+    def complete(self, items: Sequence[RemoteItem], *, heads: str = "none", strict: bool = False,
+                 gate: Gate | None = None) -> tuple[list[RemoteItem], dict[str, bytes]]:
         """``items`` with sizes, and the first blocks fetched on the way (cache key -> bytes).
 
         A sizeless item is completed by the GET of its first block (an HTTP listing
@@ -140,6 +145,7 @@ class Fetcher:
                 rerun, ``--refresh``).
             strict: Raise CacheFullError when the cache cannot hold a block
                 (staging), instead of serving it uncached (training streams).
+            gate: Runs each cache write (staging's Ctrl-C stop refuses new ones).
         """
         reader = self.reader
         todo = [k for k, item in enumerate(items) if item.size < 0]
@@ -165,11 +171,11 @@ class Fetcher:
         # Pins first: a process killed between the two then refetches only blocks it
         # never cached, not ones it cached but cannot find again (tests/reliability/test_train_kill.py).
         try:
-            reader.pin([item for item, _ in got])
+            (gate or _now)(lambda: reader.pin([item for item, _ in got]))
         except sqlite3.OperationalError as err:
-            if not disk_full(err):  # pins save a request later; a full disk must not fail the read
+            if not cannot_write(err):  # pins save a request later; a full or read-only disk must not fail the read
                 raise
-        self._store([((item, 0), data) for item, data in got], strict)
+        self._store([((item, 0), data) for item, data in got], strict, gate)
         fresh = {}
         for k, (item, data) in zip(rest, got):
             out[k] = item
@@ -199,7 +205,7 @@ class Fetcher:
 
     # -- blocks ---------------------------------------------------------------------
 
-    def fetch(self, blocks: Sequence[Block], *, strict: bool = False) -> list[bytes]:
+    def fetch(self, blocks: Sequence[Block], *, strict: bool = False, gate: Gate | None = None) -> list[bytes]:
         """The bytes of each (sized) block, fetched once whoever asks, stored, and returned.
 
         A block another thread is fetching is waited for (bounded by the request
@@ -208,7 +214,7 @@ class Fetcher:
         Cache.put_many. Counts one miss per block fetched here.
 
         Args:
-            strict: As :meth:`complete`.
+            strict, gate: As :meth:`complete`.
 
         Raises:
             RemoteChangedError: The remote's object is gone or changed size since it was listed.
@@ -239,7 +245,7 @@ class Fetcher:
             # Stored by this process since the caller missed: read it, do not fetch again.
             for k in [k for k in mine if k not in ahead and reader.key(*blocks[k]) in known]:
                 out[k] = reader.cache.get(reader.key(*blocks[k]))
-            self._fetch_mine(blocks, [k for k in mine if out[k] is None], ahead, out, strict)
+            self._fetch_mine(blocks, [k for k in mine if out[k] is None], ahead, out, strict, gate)
         except BaseException as err:
             self._land(blocks, mine, out, err)
             raise
@@ -265,7 +271,7 @@ class Fetcher:
                     flight.future.exception()  # retrieved: a waiter may never come
 
     def _fetch_mine(self, blocks: Sequence[Block], mine: list[int], ahead: dict[int, Future[Any]],
-                    out: list[bytes | None], strict: bool) -> None:
+                    out: list[bytes | None], strict: bool, gate: Gate | None) -> None:
         if not mine:
             return
         reader = self.reader
@@ -319,16 +325,16 @@ class Fetcher:
             out[k] = data
             stored.append(((item, block), data))
         reader.record("fetch", len(mine), sum(len(out[k] or b"") for k in mine), t0)
-        self._store(stored, strict)
+        self._store(stored, strict, gate)
 
-    def _store(self, fetched: list[tuple[Block, bytes]], strict: bool) -> None:
+    def _store(self, fetched: list[tuple[Block, bytes]], strict: bool, gate: Gate | None) -> None:
         """Cache fetched blocks in one batch; a cache that cannot hold them streams (or, strict, raises)."""
         reader = self.reader
         batch = [(reader.key(item, block), data, item.url, block) for (item, block), data in fetched]
         if not batch:
             return
         try:
-            reader.cache.put_many(batch)
+            (gate or _now)(lambda: reader.cache.put_many(batch))
         except CacheLimitError:
             raise
         except CacheFullError as err:

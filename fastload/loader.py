@@ -37,7 +37,7 @@ from fastload._loader_iter import (
 )
 from fastload._torch_compat import accelerator_available
 from fastload._torch_surface import TORCH_BASE_ITER, TORCH_DATALOADER, TORCH_SINGLE_ITER
-from fastload._worker_pack import Ring
+from fastload._worker_pack import SharedBuffers
 from fastload._worker_stats import Unwrap, WorkerCollate
 from fastload.config import default_read_threads
 from fastload.dataset import _CachedDataset
@@ -55,8 +55,22 @@ T_co = TypeVar("T_co", covariant=True)
 STATE_VERSION = 1
 DEFAULT_READ_THREADS = default_read_threads()
 DEFAULT_READ_AHEAD = 2  # batches, for datasets with read_batch
+# A fastload dataset's batch with more than this crossing pickled warns once.
+PICKLED_WARN_BYTES = 1_000_000
 # torch's multi-process iterator -> the WorkerCollate its workers run.
 _WORKER_COLLATE: weakref.WeakKeyDictionary[Any, WorkerCollate] = weakref.WeakKeyDictionary()
+
+
+class _Unpinned:
+    """A loader as torch's iterator constructor reads it, with pin_memory off."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    pin_memory = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
 
 
 def _dist_settings(world_size: int | None, rank: int | None) -> tuple[int, int]:
@@ -265,6 +279,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._fl_pending_start: list[torch.Tensor] | None = None
         self._fl_live: weakref.ref[_LoaderIter] | None = None
         self._fl_epoch = 0
+        self._fl_warned_pickled = False
         self.log_every = log_every
         self.summary_writer = summary_writer
         self._fl_live_stats = None
@@ -351,6 +366,21 @@ class DataLoader(tud.DataLoader[T_co]):
         # workers they cross to the parent through shared memory (fastload._worker_pack).
         return self.num_workers > 0 and isinstance(self.dataset, _CachedDataset)
 
+    def _warn_pickled(self, size: int) -> None:
+        # Once per loader: batches that still cross from workers pickled are the slow
+        # path (issue 13 measured 3x fewer samples/s than num_workers=0).
+        if size < PICKLED_WARN_BYTES or self._fl_warned_pickled:
+            return
+        self._fl_warned_pickled = True
+        warnings.warn(
+            f"fastload.DataLoader: {size / 1e6:.1f} MB of each batch from {type(self.dataset).__name__} "
+            f"crosses from the {self.num_workers} worker processes pickled through a pipe (values "
+            "that are neither torch tensors nor bytes, e.g. numpy arrays or images from a transform); "
+            "fix: make the transform or collate_fn return torch tensors (they cross as shared memory), "
+            "or use num_workers=0 (fastload reads on threads)",
+            stacklevel=3,
+        )
+
     def _wraps_worker_batches(self, stats: bool) -> bool:
         return self.num_workers > 0 and (stats or self._packs())
 
@@ -366,15 +396,15 @@ class DataLoader(tud.DataLoader[T_co]):
             return super().__iter__()  # its workers keep the WorkerCollate they started with
         user = self.collate_fn
         # One buffer per batch a worker may have in flight (prefetch_factor), plus one.
-        ring = Ring(self.num_workers, (self.prefetch_factor or 2) + 1) if self._packs() else None
-        collate = WorkerCollate(user, self._auto_collation, stats=stats, ring=ring)
+        buffers = SharedBuffers(self.num_workers, (self.prefetch_factor or 2) + 1) if self._packs() else None
+        collate = WorkerCollate(user, self._auto_collation, stats=stats, buffers=buffers)
         self.collate_fn = collate
         try:
             it = super().__iter__()
         finally:
             self.collate_fn = user
         it._collate_fn = user
-        _WORKER_COLLATE[it] = collate  # the parent's ring lives as long as torch's iterator
+        _WORKER_COLLATE[it] = collate  # the parent's buffers live as long as torch's iterator
         return it
 
     def _read_ahead_iter(self, read_fn: Callable[[list[Any]], Any]) -> tuple[Any, ReadAhead]:
@@ -383,10 +413,12 @@ class DataLoader(tud.DataLoader[T_co]):
         # seed (so RNG streams match torch's loader), torch's __next__ counts
         # _num_yielded, and isinstance checks see torch's class. Its __init__ is
         # skipped: it only rejects timeout != 0 and makes a fetcher that is not used.
+        # Pinning is the ReadAhead's (`post`), decided by fastload's torch>=2.1 shim.
         state = TORCH_SINGLE_ITER.__new__(TORCH_SINGLE_ITER)
-        TORCH_BASE_ITER.__init__(state, self)
+        TORCH_BASE_ITER.__init__(state, _Unpinned(self))  # type: ignore[arg-type]
         post = None
-        if self.pin_memory and accelerator_available():  # torch.accelerator needs torch 2.6
+        state._pin_memory = self.pin_memory and accelerator_available()  # torch.accelerator: 2.6+
+        if state._pin_memory:
             from torch.utils.data._utils.pin_memory import pin_memory
 
             post = pin_memory
@@ -448,7 +480,7 @@ class DataLoader(tud.DataLoader[T_co]):
         plain = nxt
         if read_fn is None and self._wraps_worker_batches(collector is not None):
             # Before the prefetcher: it must see plain batches.
-            nxt = Unwrap(nxt, collector, _WORKER_COLLATE.get(source))
+            nxt = Unwrap(nxt, collector, _WORKER_COLLATE.get(source), self._warn_pickled)
         fetch = None
         if self.device is not None:
             if self._fl_prefetcher is None:

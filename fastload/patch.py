@@ -41,14 +41,18 @@ class TorchPatch:
     Also a context manager: ``with fastload.patch_torch(): ...`` undoes on exit.
 
     Attributes:
+        defaults: The keyword defaults loaders built through torch's name get while
+            the patch is in force.
         loader_class: The class bound to torch's names while the patch is in force.
     """
 
-    def __init__(self, loader_class: type[DataLoader[Any]]) -> None:
-        self.loader_class = loader_class
+    def __init__(self, defaults: dict[str, Any]) -> None:
+        self.defaults = dict(defaults)
+        self._active = False
+        self.loader_class = _with_defaults(self) if defaults else DataLoader
         self._saved = [vars(m)["DataLoader"] for m in _MODULES]
         for m in _MODULES:
-            vars(m)["DataLoader"] = loader_class
+            vars(m)["DataLoader"] = self.loader_class
         self._active = True
 
     @property
@@ -78,18 +82,24 @@ class TorchPatch:
         return f"<fastload.TorchPatch {state}: torch.utils.data.DataLoader -> {self.loader_class.__qualname__}>"
 
 
-def _with_defaults(defaults: dict[str, Any]) -> type[DataLoader[Any]]:
-    # A subclass, so only loaders built through torch's name get the defaults; its
+def _with_defaults(patch: TorchPatch) -> type[DataLoader[Any]]:
+    # A subclass, so only loaders built through torch's name get the defaults (and
+    # only while the patch is in force: a framework may have kept the class); its
     # __init__ keeps DataLoader's signature (inspect follows __wrapped__), which
     # frameworks read to rebuild a loader from its attributes.
     class PatchedDataLoader(DataLoader):  # type: ignore[type-arg]
         @functools.wraps(DataLoader.__init__)  # type: ignore[misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **{**defaults, **kwargs})
+            if patch.active:
+                kwargs = {**patch.defaults, **kwargs}
+            super().__init__(*args, **kwargs)
 
-    PatchedDataLoader.__qualname__ = PatchedDataLoader.__name__ = "DataLoader"
+    # Named as the class it stands for; the qualname stays local, so pickling one
+    # fails loudly rather than coming back as another class.
+    PatchedDataLoader.__name__ = "DataLoader"
+    PatchedDataLoader.__qualname__ = "patch_torch.<locals>.DataLoader"
     PatchedDataLoader.__doc__ = (
-        f"fastload.DataLoader with the defaults {defaults!r} (fastload.patch_torch)"
+        f"fastload.DataLoader with the defaults {patch.defaults!r} (fastload.patch_torch)"
     )
     return PatchedDataLoader
 
@@ -124,4 +134,4 @@ def patch_torch(**defaults: Any) -> TorchPatch:
             f"patch_torch() got {unknown}: it sets defaults only for fastload's additions "
             f"({', '.join(ADDITIONS)}); pass torch's own arguments where the loader is built"
         )
-    return TorchPatch(_with_defaults(defaults) if defaults else DataLoader)
+    return TorchPatch(defaults)

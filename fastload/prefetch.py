@@ -16,7 +16,7 @@ staging slots:
    allocator that the consumer uses the buffer from then on.
 4. A slot is reused only after the event of its last copy has completed.
 
-Pitfalls avoided (see ``shared/reference/limits.md`` section 5):
+Pitfalls avoided (numbers without a repository are pytorch/pytorch's):
 
 * **Per-batch pinned allocation.** torch's ``pin_memory=True`` path pins every
   batch anew in the ``pt_data_pin`` thread through the CachingHostAllocator
@@ -26,10 +26,10 @@ Pitfalls avoided (see ``shared/reference/limits.md`` section 5):
   :attr:`DevicePrefetcher.slot_allocations` counts every allocation.
 * **Pinned memory held twice.** The CachingHostAllocator rounds every request up
   to a power of two and keeps freed blocks cached (pinned) until its cache is
-  emptied. So slots grow in powers of two themselves (what is asked for is what
+  emptied (#171662, #275). So slots grow in powers of two themselves (what is asked for is what
   is pinned), and a slot that grows empties torch's host cache after dropping its
   old buffer: peak pinned memory is the ring, not the ring plus every size it
-  outgrew (``tests/unit/test_prefetch.py::test_slots_grow_in_powers_of_two``).
+  outgrew (``tests/unit/test_prefetch.py::test_slots_grow_in_powers_of_two_and_release_the_old_block``).
 * **A copy into memory that was given away.** A device buffer allocated on one
   stream and filled on another needs ``record_stream`` or the caching allocator may
   hand its block to a new allocation while the copy is still in flight (NaNs,
@@ -39,14 +39,19 @@ Pitfalls avoided (see ``shared/reference/limits.md`` section 5):
   after the first one, can reuse it. ``record_stream`` is called once, at hand-over,
   for the consumer stream only (its cost is the allocator's event poll on free,
   pytorch#112526). Consequence: use the batch on the stream that was current when
-  ``next()`` returned it (or call ``record_stream`` yourself).
+  ``next()`` returned it; another stream ``s`` must first wait for that one
+  (``s.wait_stream(...)``: only it waited for the copy) and needs
+  ``batch.record_stream(s)``.
 * **A new stream per copy.** Cached blocks are not shared across streams
   (Fuser#5767), so there is one side stream per prefetcher, created once.
 * **Many small copies.** All leaves of a batch cross in one DMA from one slot.
 
 Stats: each copy is recorded as ``h2d`` (bytes, seconds between its CUDA events)
-when its event is first seen complete: at hand-over, at the slot's reuse, or at
-the end of the pass, which records every copy still pending.
+when its event is first seen complete: at hand-over, at the slot's reuse, at the
+end of the pass (which waits for every copy still pending; without a collector
+it does not wait), or when a pass ends early (closed or dropped: the copies
+complete by then; one still in flight is recorded at its slot's reuse or at the
+end of the next pass).
 
 On a CPU device the same code runs (flatten, slot ring, growth, unflatten) with
 plain, non-pinned slots and synchronous copies, so CI exercises the bookkeeping.
@@ -328,7 +333,8 @@ class DevicePrefetcher(Generic[T]):
             exactly the moments a plain loop would make them.
         max_slot_bytes: Cap on one slot's size. A batch larger than the cap bypasses
             the ring (a direct, unstaged copy), warns once and counts
-            ``oversize_batch``. None means no cap.
+            ``oversize_batch``. None means no cap. Slots are powers of two below
+            the cap; a cap that is not one is pinned rounded up to one by torch.
         timeout: Seconds to wait for a slot's previous copy before raising LoaderError.
         collector: Where ``stage`` and ``h2d`` are recorded (None: not recorded).
 
@@ -460,10 +466,21 @@ class DevicePrefetcher(Generic[T]):
             pause = min(pause * 2, 1e-3)
 
     def _flush(self) -> None:
-        """End of a pass: record every copy not recorded yet (waits for it, bounded)."""
+        """End of a pass: record every copy not recorded yet (waits for it, bounded).
+
+        Without a collector there is nothing to record, so the host does not wait.
+        """
+        if self.collector is None:
+            return
         for slot in self._ring:
             if slot.timed_bytes:
                 self._wait_done(slot)
+                self._record_copy(slot)
+
+    def _record_complete(self) -> None:
+        """Record every pending copy that has completed; never waits."""
+        for slot in self._ring:
+            if slot.timed_bytes and self._backend.is_done(slot):
                 self._record_copy(slot)
 
     def _record_copy(self, slot: _Slot) -> None:
@@ -557,6 +574,20 @@ class _Pass(Iterator[T]):
 
     def __iter__(self) -> _Pass[T]:
         return self
+
+    def close(self) -> None:
+        """End this pass early (a loop that breaks, ``--batches``): drop the batches
+        staged ahead, and record the copies already complete, without waiting."""
+        self._exhausted = True
+        self._queue.clear()
+        if self._owner._pass == self._id:
+            self._owner._record_complete()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except (AttributeError, RuntimeError, TypeError):  # interpreter shutdown: torch half torn down
+            return
 
     def __next__(self) -> T:
         owner = self._owner

@@ -22,6 +22,7 @@ shard or .npy file fetches only the blocks it touches.
 from __future__ import annotations
 
 import builtins
+import hashlib
 import logging
 import threading
 import time
@@ -30,9 +31,12 @@ from typing import Any
 
 from fastload.cache import Cache, entry_key
 from fastload.config import Settings, format_size
-from fastload.errors import ConfigError
+from fastload.errors import (
+    ConfigError,
+    EmptyDatasetError,
+)
 from fastload.fetch import Fetcher
-from fastload.source import RemoteItem, Source
+from fastload.source import RemoteItem, Source, glob_to_regex, nothing_matched
 from fastload.stats import current_collector
 
 _log = logging.getLogger("fastload")
@@ -40,6 +44,21 @@ _log = logging.getLogger("fastload")
 
 
 KEYS_MAX = 1 << 20  # cache keys remembered per Reader
+
+
+def _checked_urls(urls: Sequence[str]) -> builtins.list[str]:
+    """``urls`` as a list of URL strings, or an error naming the first bad entry (never the whole list)."""
+    if isinstance(urls, (bytes, bytearray)) or not isinstance(urls, Sequence):
+        raise ConfigError(f"a dataset URL must be a string or a sequence of URL strings, not {type(urls).__name__}")
+    out = list(urls)
+    if not out:
+        raise EmptyDatasetError("the URL list is empty; fix: pass at least one URL")
+    for k, u in enumerate(out):
+        if not isinstance(u, str) or not u:
+            shown = repr(u) if len(repr(u)) <= 60 else repr(u)[:57] + "..."
+            raise ConfigError(f"URL list entry {k} is {shown} ({type(u).__name__}), not a URL string; "
+                              "fix: pass strings such as 's3://bucket/key.jpg'")
+    return out
 
 
 def manifest_key(root: str, pattern: str | None) -> str:
@@ -106,13 +125,21 @@ class Reader:
 
     # -- listing (manifests) --------------------------------------------------
 
-    def list(self, url: str, pattern: str | None = None, *, refresh: bool = False, complete: bool = True) -> list[RemoteItem]:
+    def list(self, url: str | Sequence[str], pattern: str | None = None, *, refresh: bool = False,
+             complete: bool = True) -> list[RemoteItem]:
         """List a dataset once and record it; later calls (any process) reuse the record.
+
+        ``url`` is a folder, prefix or object URL, or a sequence of object URLs (no
+        listing then: each URL is an item, in order). A recorded listing of the whole
+        folder (no pattern), or of a folder above it, serves any pattern under it, so
+        a new pattern needs no remote round trip.
 
         With ``complete=False`` items whose size the listing lacked come back with
         ``size == -1`` and no manifest is saved; the caller completes them and calls
         :meth:`save_manifest` (this is how staging overlaps HEADs with transfers).
         """
+        if not isinstance(url, str):
+            return self._list_urls(url, refresh=refresh, complete=complete)
         src = self.source(url)
         root = src.canonical(url).rstrip("/")
         key = manifest_key(root, pattern)
@@ -120,13 +147,66 @@ class Reader:
             manifest = self.cache.index.get(key)
             if manifest is not None:
                 return [RemoteItem.from_json(r) for r in manifest["items"]]
+            covered = self._covered(root, pattern)
+            if covered is not None:
+                return covered
         items = Source(url, self.storage_options, self.settings).list(pattern, complete=complete)
         if all(i.size >= 0 for i in items):
             self.save_manifest(root, pattern, items)
         return items
 
-    def manifest_root(self, url: str) -> str:
-        """The canonical root URL under which a dataset's manifest is recorded."""
+    def _covered(self, root: str, pattern: str | None) -> builtins.list[RemoteItem] | None:
+        """``root``'s items matching ``pattern`` from a recorded whole-folder listing of it or of
+        a folder above it; None when no such listing holds anything under ``root``."""
+        regex = glob_to_regex(pattern) if pattern else None
+        scheme, sep, path = root.partition("://")
+        parts = (path if sep else scheme).split("/")
+        for depth in range(len(parts), 0, -1):
+            above = "/".join(parts[:depth])
+            manifest = self.cache.index.get(manifest_key(f"{scheme}://{above}" if sep else above, None))
+            if manifest is None:
+                continue
+            rels: dict[str, RemoteItem] = {}
+            for row in manifest["items"]:
+                item = RemoteItem.from_json(row)
+                if item.url == root:  # the root is one object: itself, whatever the pattern (as Source.list)
+                    return [item]
+                if item.url.startswith(root + "/"):
+                    rels[item.url[len(root) + 1 :]] = item
+            if not rels:
+                continue
+            items = [item for rel, item in sorted(rels.items()) if regex is None or regex.match(rel)]
+            if not items:
+                folders = len({rel.rpartition("/")[0] for rel in rels} - {""})
+                raise nothing_matched(root, pattern, folders, builtins.list(rels))
+            return items
+        return None
+
+    def _list_urls(self, urls: Sequence[str], *, refresh: bool, complete: bool) -> builtins.list[RemoteItem]:
+        """The items of a URL list, in its order: sizes from the recorded manifest or pins, else
+        ``-1`` (completed by each item's first GET, as a sizeless listing's are)."""
+        checked = _checked_urls(urls)
+        root = self.manifest_root(checked)
+        if not refresh:
+            manifest = self.cache.index.get(manifest_key(root, None))
+            if manifest is not None:
+                return [RemoteItem.from_json(r) for r in manifest["items"]]
+        items = [RemoteItem(self.canonical(u), -1, "") for u in checked]
+        if not refresh:
+            items = self.pinned(items)
+        if complete and any(i.size < 0 for i in items):
+            items = [self.source(i.url).complete(i) if i.size < 0 else i for i in items]
+        if all(i.size >= 0 for i in items):
+            self.save_manifest(root, None, items)
+        return items
+
+    def manifest_root(self, url: str | Sequence[str]) -> str:
+        """The canonical root URL under which a dataset's manifest is recorded; for a URL
+        list, ``urls:<count>:<digest of the URLs>``."""
+        if not isinstance(url, str):
+            urls = _checked_urls(url)
+            digest = hashlib.sha256("\n".join(self.canonical(u) for u in urls).encode()).hexdigest()[:16]
+            return f"urls:{len(urls)}:{digest}"
         return self.source(url).canonical(url).rstrip("/")
 
     def save_manifest(self, root: str, pattern: str | None, items: builtins.list[RemoteItem]) -> None:
@@ -205,11 +285,14 @@ class Reader:
     def warn_if_oversized(self, items: builtins.list[RemoteItem]) -> None:
         """Warn once when a dataset is larger than the cache limit (it will stream)."""
         total = sum(i.size for i in items)
-        if total > self.settings.cache_limit_bytes:
+        limit = self.cache.limit_bytes()  # capped by the disk's free space less its reserve
+        if total > limit:
+            capped = limit < self.settings.cache_limit_bytes
             self.warn_streaming(
-                f"dataset is {format_size(total)} but the cache limit is "
-                f"{format_size(self.settings.cache_limit_bytes)}; items will be evicted and refetched "
-                "each epoch (raise --cache-limit / FASTLOAD_CACHE_LIMIT to cache it all)"
+                f"dataset is {format_size(total)} but the cache limit {'in force ' if capped else ''}is "
+                f"{format_size(limit)}{' (the disk has no more room)' if capped else ''}; items will be evicted and "
+                f"refetched each epoch ({'free space on the cache disk' if capped else 'raise --cache-limit / FASTLOAD_CACHE_LIMIT'}"
+                " to cache it all)"
             )
 
     def record(self, stage: str, items: int, nbytes: int, t0: float) -> None:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -23,6 +24,8 @@ from fastload.config import Settings, format_size
 from fastload.errors import CacheFullError
 from fastload.reader import Reader, manifest_key
 from fastload.source import RemoteItem
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -38,6 +41,7 @@ class StageReport:
         fetched_blocks: Blocks fetched in this run.
         fetched_bytes: Remote bytes moved in this run.
         skipped_blocks: Blocks already cached and valid.
+        verified_entries: Entries read back and checked by ``verify`` (0: not asked).
         bad_entries: Entries that failed verification (dropped and refetched).
         seconds: Wall time of the run.
         cache_limit_bytes: The limit in force.
@@ -56,6 +60,7 @@ class StageReport:
     fetched_blocks: int = 0
     fetched_bytes: int = 0
     skipped_blocks: int = 0
+    verified_entries: int = 0
     bad_entries: int = 0
     seconds: float = 0.0
     cache_limit_bytes: int = 0
@@ -95,13 +100,14 @@ class StageReport:
         if self.concurrency:
             c = self.concurrency
             lines.append(f"requests    settled at {c['limit']} in flight (cap {c['cap']}, peak {c['peak']}, cuts {c['cuts']})")
-        if self.bad_entries:
-            lines.append(f"verify      {self.bad_entries} bad entries found, dropped and refetched")
+        if self.verified_entries:  # silence when all was well read as "not checked"
+            lines.append(f"verify      {self.verified_entries} entries checked, {self.bad_entries} bad"
+                         + (", dropped and refetched" if self.bad_entries else ""))
         return "\n".join(lines)
 
 
 def stage(
-    url: str,
+    url: str | Sequence[str],
     *,
     pattern: str | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -114,7 +120,8 @@ def stage(
     """Copy the dataset at ``url`` into the cache; see the module docstring.
 
     Args:
-        url: Any fsspec URL of a folder/prefix or a single object.
+        url: Any fsspec URL of a folder/prefix or a single object, or a sequence of
+            object URLs (staged without a listing; the report names it ``urls:<n>:<digest>``).
         pattern: Glob relative to ``url`` (``**/*.jpg``); None takes everything.
         storage_options: fsspec options (credentials, endpoint).
         settings: Cache dir, limit, workers, LZ4 level...
@@ -133,10 +140,12 @@ def stage(
     # inside the fetch workers, so HEADs overlap with transfers.
     items = reader.list(url, pattern, refresh=refresh, complete=dry_run)
     root = reader.manifest_root(url)
-    report = StageReport(url=root, items=len(items), cache_limit_bytes=settings.cache_limit_bytes)
+    # The limit in force: --cache-limit, capped so the disk keeps its reserve free (cache.py).
+    limit = reader.cache.limit_bytes()
+    report = StageReport(url=root, items=len(items), cache_limit_bytes=limit)
     known = [i for i in items if i.size >= 0]
     report.remote_bytes = sum(i.size for i in known)
-    report.fits = report.remote_bytes <= settings.cache_limit_bytes
+    report.fits = report.remote_bytes <= limit
     if dry_run:
         report.dry_run = True
         report.blocks = sum(len(reader.blocks(i)) for i in items)
@@ -145,36 +154,49 @@ def stage(
         return report
     if not report.fits:
         raise CacheFullError(_too_big(report, settings))
+    writable = reader.cache.unwritable is None  # a read-only cache may still hold it all: then it only checks
     reader.cache.check()
     # An interrupted stage leaves this marker behind. Its rerun (and a refresh) completes
     # sizeless items with a HEAD each, so blocks already cached are skipped; a fresh
     # stage has nothing cached to skip and fetches them with one GET each (_fetch_all).
     marker = "p:" + manifest_key(root, pattern)
     fresh = not refresh and reader.cache.index.get(marker) is None
-    reader.cache.index.set(marker, time.time())
+    if writable:
+        reader.cache.index.set(marker, time.time())
     items = _fetch_all(reader, items, report, _show(progress), "staging", heads="pinned" if fresh else "all")
-    reader.save_manifest(root, pattern, items)
-    reader.cache.index.delete(marker)
+    if writable:
+        reader.save_manifest(root, pattern, items)
+        reader.cache.index.delete(marker)
     report.remote_bytes = sum(i.size for i in items)
     report.blocks = sum(len(reader.blocks(i)) for i in items)
-    if report.remote_bytes > settings.cache_limit_bytes:
+    if report.remote_bytes > limit:
         raise CacheFullError(_too_big(report, settings))
     if verify:
         bad = _verify(reader, items, settings.workers, _show(progress))
-        report.bad_entries = len(bad)
+        report.verified_entries, report.bad_entries = report.blocks, len(bad)
+        # A bad entry was counted as skipped (valid by size) above; refetched, it counts as
+        # fetched instead, so the two still add up to the dataset's entries.
+        report.skipped_blocks -= min(len(bad), report.skipped_blocks)
         _fetch_blocks(reader, bad, report, _show(progress), "refetching")
     report.stored_bytes = _stored(reader, items)
+    # The index's log folded into its file: a staged cache then reads whole from a
+    # read-only mount too (docs/cache.md, "Full and read-only disks").
+    reader.cache.compact()
     report.seconds = time.perf_counter() - t0
-    limit = reader.source(url).host_limit
-    report.concurrency = limit.as_dict() if limit is not None else {}
+    host = reader.source(items[0].url if items else root).host_limit
+    report.concurrency = host.as_dict() if host is not None else {}
     return report
 
 
 def _too_big(report: StageReport, settings: Settings) -> str:
+    capped = report.cache_limit_bytes < settings.cache_limit_bytes
+    why = (f"the cache limit in force is {format_size(report.cache_limit_bytes)} (--cache-limit "
+           f"{format_size(settings.cache_limit_bytes)}, capped by the disk's free space less its reserve)"
+           if capped else f"the cache limit is {format_size(report.cache_limit_bytes)}")
+    fix = "free space on the cache's disk, move FASTLOAD_CACHE_DIR" if capped else "raise --cache-limit"
     return (
-        f"dataset {report.url} is {format_size(report.remote_bytes)} but the cache limit is "
-        f"{format_size(settings.cache_limit_bytes)}; fix: raise --cache-limit, stage a subset with --pattern, "
-        "or skip staging and let training stream it"
+        f"dataset {report.url} is {format_size(report.remote_bytes)} but {why}; fix: {fix}, stage a subset with "
+        "--pattern, or skip staging and let training stream it"
     )
 
 
@@ -194,28 +216,93 @@ def _stored(reader: Reader, items: list[RemoteItem]) -> int:
 
 
 class _Progress:
-    """Thread-safe counters plus the tqdm bar (items, bytes, MB/s, ETA)."""
+    """Thread-safe counters plus the tqdm bar.
 
-    def __init__(self, report: StageReport, total_bytes: int, items: int, show: bool, label: str) -> None:
-        self.report, self.items, self.done = report, items, 0
+    With every size known (S3, local, a recorded listing) the bar counts bytes
+    against the dataset's size. An HTTP listing has no sizes: they arrive with each
+    item's first GET, and a byte total that grows with them sat at 100% all run
+    (issue 14). Then the bar counts items against their known number, and bytes
+    are shown as a count, without a percentage.
+    """
+
+    def __init__(self, report: StageReport, total_bytes: int | None, items: int, show: bool, label: str) -> None:
+        self.report, self.items, self.done, self.nbytes = report, items, 0, 0
+        self.by_bytes = total_bytes is not None
         self.lock = threading.Lock()
-        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=label, disable=not show, file=sys.stderr, dynamic_ncols=True)
+        if self.by_bytes:
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=label, disable=not show, file=sys.stderr,
+                            dynamic_ncols=True)
+        else:
+            self.bar = tqdm(total=items, unit="item", desc=label, disable=not show, file=sys.stderr, dynamic_ncols=True)
 
     def fetched(self, nbytes: int) -> None:
         with self.lock:
             self.report.fetched_blocks += 1
             self.report.fetched_bytes += nbytes
-            self.bar.update(nbytes)
+            self._bytes(nbytes)
 
     def skipped(self, nbytes: int) -> None:
         with self.lock:
             self.report.skipped_blocks += 1
+            self._bytes(nbytes)
+
+    def _bytes(self, nbytes: int) -> None:
+        self.nbytes += nbytes
+        if self.by_bytes:
             self.bar.update(nbytes)
+        else:
+            self.bar.set_postfix_str(format_size(self.nbytes), refresh=False)
 
     def item_done(self) -> None:
         with self.lock:
             self.done += 1
-            self.bar.set_postfix(items=f"{self.done}/{self.items}", refresh=False)
+            if self.by_bytes:
+                self.bar.set_postfix(items=f"{self.done}/{self.items}", refresh=False)
+            else:
+                self.bar.update(1)
+
+
+class _Stop:
+    """Ctrl-C for staging: no fetch starts and no write begins once it is set.
+
+    Waiting for every queued task took 23 s on a slow server (issue 14). Now the
+    interrupted run waits only for writes in progress (milliseconds), never for
+    requests: a request that answers later finds the stop set and stores nothing,
+    so nothing is left half-written (tests/integration/test_stage_interrupt.py).
+    """
+
+    WRITES_WAIT_S = 5.0
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._set = False
+        self._writing = 0
+
+    def check(self) -> None:
+        if self._set:
+            raise _Stopped
+
+    def write(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (a cache write) unless stopped; a stop waits for it to end."""
+        with self._cond:
+            if self._set:
+                raise _Stopped
+            self._writing += 1
+        try:
+            return fn()
+        finally:
+            with self._cond:
+                self._writing -= 1
+                self._cond.notify_all()
+
+    def set(self) -> None:
+        with self._cond:
+            self._set = True
+            self._cond.wait_for(lambda: self._writing == 0, self.WRITES_WAIT_S)
+
+
+class _Stopped(Exception):
+    """A staging task that found the stop set."""
 
 
 CHUNK = 32  # items one staging task completes and fetches together: their requests overlap
@@ -231,20 +318,22 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
     brings the first block, or a HEAD each as ``heads`` says: Fetcher.complete), then
     the blocks not cached yet are fetched together. Staging exists to cache, so a
     cache that cannot hold a block ends it (``strict``; tests/reliability/test_disk_full.py).
+    Every cache write passes the stop (Ctrl-C), so none begins after it.
     """
     if not items:
         return []
     fetcher = reader.fetcher
-    progress = _Progress(report, sum(i.size for i in items if i.size >= 0), len(items), show, label)
+    sized = all(i.size >= 0 for i in items)
+    progress = _Progress(report, sum(i.size for i in items) if sized else None, len(items), show, label)
     completed: list[RemoteItem | None] = [None] * len(items)
+    stop = _Stop()
+    per_call = max(1, BATCH_BYTES // reader.settings.block_bytes)
 
     def do_chunk(indices: list[int]) -> None:
-        done, fresh = fetcher.complete([items[i] for i in indices], heads=heads, strict=True)
+        stop.check()
+        done, fresh = fetcher.complete([items[i] for i in indices], heads=heads, strict=True, gate=stop.write)
         todo: list[tuple[RemoteItem, int]] = []
         for i, item in zip(indices, done):
-            if item.size != items[i].size:
-                with progress.lock:
-                    progress.bar.total += item.size
             completed[i] = item
             todo += [(item, b) for b in reader.blocks(item)]
         entries = reader.cache.entries_for([reader.key(item, b) for item, b in todo])
@@ -258,23 +347,30 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
                 progress.skipped(end - start)
             else:
                 missing.append((item, block))
-        per_call = max(1, BATCH_BYTES // reader.settings.block_bytes)
         for k in range(0, len(missing), per_call):
-            for data in fetcher.fetch(missing[k : k + per_call], strict=True):
+            stop.check()
+            for data in fetcher.fetch(missing[k : k + per_call], strict=True, gate=stop.write):
                 progress.fetched(len(data))
         for _ in indices:
             progress.item_done()
 
-    chunks = [list(range(k, min(k + CHUNK, len(items)))) for k in range(0, len(items), CHUNK)]
-    with progress.bar, ThreadPoolExecutor(CHUNK_THREADS) as pool:
-        futures: set[Future[None]] = {pool.submit(do_chunk, c) for c in chunks}
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in done:
-            if f.exception() is not None:
-                for g in futures:
-                    g.cancel()
-                raise f.exception()  # type: ignore[misc]
-        wait(futures)
+    pool = ThreadPoolExecutor(CHUNK_THREADS)
+    interrupted = False
+    try:
+        with progress.bar:
+            futures: set[Future[None]] = {pool.submit(do_chunk, list(range(k, min(k + CHUNK, len(items)))))
+                                          for k in range(0, len(items), CHUNK)}
+            while futures:
+                done, futures = wait(futures, return_when=FIRST_EXCEPTION)
+                for f in done:
+                    if f.exception() is not None:
+                        raise f.exception()  # type: ignore[misc]
+    except BaseException:
+        interrupted = True  # Ctrl-C or a failed task: stop the rest, without waiting on the remote
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=not interrupted, cancel_futures=interrupted)
     return [c for c in completed if c is not None]
 
 

@@ -18,6 +18,15 @@ Cases (``--cases``, comma-separated):
   (called with ``n``); e.g. a cached fastload dataset against torch reading files.
 * ``device`` (CUDA only): ``device='cuda'`` against torch ``pin_memory=True`` plus
   ``.to(non_blocking=True)``, with a compute step per batch.
+* ``workers``: an epoch over a ``FileDataset`` of ``--workers-samples`` random files
+  of ``--workers-bytes`` (incompressible, like JPEGs) served by a real nginx on
+  loopback (``file://`` where nginx is absent), with ``num_workers=0`` (fastload's
+  read threads) and ``--workers`` worker processes, side by side: cold (a fresh
+  cache each epoch, every file fetched) and warm (all cached). Workers start
+  anew each epoch, as in a script without ``persistent_workers``, except in
+  ``warm_workers<N>_persistent`` (median over repeats; only the first epoch
+  starts them). ``ratio`` is the worker epoch's samples/s over the
+  ``num_workers=0`` epoch's.
 
 Each variant runs ``--repeats`` times, interleaved with the others to spread drift;
 the median is reported. Output is CSV (default) or JSON on stdout, and in ``--out``
@@ -265,6 +274,80 @@ def bench_device(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [_row("device", k, bs, v, n, v / m["torch_pin_memory"], note) for k, v in m.items()]
 
 
+def _files_epoch(make: Callable[[], Any]) -> float:
+    loader = make()
+    t0 = time.perf_counter()
+    for batch in loader:
+        len(batch["data"])
+    return time.perf_counter() - t0
+
+
+def bench_workers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """FileDataset epochs, cold and warm, with num_workers=0 against worker processes."""
+    import contextlib
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    import fastload
+    from fastload import _servers
+    from fastload.config import Settings
+
+    work = Path(tempfile.mkdtemp(prefix="fastload-bench-workers-"))
+    rng = np.random.default_rng(0)
+    for i in range(args.workers_samples):
+        d = work / "www" / f"c{i % 4}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i:06d}.bin").write_bytes(rng.integers(0, 256, args.workers_bytes, np.uint8).tobytes())
+    server: Any = _servers.NginxServer(work / "www") if _servers.nginx_available() else None
+    bs, nw = args.workers_batch_size, args.workers
+    try:
+        with server if server is not None else contextlib.nullcontext():
+            url = server.url + "/" if server is not None else f"file://{work / 'www'}"
+            fresh = iter(range(1_000_000))
+
+            def dataset(cache: Path) -> Any:
+                settings = Settings(cache_dir=cache)
+                return fastload.FileDataset(url, "**/*.bin", label="parent", settings=settings)
+
+            def cold(workers: int) -> float:
+                ds = dataset(work / f"cold{next(fresh)}")  # listed here, not timed
+                seconds = _files_epoch(lambda: DataLoader(ds, batch_size=bs, num_workers=workers))
+                shutil.rmtree(ds.reader.cache.root, ignore_errors=True)
+                return seconds
+
+            warm_ds = dataset(work / "warm")
+            fastload.stage(url, pattern="**/*.bin", settings=warm_ds.reader.cache.settings, progress=False)
+            kept = DataLoader(warm_ds, batch_size=bs, num_workers=nw, persistent_workers=True)
+            m = _measure(
+                {
+                    "cold_workers0": lambda: cold(0),
+                    f"cold_workers{nw}": lambda: cold(nw),
+                    "warm_workers0": lambda: _files_epoch(lambda: DataLoader(warm_ds, batch_size=bs)),
+                    f"warm_workers{nw}": lambda: _files_epoch(
+                        lambda: DataLoader(warm_ds, batch_size=bs, num_workers=nw)
+                    ),
+                    # The same workers every epoch: no start-up in the epochs after the first.
+                    f"warm_workers{nw}_persistent": lambda: _files_epoch(lambda: kept),
+                },
+                args.repeats,
+            )
+            if kept._iterator is not None:
+                kept._iterator._shutdown_workers()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    where = "nginx on loopback" if server is not None else "file:// (no nginx)"
+    n = args.workers_samples
+    note = f"{n} files of {args.workers_bytes} B from {where}; ratio = samples/s over num_workers=0's"
+    rows = []
+    for name, sec in m.items():
+        regime = name.split("_")[0]
+        base = m[f"{regime}_workers0"]
+        rows.append(_row("workers", name, bs, sec, n, base / sec, note))
+    return rows
+
+
 def machine() -> dict[str, str]:
     """Describe where the numbers were measured."""
     info = {
@@ -298,7 +381,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--cases", default="overhead,stats,read_batch,device", help="comma-separated cases"
+        "--cases", default="overhead,stats,read_batch,device,workers", help="comma-separated cases"
     )
     p.add_argument("--samples", type=int, default=20000, help="items in the in-memory dataset")
     p.add_argument("--dim", type=int, default=16, help="floats per in-memory sample")
@@ -317,6 +400,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device-batches", type=int, default=30)
     p.add_argument("--device-batch-size", type=int, default=128)
     p.add_argument("--device-compute", type=int, default=40, help="matmuls per step")
+    p.add_argument("--workers", type=int, default=2, help="num_workers of the workers case")
+    p.add_argument("--workers-samples", type=int, default=3000)
+    p.add_argument("--workers-bytes", type=int, default=112_000, help="bytes per file")
+    p.add_argument("--workers-batch-size", type=int, default=64)
     p.add_argument("--format", choices=["csv", "json"], default="csv")
     p.add_argument("--out", type=Path, default=None, help="also write the results here")
     return p.parse_args(argv)
@@ -337,7 +424,7 @@ def _render(rows: list[dict[str, Any]], info: dict[str, str], fmt: str) -> str:
 def main(args: argparse.Namespace) -> int:
     """Run the selected cases; print (and optionally write) the results. Returns 0."""
     cases = {c.strip() for c in args.cases.split(",") if c.strip()}
-    unknown = cases - {"overhead", "stats", "read_batch", "device"}
+    unknown = cases - {"overhead", "stats", "read_batch", "device", "workers"}
     if unknown:
         print(f"unknown case(s): {sorted(unknown)}", file=sys.stderr)
         return 2
@@ -378,6 +465,8 @@ def _run(cases: set[str], args: argparse.Namespace) -> list[dict[str, Any]]:
             repeats=args.repeats,
             label=label,
         )
+    if "workers" in cases:
+        rows += bench_workers(args)
     if "device" in cases:
         if torch.cuda.is_available():
             rows += bench_device(args)

@@ -4,10 +4,10 @@
     A per-request latency proxy: an asyncio HTTP/1.1 reverse proxy on
     ``127.0.0.1`` (port printed as JSON on stdout). Every request waits
     ``--delay-ms`` before it is forwarded, which models an object store's time to
-    first byte (S3: p90 ~20 ms regardless of size; ../../../shared/reference/limits.md
-    section 2). The upstream leg is a Unix socket, so the response bytes cross the
-    shaped loopback once (proxy -> client), not twice; ``tc tbf`` on ``lo``
-    shapes the proxy's replies exactly as it shapes nginx's own.
+    first byte (S3: p90 ~20 ms regardless of size; github.com/dvassallo/s3-benchmark).
+    The upstream leg is a Unix socket, so the response bytes cross the shaped
+    loopback once (proxy -> client), not twice; ``tc tbf`` on ``lo`` shapes the
+    proxy's replies exactly as it shapes nginx's own.
 
 ``python servers.py moto --socket /path.sock --preload BUCKET=DIR ...``
     moto's S3 server (the same app as ``moto.server.ThreadedMotoServer``) on a

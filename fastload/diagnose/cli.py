@@ -40,6 +40,12 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def _read_threads_default() -> str:
+    # diagnose and bench assume the DataLoader's own default (fastload.config), read
+    # on this machine when the parser is built.
+    return f"default {default_read_threads()}: this process's CPUs, 2 to 8, as fastload.DataLoader"
+
+
 def add_parsers(sub: Any, common: argparse.ArgumentParser, *, size_arg: Callable[[str], int],
                 json_arg: Callable[[str], dict[str, Any]]) -> None:
     """Add ``diagnose`` and ``bench`` to the ``fastload`` subparsers ``sub``."""
@@ -60,7 +66,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, *, size_arg: Callable
                    help="what crosses the GPU link today (default fp32: normalised on the CPU)")
     d.add_argument("--decode-on", choices=("cpu", "gpu"), default="cpu", help="where JPEGs are decoded today")
     d.add_argument("--no-cache", dest="use_cache", action="store_false", help="your loader does not cache locally")
-    d.add_argument("--read-threads", type=_positive_int, default=8, help="your loader's read concurrency (default 8)")
+    d.add_argument("--read-threads", type=_positive_int, default=default_read_threads(),
+                   help=f"your loader's read threads ({_read_threads_default()})")
     d.add_argument("--step-ms", type=_nonneg_float, help="your training step time in ms (with --batch-size)")
     d.add_argument("--batch-size", type=_positive_int, help="your batch size (with --step-ms)")
     d.add_argument("--no-gpu", dest="gpu", action="store_false", help="skip every GPU probe")
@@ -78,8 +85,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, *, size_arg: Callable
     b.add_argument("--batches", type=_positive_int, help="stop each epoch after this many batches")
     b.add_argument("--batch-size", type=_positive_int, default=32, help="batch size (default 32)")
     b.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes (default 0)")
-    b.add_argument("--read-threads", type=int,
-                   help=f"fastload read threads (default {default_read_threads()}: this process's CPUs, 2 to 8)")
+    b.add_argument("--read-threads", type=int, help=f"fastload read threads ({_read_threads_default()})")
     b.add_argument("--decode", choices=("auto", "cpu", "none"), default="auto",
                    help="decode JPEGs on the CPU to uint8 tensors (auto: when the files are JPEG)")
     b.add_argument("--image-size", type=_positive_int, default=224, help="decoded image side (default 224)")

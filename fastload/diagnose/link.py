@@ -1,7 +1,8 @@
 """The host-to-GPU link: measured H2D/D2H bandwidth, and eGPU detection.
 
 Thunderbolt and USB4 tunnel PCIe, and their ports always advertise 2.5 GT/s
-(Gen1) whatever they really move (``shared/reference/limits.md`` section 1), so
+(Gen1) whatever they really move (the USB4 specification; M. Limonciello's Linux
+patch, mail-archive.com/nouveau@lists.freedesktop.org/msg42849.html), so
 the reported link generation cannot be trusted on its own. Nor can an idle
 reading: a desktop GPU parks its link at Gen1 when idle and raises it only
 under load. :func:`measure_link` first copies for :data:`WARMUP_S` seconds, then
@@ -37,7 +38,8 @@ __all__ = [
 #: Usable bytes/s per lane after line encoding: Gen1/2 8b/10b, Gen3-5 128b/130b, Gen6 FLIT.
 LANE_BYTES_PER_S = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.56e9}
 #: Pinned H2D reaches about 75% of the nominal rate on healthy slots (12.2 of 15.75 GB/s
-#: on PCIe 3.0 x16, 22.5-25 of 31.5 GB/s on PCIe 4.0 x16; limits.md section 1).
+#: on PCIe 3.0 x16, mpicbg-scicomp/gearshifft PR 82; 22.5-25 of 31.5 GB/s on PCIe 4.0 x16,
+#: NVlabs/cuda-oxide PR 976 and NVIDIA/nvbandwidth issue 42).
 PINNED_EFFICIENCY = 0.75
 #: A link below this share of its expected rate is flagged.
 SLOW_SHARE = 0.5

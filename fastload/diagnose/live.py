@@ -65,6 +65,8 @@ def _make_visible() -> None:
         handler = _StderrUnlessHandled()
         handler.setFormatter(logging.Formatter("%(message)s"))
         _log.addHandler(handler)
+
+
 #: Batches between writes to a summary writer when ``log_every`` is not given.
 DEFAULT_WRITE_EVERY = 100
 

@@ -22,7 +22,7 @@ stage            ceiling                                                 epochs
 
 What crosses the GPU link depends on where decoding happens: decoded images
 (``fp32``/``fp16``/``uint8`` at ``image_size`` squared, 3 channels) when the CPU
-decodes, the JPEG itself when the GPU does (``shared/reference/limits.md`` section 3).
+decodes, the JPEG itself when the GPU does.
 
 The slowest stage in a regime (epoch 1 = *cold*, epochs 2+ = *warm*) is its
 limit. The headline is the warm regime, unless every epoch streams from storage.
@@ -53,9 +53,10 @@ CLASS_OF = {
 DEFAULT_READ_THREADS = 8  # Inputs' default: fastload.config.default_read_threads() on 8 or more CPUs
 DEFAULT_STAGE_WORKERS = Settings.workers  # the cap on requests in flight per host
 CLOSE = 1.15  # two stages within 15% of each other are "balanced"
-#: A100 + DALI mixed decode, about 7,000 img/s (limits.md section 3), quoted when unmeasured.
+#: A100 + DALI mixed decode, about 7,000 img/s (DALI's A100 blog, quoted in NVIDIA/DALI issue 5362),
+#: quoted when unmeasured.
 REFERENCE_GPU_DECODE = 7000.0
-#: OCuLink / PCIe 4.0 x4 pinned H2D, about 6.6 GB/s (limits.md section 1).
+#: OCuLink / PCIe 4.0 x4 pinned H2D, about 6.6 GB/s (github.com/procrastineto/GPU-PCIe-Test issue 3).
 REFERENCE_FAST_LINK = 6.6e9
 
 

@@ -171,7 +171,7 @@ class HostToDevice:
 
     One :class:`~fastload.prefetch.DevicePrefetcher` per pipeline: its slots are
     allocated once and reused, released by CUDA events, so no batch pins memory
-    anew (limits.md section 5). On a CPU device it returns the batch unchanged.
+    anew (pytorch/pytorch#97432). On a CPU device it returns the batch unchanged.
     """
 
     def __init__(self, device: torch.device) -> None:

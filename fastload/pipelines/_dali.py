@@ -8,8 +8,9 @@ placement (``"gpu"`` or ``"cpu"``) is a parameter that picks operator devices:
   crop/mirror/normalize, ``decoders.inflate`` (nvCOMP) for LZ4 chunks. The
   pipeline is built with ``device_id`` = the target GPU.
 * ``"cpu"``: the same operators on the CPU and ``device_id=None``, which needs
-  no GPU, driver or CUDA runtime (limits.md section 6); DALI has no CPU inflate,
-  so LZ4 payloads are decoded on host threads before they are fed.
+  no GPU, driver or CUDA runtime (DALI's ``Pipeline`` docstring; NVIDIA/DALI PR
+  2165); DALI has no CPU inflate, so LZ4 payloads are decoded on host threads
+  before they are fed.
 
 Batches are fed with ``feed_input`` to a named ``fn.external_source`` and the
 outputs reach torch through DLPack (``torch.from_dlpack``), which wraps DALI's

@@ -1,8 +1,18 @@
-"""Skip the ``gpu`` tests, with a reason, where CUDA is absent."""
+"""Skip the ``gpu`` tests, with a reason, where CUDA is absent; and those that need sample photos without them."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
+
+
+@pytest.fixture(scope="session")
+def sample_photos() -> None:
+    """fastload.samples needs Pillow and scikit-learn (its bundled photos): skip, naming them, without."""
+    missing = [name for name in ("PIL", "sklearn") if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"sample photos need {' and '.join(missing)}: pip install 'fastload[samples]'")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -52,7 +52,7 @@ def test_sanity_matmul_passes():
     assert all(d["max_abs_error"] < 1.0 for d in got["devices"])
 
 
-def test_gpu_decode_runs_or_names_the_missing_piece():
+def test_gpu_decode_runs_or_names_the_missing_piece(sample_photos):
     jpegs = compute.sample_jpegs(4)
     got = compute.gpu_decode(jpegs, batch=8, budget_s=0.3)
     try:
@@ -76,7 +76,7 @@ def test_diagnose_fills_the_link_row_on_a_gpu(capsys, tmp_path):
     assert by["link"]["samples_per_s"] == pytest.approx(pinned / (224 * 224 * 3 * 4))
 
 
-def test_bench_on_cuda_records_h2d(capsys):
+def test_bench_on_cuda_records_h2d(capsys, sample_photos):
     r = _json(capsys, ["bench", "--json", "--sample", "--sample-images", "8", "--batch-size", "4",
                        "--epochs", "1", "--device", "cuda"])
     (run,) = r["runs"]

@@ -35,7 +35,7 @@ GPU_MEAN_LEVELS = 1.0
 
 
 @pytest.fixture(scope="module")
-def samples(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def samples(tmp_path_factory: pytest.TempPathFactory, sample_photos: None) -> list[dict[str, Any]]:
     root = tmp_path_factory.mktemp("photos")
     paths = make_image_folder(root, n=16, classes=4)
     return [{"data": p.read_bytes(), "label": i % 4, "url": str(p)} for i, p in enumerate(paths)]
@@ -67,7 +67,7 @@ def test_dali_mixed_decode_matches_cpu(samples: list[dict[str, Any]]) -> None:
 
 
 @needs_dali
-def test_dali_inflate_round_trip_bit_exact(tmp_path: Path) -> None:
+def test_dali_inflate_round_trip_bit_exact(tmp_path: Path, sample_photos: None) -> None:
     make_uint8_arrays(tmp_path / "arrs", n=12, shape=(224, 224, 3))
     ds = CompressedArrayDataset(str(tmp_path / "arrs"), settings=Settings(cache_dir=tmp_path / "c", chunk_bytes=32768))
     samples = [ds[i] for i in range(len(ds))]
@@ -118,7 +118,9 @@ def test_torch_backend_makes_no_host_sync(samples: list[dict[str, Any]], monkeyp
 
 
 @needs_dali
-def test_corrupt_chunk_of_an_entry_without_stored_checksum_never_reaches_inflate(tmp_path: Path) -> None:
+def test_corrupt_chunk_of_an_entry_without_stored_checksum_never_reaches_inflate(
+    tmp_path: Path, sample_photos: None
+) -> None:
     # nvCOMP would inflate a flipped chunk into wrong bytes without an error, so the
     # cache decodes such (old) entries on the host and refetches a bad one.
     from fastload.cache import _record

@@ -94,6 +94,7 @@ def test_storage_s3_examples(photos: Path, moto_server: _servers.MotoServer, s3_
     ns: dict[str, Any] = {"s3_options": options}
     out = run_blocks("storage.md", "s3", subs, ns)
     assert "8 items staged" in out and "8 images, 2 classes" in out, out
+    assert re.search(r"requests +settled at \d+ in flight \(cap 64,", out), out  # the Concurrency section's report
     assert ns["report"].fetched_bytes == sum(p.stat().st_size for p in (photos / "train").rglob("*.jpg"))
 
 

@@ -162,3 +162,18 @@ def test_python_http_server_folder_pages_are_listed_not_staged_as_files(tmp_path
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=10)
+
+
+def test_cold_epoch_with_workers_over_http_yields_the_files(
+    tmp_path: Path, nginx_server: Callable, settings: Settings
+) -> None:
+    # Sizes come from each file's first GET inside the workers, and the payloads cross
+    # to the parent through shared buffers (fastload/_worker_pack.py): bytes as served.
+    files = make_tree(tmp_path / "www", n=30)
+    server = nginx_server(tmp_path / "www")
+    ds = fastload.FileDataset(server.url + "/", pattern="**/*.bin", label="parent", settings=settings)
+    loader = fastload.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, seed=1)
+    for _ in range(2):  # cold, then warm
+        got = {url: data for batch in loader for url, data in zip(batch["url"], batch["data"])}
+        assert got == {f"{server.url}/{rel}": data for rel, data in files.items()}
+    assert loader.stats().counters.get("cache_miss") == len(files)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -50,7 +51,8 @@ def test_full_disk_streams_training_and_fails_staging_clearly(
     cached = []
     for _ in range(trials):
         disk = tmpfs(DISK)
-        settings = Settings(cache_dir=disk / "cache", block_bytes=64 * 1024, cache_limit_bytes=10**9)
+        # No disk reserve: this is the disk filling up for real (test_default_limit_keeps_a_free_margin has the reserve).
+        settings = Settings(cache_dir=disk / "cache", block_bytes=64 * 1024, cache_limit_bytes=10**9, disk_reserve_bytes=0)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="fastload"):
             assert train(url, settings, files, epochs=2) == 2 * N  # every byte right, twice
@@ -66,9 +68,14 @@ def test_full_disk_streams_training_and_fails_staging_clearly(
             assert (settings.cache_dir / "data" / rel).stat().st_size == stored
         cached.append(len(entries))
 
-        # A new process on the full disk cannot open the index: a clear CacheFullError.
-        with pytest.raises(CacheFullError, match=r"cache dir .* cannot be created or opened \(database or disk is full\); fix:"):
-            Cache(settings)
+        # A new cache on the full disk opens (read-only where the index cannot even be
+        # opened for writing): it serves what it holds, and a new entry is a CacheFullError.
+        full = Cache(settings)
+        assert full.unwritable in (None, "full")
+        assert all(full.get(e[0].rsplit("/", 1)[1].split("-")[0]) is not None for e in entries[:5])
+        with pytest.raises(CacheFullError, match=r"disk under .* is full while (indexing|caching) 'x' .*fix:"):
+            full.put("k" * 40, os.urandom(1_000_000), url="x")
+        full.close()
 
         # With space again (the tmpfs grown in place), the index opens and every entry is valid.
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
@@ -83,13 +90,17 @@ def test_full_disk_streams_training_and_fails_staging_clearly(
         code = cli_main(["cache", url, "--cache-dir", str(disk2 / "cache"), "--no-progress"])
         err = capsys.readouterr().err
         assert code == 1, err
-        assert "fastload cache: error: disk under" in err and "is full while" in err and "fix:" in err, err
+        # The disk filled (ENOSPC), or the limit in force (capped by the disk's free space less
+        # the default reserve) stopped it first: either way exit 1, the disk and the fix named.
+        assert "fastload cache: error: " in err and "fix:" in err, err
+        assert any(why in err for why in ("is full while", "keeps free) but", "capped by the disk's free space")), err
         assert server.url in err  # names the item
     record(
         "disk-full", trials,
         f"pass: training read {2 * N} samples bit-exact per run with {', '.join(map(str, cached))} of {N} "
-        "items cached and one streaming warning; no corrupt, orphan or temp file; reopening the full "
-        "disk and `fastload cache` both end in CacheFullError naming the path, the cause and the fix",
+        "items cached and one streaming warning; no corrupt, orphan or temp file; a cache reopened on the "
+        "full disk serves its entries and refuses new ones with CacheFullError; `fastload cache` ends in "
+        "CacheFullError naming the path, the cause and the fix",
         cached=cached,
     )  # fmt: skip
 
@@ -106,3 +117,94 @@ def _entries(settings: Settings) -> list[tuple[Any, ...]]:
         con.close()
     # Our own index, written by this test's process: diskcache pickles its values.
     return [tuple(pickle.loads(v)) if isinstance(v, bytes) else tuple(v) for _, v in rows]
+
+
+def _cli(cache_dir: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """A real `fastload` process (a fresh one opens the full disk's index as a user's would)."""
+    from helpers import PYTHON, child_env
+
+    return subprocess.run([PYTHON, "-m", "fastload", *argv, "--cache-dir", str(cache_dir)], env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_info_evict_and_clear_work_on_a_full_disk(
+    tmp_path: Path, nginx_server: Callable[..., Any], tmpfs: Callable[..., Path]
+) -> None:
+    import json
+
+    files = make_noise_files(tmp_path / "www", N, SIZE)
+    server = nginx_server(tmp_path / "www")
+    disk = tmpfs(DISK)
+    settings = Settings(cache_dir=disk / "cache", block_bytes=64 * 1024, cache_limit_bytes=10**9, disk_reserve_bytes=0)
+    train(server.url + "/", settings, files, epochs=1)  # fills the disk, then streams
+
+    info = _cli(settings.cache_dir, "info", "--json")
+    assert info.returncode == 0, info.stderr
+    before = json.loads(info.stdout)
+    assert before["entries"] == len(_entries(settings)) > 0
+
+    evicted = _cli(settings.cache_dir, "evict", "--to", "1MB", "--json")
+    assert evicted.returncode == 0, evicted.stderr
+    assert json.loads(evicted.stdout)["after_bytes"] <= 10**6
+    st = os.statvfs(disk)
+    assert st.f_bavail * st.f_frsize > 10**6  # the space is back (the index's log given back too)
+    cache = Cache(settings)
+    assert cache.unwritable is None and cache.corrupt_count() == 0
+    assert all(cache.get(e.key) is not None for e in cache.entries())  # what is left is whole
+    assert {p.name for p in payload_files(settings.cache_dir)} == {Path(e.path).name for e in cache.entries()}
+    cache.close()
+
+    train(server.url + "/", settings, files, epochs=1)  # full again
+    cleared = _cli(settings.cache_dir, "clear", "--json")
+    assert cleared.returncode == 0, cleared.stderr
+    assert not payload_files(settings.cache_dir)
+    assert json.loads(_cli(settings.cache_dir, "info", "--json").stdout)["entries"] == 0
+
+
+def test_default_limit_keeps_a_free_margin(
+    tmp_path: Path, nginx_server: Callable[..., Any], tmpfs: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    files = make_noise_files(tmp_path / "www", N, SIZE)
+    server = nginx_server(tmp_path / "www")
+    disk = tmpfs(DISK)
+    settings = Settings(cache_dir=disk / "cache", block_bytes=64 * 1024)  # the default limit (50 GB) and reserve
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        assert train(server.url + "/", settings, files, epochs=2) == 2 * N
+    # The disk never filled: the limit in force stayed under the free space less the reserve,
+    # and LRU eviction (not ENOSPC) kept it there.
+    assert not [r for r in caplog.records if "is full" in r.getMessage()], [r.getMessage() for r in caplog.records]
+    st = os.statvfs(disk)
+    assert st.f_bavail * st.f_frsize > 0
+    cache = Cache(settings)
+    assert 0 < cache.limit_bytes() < DISK and cache.volume() <= cache.limit_bytes()
+    cache.close()
+
+
+def test_read_only_cache_serves_reads_and_streams_the_rest_with_one_warning(
+    tmp_path: Path, nginx_server: Callable[..., Any], tmpfs: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+
+    files = make_noise_files(tmp_path / "www" / "staged", 40, SIZE)
+    new = make_noise_files(tmp_path / "www" / "new", 20, SIZE)
+    server = nginx_server(tmp_path / "www")
+    disk = tmpfs(16 * 1024**2)
+    settings = Settings(cache_dir=disk / "cache", block_bytes=64 * 1024)
+    fastload.stage(server.url + "/staged/", settings=settings, progress=False)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)  # a shared, pre-staged, read-only cache
+
+    info = _cli(settings.cache_dir, "info", "--json")
+    assert info.returncode == 0, info.stderr
+    assert (json.loads(info.stdout)["entries"], json.loads(info.stdout)["unwritable_reason"]) == (40, "read-only")
+    again = _cli(settings.cache_dir, "cache", server.url + "/staged/", "--block-size", "64KiB", "--json")  # all there: it only checks
+    assert again.returncode == 0 and json.loads(again.stdout)["skipped_blocks"] == 40, again.stderr
+    new_stage = _cli(settings.cache_dir, "cache", server.url + "/new/")  # staging exists to cache: it fails, and says why
+    assert new_stage.returncode == 1 and "is read-only" in new_stage.stderr and "full" not in new_stage.stderr, new_stage.stderr
+
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        assert train(server.url + "/staged/", settings, files, epochs=1) == 40  # served from the cache
+        assert not caplog.records
+        assert train(server.url + "/new/", settings, new, epochs=2) == 40  # not cached: streamed
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "read-only" in warnings[0], warnings
+    assert "full" not in warnings[0] and "free space" not in warnings[0], warnings[0]

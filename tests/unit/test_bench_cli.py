@@ -163,3 +163,21 @@ def test_bench_help_shows_the_read_threads_default_the_run_uses(capsys, monkeypa
     monkeypatch.setattr(fastload.config.os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert main(["bench", "--help"]) == 0
     assert "(default 3:" in " ".join(capsys.readouterr().out.split())
+
+
+def test_diagnose_assumes_the_read_threads_default_bench_runs_with(capsys, monkeypatch):
+    # diagnose compares against "your loader's read threads": unless told, the
+    # DataLoader's default on this machine, as bench runs with (it once assumed 8).
+    import fastload.config
+    from fastload.cli import build_parser
+
+    monkeypatch.setattr(fastload.config.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert build_parser().parse_args(["diagnose"]).read_threads == 3
+    assert build_parser().parse_args(["diagnose", "--read-threads", "5"]).read_threads == 5
+    helps = []
+    for command in ("diagnose", "bench"):
+        assert main([command, "--help"]) == 0
+        text = " ".join(capsys.readouterr().out.split())
+        option = text[text.rindex("--read-threads READ_THREADS"):]  # the options list, not the usage line
+        helps.append(option[option.index("(default"):].split(")", 1)[0])
+    assert helps[0] == helps[1] and helps[0].startswith("(default 3:"), helps

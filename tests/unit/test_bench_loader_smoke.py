@@ -18,6 +18,7 @@ def test_bench_main_tiny(tmp_path: Path, capsys: object, load_script: Callable[[
             "--read-samples", "16", "--read-latency-ms", "0.1", "--read-batch-size", "4",
             "--read-threads", "2", "--device-batches", "2", "--device-batch-size", "2",
             "--device-compute", "1", "--stats-pairs", "3", "--stats-chunk-ms", "0.5",
+            "--workers-samples", "24", "--workers-bytes", "3000", "--workers-batch-size", "8",
             "--out", str(out),
         ]
     )  # fmt: skip
@@ -34,5 +35,8 @@ def test_bench_main_tiny(tmp_path: Path, capsys: object, load_script: Callable[[
     assert ("stats", "on_vs_off", "8") in cases
     assert any(c[0] == "read_batch" and c[1].startswith("fastload") for c in cases)
     assert any(c[0] == "device" for c in cases)
+    workers = {r["variant"]: r for r in rows if r["case"] == "workers"}
+    assert set(workers) == {"cold_workers0", "cold_workers2", "warm_workers0", "warm_workers2", "warm_workers2_persistent"}
+    assert float(workers["warm_workers0"]["ratio"]) == 1.0 and float(workers["warm_workers2"]["ratio"]) > 0
     assert all(float(r["seconds"]) > 0 for r in rows if r["variant"] != "skipped")
     assert bench.main(bench.parse_args(["--cases", "nope"])) == 2

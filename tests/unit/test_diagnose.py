@@ -365,3 +365,29 @@ def test_build_inputs_from_a_report_and_the_users_settings(bare):
     v = make_verdict(x)
     assert v.stage("model").samples_per_s == pytest.approx(2560.0)
     assert v.streams_every_epoch  # --no-cache
+
+
+def test_nvml_reader_falls_back_to_the_index_and_survives_unsupported_queries():
+    class FakeNvml:
+        def __init__(self, supported: bool) -> None:
+            self.supported = supported
+
+        def nvmlDeviceGetHandleByPciBusId(self, bus_id: str) -> Any:
+            raise ValueError(f"no device {bus_id}")
+
+        def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+            return ("handle", index)
+
+        def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int:
+            if not self.supported:
+                raise RuntimeError("NotSupported")
+            return 4
+
+        def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
+            return 16
+
+    read = link_mod._nvml_reader(FakeNvml(True), 1, "0000:81:00.0")
+    assert read is not None and read() == (4, 16)
+    unsupported = link_mod._nvml_reader(FakeNvml(False), 0, None)
+    assert unsupported is not None and unsupported() == (None, None)
+    assert link_mod.under_load([unsupported()]) == {"gen": None, "width": None}

@@ -18,8 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _no_cuda_env() -> dict[str, str]:
-    # Hides a GPU where there is one, so this test checks the same thing everywhere.
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    # Hides a GPU where there is one, so this test checks the same thing everywhere;
+    # no PYTHONPATH: the script finds this checkout's fastload itself.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("PYTHONPATH", None)
+    return env
 
 
 def test_without_a_gpu_it_says_so_writes_the_report_and_exits_0(tmp_path: Path) -> None:
@@ -116,3 +119,38 @@ def test_tiled_arrays_compress_and_jpegs_decode(load_script: Callable[[str], Mod
     assert codec.parse_header(codec.encode(arrays[0].tobytes())).codec == codec.LZ4
     jpegs, _ = bench.synthetic_jpegs(2, (48, 64))
     assert all(j[:2] == b"\xff\xd8" for j in jpegs)
+
+
+def test_a_missing_dependency_of_fastload_is_named(
+    tmp_path: Path, load_script: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check = load_script("scripts/gpu_check.py")
+    monkeypatch.setattr(check, "gpu_present", lambda torch: True)
+    monkeypatch.setitem(sys.modules, "fastload", None)  # import fastload now raises ImportError
+    out = tmp_path / "r.json"
+    assert check.main(check.parse_args(["--out", str(out)])) == 1
+    report = json.loads(out.read_text())
+    assert report["status"] == "failed" and "pip install -e ." in report["reason"]
+
+
+def test_every_guard_names_a_gpu_test_that_exists(load_script: Callable[[str], ModuleType]) -> None:
+    # The report says which issue-15 bug each outcome guards; a renamed test would
+    # silently drop its line from the report.
+    check = load_script("scripts/gpu_check.py")
+    defined = {
+        line.split("def ", 1)[1].split("(", 1)[0]
+        for path in (ROOT / "tests" / "gpu").glob("test_*.py")
+        for line in path.read_text().splitlines()
+        if line.startswith("def test_")
+    }
+    assert set(check.GUARDS) - defined == set()
+
+
+def test_sync_count_leaves_out_the_debug_modes_own_notice(load_script: Callable[[str], ModuleType]) -> None:
+    # set_sync_debug_mode warns once per process that it is a prototype, in words that
+    # contain "synchronizing": counted, a pipeline without syncs read 1 per batch.
+    bench = load_script("benchmarks/gpu/bench.py")
+    notice = "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"
+    sync = "called a synchronizing CUDA operation (Triggered internally at c10/cuda/CUDAFunctions.cpp:148.)"
+    assert bench.sync_warnings([notice]) == 0
+    assert bench.sync_warnings([notice, sync, "something else", sync]) == 2

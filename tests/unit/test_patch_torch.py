@@ -132,11 +132,14 @@ def test_nested_patches_undo_in_any_order() -> None:
 
 
 def test_patch_defaults_apply_while_in_force_and_callers_win() -> None:
-    with fastload.patch_torch(stats=False, read_threads=0):
+    with fastload.patch_torch(stats=False, read_threads=0) as patch:
         plain = torch.utils.data.DataLoader(TensorDS(), batch_size=4)
         explicit = torch.utils.data.DataLoader(TensorDS(), batch_size=4, stats=True)
         direct = DataLoader(TensorDS(), batch_size=4)  # fastload's own name: no defaults
+        kept = torch.utils.data.DataLoader  # a framework holding on to the class
     after = torch.utils.data.DataLoader(TensorDS(), batch_size=4)
+    assert kept(TensorDS(), batch_size=4).stats_enabled is True  # the patch is undone
+    assert patch.defaults == {"stats": False, "read_threads": 0}
     assert (
         isinstance(plain, DataLoader) and plain.stats_enabled is False and plain.read_threads == 0
     )

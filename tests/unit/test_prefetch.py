@@ -243,6 +243,44 @@ def test_copy_seen_complete_at_hand_over_is_recorded_then() -> None:
     assert col.snapshot().stage("h2d").items == 1  # before any slot is reused, before the end
 
 
+class _NeverDone(_HostBackend):
+    """Copies that never complete (a hung device)."""
+
+    def is_done(self, slot: _Slot) -> bool:
+        return not slot.timed_bytes
+
+
+@pytest.mark.parametrize("stats", [False, True])
+def test_the_end_of_a_pass_waits_for_copies_only_to_record_them(stats: bool) -> None:
+    col = StatsCollector() if stats else None
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=2, lookahead=0, timeout=0.05, collector=col)
+    pf._backend = _NeverDone(torch.device("cpu"))
+    it = pf.iterate([torch.ones(100, dtype=torch.uint8)] * 2)  # two slots: no reuse waits
+    assert len([next(it), next(it)]) == 2
+    if stats:  # recording a copy needs its time, so the end of the pass waits (bounded)
+        with pytest.raises(LoaderError, match="did not complete within timeout"):
+            next(it)
+    else:
+        with pytest.raises(StopIteration):
+            next(it)
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_pass_ended_early_records_its_completed_copies(how: str) -> None:
+    col = StatsCollector()
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=2, collector=col)
+    it = pf.iterate([torch.ones(100, dtype=torch.uint8)] * 5)  # lookahead 1
+    next(it), next(it)  # the third batch is staged and copied, never handed out
+    assert col.snapshot().stage("h2d").items == 2
+    if how == "close":
+        it.close()  # type: ignore[attr-defined]
+        assert list(it) == []
+    else:
+        del it
+    assert col.snapshot().stage("h2d").items == 3  # every copy made is counted
+    assert len(list(pf.iterate([torch.ones(8)] * 2))) == 2  # the ring is free for the next pass
+
+
 class _CountingReleases(_HostBackend):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

@@ -1,5 +1,6 @@
 """README.md tells a new user what they need: how to reach the `fastload` command
-after `make demo` / `make test`, and where the guides are."""
+after `make demo` / `make test`, and where the guides are; the guides end cleanly
+and cite nothing a clone lacks."""
 
 from __future__ import annotations
 
@@ -41,3 +42,22 @@ def test_readme_links_every_guide() -> None:
     assert {"docs/storage.md", "docs/egpu.md"} <= linked
     for path in linked:
         assert (ROOT / path).is_file(), path
+
+
+def _guides() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("path", _guides(), ids=lambda p: p.name)
+def test_each_guide_ends_with_one_newline(path: Path) -> None:
+    text = path.read_text()
+    assert text.endswith("\n") and not text.endswith("\n\n"), path
+
+
+def test_nothing_cites_a_file_outside_the_repository() -> None:
+    # A clean clone has no shared/reference/: cite the original sources instead.
+    shipped = [*_guides(), *ROOT.glob("fastload/**/*.py"), *ROOT.glob("benchmarks/**/*.md"),
+               *ROOT.glob("benchmarks/**/*.py"), *ROOT.glob("examples/*.py"), *ROOT.glob("scripts/*")]
+    offenders = [str(p.relative_to(ROOT)) for p in shipped
+                 if p.is_file() and re.search(r"shared/reference|\blimits\.md\b", p.read_text(errors="replace"))]
+    assert offenders == []

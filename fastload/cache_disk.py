@@ -1,0 +1,207 @@
+"""The cache's disk: how much room it leaves, and what to do when it refuses writes.
+
+**Room.** The limit in force is ``cache_limit_bytes`` capped at the cache's bytes
+plus the disk's free space less a reserve (:func:`room`): the default 50 GB limit
+filled a smaller disk to 100% (issue 14).
+
+**Refused writes.** A full disk (ENOSPC, SQLite's "database or disk is full") or a
+read-only mount (EROFS) is :func:`cannot_write`; callers then serve what is cached
+and stream the rest.
+
+**The index opened for reading only.** diskcache opens its SQLite file read-write and writes its settings on every
+open, so on a full disk (or a ``mount -o ro``) ``fastload info`` and training
+failed before reading a byte (issue 14). :class:`ReadOnlyIndex` reads the same
+table through SQLite's read-only modes and decodes values with diskcache's own
+``Disk``, so every lookup the read path makes works; every write raises
+:class:`IndexUnwritable`, which callers treat as "cannot store" (reads served,
+new data streams), as they treat a full disk.
+
+Vocabulary: *read-only* = the file system refuses writes (``ST_RDONLY``,
+``EROFS``); *full* = it has no space (``ENOSPC``). Messages name which.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import diskcache
+
+# The default disk reserve (Settings.disk_reserve_bytes None): this fraction of the
+# cache's disk, at most RESERVE_MAX_BYTES, stays free however high the limit.
+RESERVE_FRACTION = 0.05
+RESERVE_MAX_BYTES = 1000**3
+KIND_WORDS = {"read-only": "the file system is read-only", "full": "the disk is full"}
+_log = logging.getLogger("fastload")
+_IN_CHUNK = 500  # keys per SELECT ... IN (...), below SQLite's oldest variable limit (999)
+
+
+def reserve_bytes(path: Path, setting: int | None) -> int:
+    """The bytes to keep free on ``path``'s disk: ``setting``, or the default share of the disk."""
+    if setting is not None:
+        return setting
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return min(RESERVE_MAX_BYTES, int(st.f_blocks * st.f_frsize * RESERVE_FRACTION))
+
+
+def room(path: Path, setting: int | None) -> int | None:
+    """Bytes the cache may still add on ``path``'s disk: its free space less the reserve
+    (None: no cap, the reserve is 0 or the disk cannot be asked)."""
+    if setting == 0:
+        return None
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize - reserve_bytes(path, setting)
+
+
+def disk_full(err: BaseException) -> bool:
+    """ENOSPC/EDQUOT, or SQLite's wording for them."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(err, sqlite3.OperationalError) and "full" in str(err)
+
+
+def cannot_write(err: BaseException) -> bool:
+    """The disk refused a write: full (:func:`disk_full`), or read-only (EROFS, SQLite's
+    "readonly database", or an index opened read-only). Reads go on; stores stream."""
+    if disk_full(err) or isinstance(err, IndexUnwritable):
+        return True
+    if isinstance(err, OSError):
+        return err.errno == errno.EROFS
+    return isinstance(err, sqlite3.OperationalError) and "readonly" in str(err)
+
+
+def unwritable_kind(err: BaseException, root: Path) -> str | None:
+    """"read-only", "full", or None when ``err`` is not about the disk refusing writes.
+
+    A read-only mount fails diskcache's open as "unable to open database file", which
+    names neither cause, so the mount flag decides first.
+    """
+    if read_only_fs(root) or (cannot_write(err) and not disk_full(err)):
+        return "read-only"
+    return "full" if disk_full(err) else None
+
+
+class IndexUnwritable(sqlite3.OperationalError):
+    """A write to an index opened read-only (the disk is full or mounted read-only)."""
+
+
+def read_only_fs(path: Path) -> bool:
+    """Whether the file system holding ``path`` is mounted read-only."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+class ReadOnlyIndex:
+    """diskcache's index table, read through SQLite without writing anything.
+
+    Args:
+        directory: diskcache's folder (``<cache>/index``).
+        reason: Why it is read-only, for messages ("the file system is read-only", ...).
+    """
+
+    def __init__(self, directory: Path, reason: str) -> None:
+        self.directory = directory
+        self.reason = reason
+        self._db = directory / "cache.db"
+        if not self._db.exists():
+            raise FileNotFoundError(f"no cache index at {self._db}")
+        self._disk = diskcache.Disk(str(directory))
+        self._local = threading.local()
+        self._pid = os.getpid()
+        self._uri = self._pick_uri()
+
+    def _pick_uri(self) -> str:
+        # mode=ro sees writes of other processes (WAL), but needs the -shm file to exist
+        # or to be creatable; on a read-only mount neither holds, and nothing can change
+        # under us there, so immutable=1 (no locks, no -shm) is exact.
+        for uri in (f"file:{self._db}?mode=ro", f"file:{self._db}?immutable=1"):
+            try:
+                con = sqlite3.connect(uri, uri=True, check_same_thread=False)
+                try:
+                    con.execute("SELECT 1 FROM Cache LIMIT 1").fetchall()
+                finally:
+                    con.close()
+                if "immutable" in uri and Path(f"{self._db}-wal").stat().st_size if Path(f"{self._db}-wal").exists() else False:
+                    _log.info("cache index %s: its write-ahead log was not checkpointed before the file system went "
+                              "read-only; the entries written last are not seen (they stream)", self._db)
+                return uri
+            except sqlite3.Error as err:
+                last = err
+        raise last
+
+    def _con(self) -> sqlite3.Connection:
+        if self._pid != os.getpid():  # a forked child opens its own connections
+            self._local, self._pid = threading.local(), os.getpid()
+        con = getattr(self._local, "con", None)
+        if con is None:
+            con = self._local.con = sqlite3.connect(self._uri, uri=True, check_same_thread=False)
+        return con
+
+    def _fetch(self, mode: int, filename: str | None, value: Any) -> Any:
+        return self._disk.fetch(mode, filename, value, False)
+
+    # -- reads (what Cache, Reader and the datasets ask of the index) ------------
+
+    def get(self, key: str, default: Any = None) -> Any:
+        row = self._con().execute("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1", (key,)).fetchone()
+        if row is None:
+            return default
+        try:
+            return self._fetch(*row)
+        except OSError:  # a value file deleted since the query, as diskcache's get treats it
+            return default
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for i in range(0, len(keys), _IN_CHUNK):
+            part = list(keys[i : i + _IN_CHUNK])
+            marks = ",".join("?" * len(part))
+            for key, mode, filename, value in self._con().execute(
+                f"SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND key IN ({marks})", part
+            ).fetchall():
+                try:
+                    out[key] = self._fetch(mode, filename, value)
+                except OSError:
+                    pass  # deleted since the query
+        return out
+
+    def iterkeys(self, reverse: bool = False) -> Iterator[Any]:
+        order = "DESC" if reverse else "ASC"
+        rows = self._con().execute(f"SELECT key, raw FROM Cache ORDER BY rowid {order}").fetchall()
+        return iter([key if raw else self._disk.get(key, raw) for key, raw in rows])
+
+    def bind_thread(self) -> None:
+        pass  # connections are per thread already, and hold no write state
+
+    def close(self) -> None:
+        con = getattr(self._local, "con", None)
+        if con is not None:
+            con.close()
+            self._local.con = None
+
+    # -- writes: refused ------------------------------------------------------------
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise IndexUnwritable(f"the cache index at {self.directory} is open read-only: {self.reason}")
+
+    set = add = delete = pop = incr = clear = _refuse
+
+    @contextmanager
+    def transact(self, retry: bool = False) -> Iterator[None]:
+        self._refuse()
+        yield  # pragma: no cover - never reached
