@@ -123,6 +123,9 @@ def encode(
         raise CodecError(f"payload metadata is {len(meta_bytes)} B; the limit is {MAX_META_BYTES} B")
     digest = checksum(view)
     raw_size = len(view)
+    if precompressed(view):  # LZ4 would be tried on every chunk, then thrown away
+        header = _HEADER.pack(MAGIC, VERSION, RAW, 0, raw_size, chunk_bytes, 0, digest, len(meta_bytes))
+        return b"".join([header, meta_bytes, view])
     mode = "high_compression" if level > 0 else "default"
     chunks = [
         lz4.block.compress(view[i : i + chunk_bytes], mode=mode, compression=level, store_size=False)
@@ -135,6 +138,23 @@ def encode(
         return b"".join([header, meta_bytes, sizes, *chunks])
     header = _HEADER.pack(MAGIC, VERSION, RAW, 0, raw_size, chunk_bytes, 0, digest, len(meta_bytes))
     return b"".join([header, meta_bytes, view])
+
+
+# Magic numbers of formats that are compressed already: JPEG, PNG, GIF, WebP (RIFF),
+# gzip, zip, zstd, xz, bzip2, 7z. LZ4 saves ~0% on them; trying it was ~5% of a cold
+# epoch's CPU over JPEGs (py-spy, benchmarks/peers/cpu_per_object.py).
+_PRECOMPRESSED = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"RIFF", b"\x1f\x8b", b"PK\x03\x04",
+                  b"\x28\xb5\x2f\xfd", b"\xfd7zXZ", b"BZh", b"7z\xbc\xaf")
+
+
+def precompressed(view: memoryview | bytes) -> bool:
+    """Whether ``view`` starts like a format that is compressed already (stored raw, untried).
+
+    >>> precompressed(b"\xff\xd8\xff\xe0 JFIF"), precompressed(b"plain text")
+    (True, False)
+    """
+    head = bytes(view[:4])
+    return head.startswith(_PRECOMPRESSED) and not (head == b"RIFF" and bytes(view[8:12]) not in (b"WEBP", b"AVI "))
 
 
 def parse_header(payload: bytes | memoryview) -> PayloadInfo:

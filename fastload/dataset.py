@@ -69,7 +69,7 @@ class _CachedDataset(torch.utils.data.Dataset):
         self.transform = transform
         self.reader = Reader(settings, storage_options)
         # lazy_sizes: a listing without sizes (HTTP) is completed by each item's first
-        # GET when it is read (Reader.complete_first), not by a HEAD per item up front.
+        # GET when it is read (Fetcher.complete), not by a HEAD per item up front.
         # A refresh re-checks every item now, so no pin of the old listing is trusted.
         lazy = lazy_sizes and not refresh
         self.items: list[RemoteItem] = self.reader.list(url, pattern, refresh=refresh, complete=not lazy)
@@ -81,17 +81,19 @@ class _CachedDataset(torch.utils.data.Dataset):
         self._save_if_sized()
         self.reader.warn_if_oversized([i for i in self.items if i.size >= 0])
 
-    def _sized(self, indices: Sequence[int]) -> list[RemoteItem]:
-        """The items at ``indices``, each with its size (completed on first read)."""
+    def _sized(self, indices: Sequence[int]) -> tuple[list[RemoteItem], dict[str, bytes]]:
+        """The items at ``indices``, each with its size (completed on first read), and the
+        first blocks fetched to complete them (cache key -> bytes: read from memory, not disk)."""
         items = [self.items[i] for i in indices]
+        fresh: dict[str, bytes] = {}
         if self._unsized and any(i.size < 0 for i in items):
-            items = self.reader.complete_first(self.reader.pinned(items))
+            items, fresh = self.reader.fetcher.complete(items)
             for i, item in zip(indices, items):
                 if self.items[i].size < 0:
                     self.items[i] = item
                     self._unsized -= 1
             self._save_if_sized()
-        return items
+        return items, fresh
 
     def _save_if_sized(self) -> None:
         # Once every size is known here, the listing becomes the recorded manifest, so
@@ -196,8 +198,8 @@ class FileDataset(_CachedDataset):
         return self.label(rel) if callable(self.label) else None
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        item = self._sized([index])[0]
-        return self._sample(index, item, self.reader.read(item))
+        items, fresh = self._sized([index])
+        return self._sample(index, items[0], self.reader.read(items[0], fresh))
 
     def _sample(self, index: int, item: RemoteItem, data: bytes | Span) -> dict[str, Any]:
         sample: dict[str, Any] = {"data": self._apply(data, item.url), "url": item.url}
@@ -205,15 +207,15 @@ class FileDataset(_CachedDataset):
             sample["label"] = self.label_of(index)
         return sample
 
-    def prefetch(self, indices: Sequence[int]) -> None:
+    def fetch_ahead(self, indices: Sequence[int]) -> None:
         """Start fetching the files at ``indices`` ahead of their read (fastload.DataLoader calls it)."""
-        self.reader.prefetch([self.items[i] for i in indices])
+        self.reader.fetcher.ahead([self.items[i] for i in indices])
 
     def read_batch(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """``[self[i] for i in indices]``, with the files read as one batch."""
         if not self._own_getitem(FileDataset):
             return super().read_batch(indices)
-        items = self._sized(indices)
+        items, fresh = self._sized(indices)
         sizes = [item.size for item in items]
         if self.transform is None and get_worker_info() is not None:
             # In a DataLoader worker whose batches cross through shared buffers, and
@@ -222,10 +224,10 @@ class FileDataset(_CachedDataset):
             offsets = _offsets(sizes)
             lease = read_buffer(offsets[-1] + sizes[-1]) if sizes else None
             if lease is not None:
-                self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], lease)
+                self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], lease, fresh)
                 return [self._sample(i, item, Span(off, item.size)) for i, item, off in zip(indices, items, offsets)]
         out, offsets = _batch_buffer(sizes)
-        self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], out)
+        self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], out, fresh)
         view = out.data
         return [
             self._sample(index, item, bytes(view[off : off + item.size]))

@@ -6,14 +6,18 @@ in fastload bounds requests, so this is the one home of that number.
 
 * **Cap.** ``Settings.workers`` (``--workers``, ``FASTLOAD_WORKERS``): the most
   requests one process ever has in flight to one host, for staging and training
-  alike (tests/integration/test_hostlimit.py counts connections at the server).
+  alike (tests/integration/test_hostlimit_server.py counts connections at the server).
 * **Limit.** Under the cap, an AIMD controller chooses how many may run. It
-  starts at :data:`START`, grows while the host's throughput rises (by half
-  while each step pays, then by one while each step pays, taking back a step
-  that made it fall, and trying one more now and then), and halves on a congestion
+  starts at :data:`START`, grows while the host's throughput rises and its
+  requests' latency does not (doubling while each step pays, then by one while
+  each step pays, taking back a step that made throughput fall, and trying one
+  more now and then), and halves on a congestion
   signal: a connect timeout, a reset or refused connection, HTTP 429 or 503,
-  S3 ``SlowDown``, or throughput collapsing (a server whose listen backlog
-  overflows drops SYNs, which TCP retries only after a second or more).
+  S3 ``SlowDown``, a TCP connect slower than :data:`SLOW_CONNECT_S` (a server
+  whose listen backlog overflows drops SYNs, which TCP retries only after a
+  second). Throughput alone never cuts: on a shared machine it dips for reasons
+  of its own (an unshaped loopback cut itself three times an epoch). A server that closes each connection
+  after its answer stays at :data:`CLOSING_MAX`.
 
 The limit a host settled on is reported by :func:`settled` (``loader.stats()``,
 ``fastload cache --json``, ``fastload diagnose``).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import os
 import threading
 import time
@@ -35,11 +40,17 @@ from typing import Any
 from urllib.parse import urlsplit
 
 START = 4  # requests allowed at first: a small server is never met with a burst
-GROW_STEP_MAX = 4  # new requests a growth step may add at once (a burst of SYNs overflows a backlog of 5)
-RISE = 1.1  # a step "pays" when throughput rises by at least this factor
+RISE = 1.05  # a step "pays" when throughput rises by at least this factor
+QUEUED = 2.0  # mean latency above this many times its lowest: requests are queueing, not adding throughput
 FALL = 0.9  # a step "hurts" when throughput falls below this factor: take it back
-COLLAPSE = 0.4  # throughput below this fraction of the best seen is a congestion signal
-WINDOW_MIN_S = 0.1  # a window shorter than this is too noisy to judge
+# A server that closes the connection after each answer (HTTP/1.0, as http.server)
+# takes every request through its listen queue: 5 deep in Python's socketserver. In
+# a namespace running `python -m http.server`, 9 requests in flight overflowed it 3
+# times in 3 stagings (TcpExtListenOverflows), 4 never did; each overflow costs a
+# SYN retried after 1 s.
+CLOSING_MAX = 4
+SLOW_CONNECT_S = 0.5  # a TCP connect this slow was retried: the server's listen backlog overflowed
+WINDOW_MIN_S = 0.05  # a window shorter than this is too noisy to judge
 WINDOW_MIN_REQUESTS = 8
 PROBE_EVERY = 8  # windows held before trying one more again (conditions change)
 
@@ -59,7 +70,8 @@ class HostLimit:
         self.in_flight = 0
         self.peak = 0  # most requests ever in flight at once
         self.cuts = 0  # congestion signals that cut the limit
-        self.last_cut = ""  # what the last one was: an error's type, or "collapse"
+        self.last_cut = ""  # what the last one was: an error's type, or "slow connect"
+        self.closing = False  # the host closes each connection after its answer (CLOSING_MAX)
         self._lock = threading.Lock()
         self._waiters: collections.deque[Callable[[], bool]] = collections.deque()
         self._slow_start = True
@@ -67,6 +79,7 @@ class HostLimit:
         self._cut_guard = 0  # no second cut before _done reaches this (one cut per window)
         self._best = 0.0
         self._prev = 0.0
+        self._base = 0.0  # the lowest mean request latency of a window: latency without queueing
         self._grew = False  # the last window's verdict was "one more"
         self._held = 0  # windows judged without a change
         self._new_window(time.monotonic())
@@ -166,6 +179,7 @@ class HostLimit:
             elif outcome.error is None:
                 self._window_bytes += outcome.nbytes
                 self._window_done += 1
+                self._window_latency += now - outcome.t0
                 self._judge(now)
             wake = self._hand_over()
         for fn in wake:
@@ -173,10 +187,23 @@ class HostLimit:
 
     # -- the controller (under the lock) --------------------------------------------
 
+    def closes_connections(self) -> None:
+        """The host closed a connection after its answer: hold the limit to CLOSING_MAX."""
+        if not self.closing:
+            with self._lock:
+                self.closing = True
+                self.limit = min(self.limit, float(CLOSING_MAX))
+
+    def signal(self, why: str) -> None:
+        """A congestion signal seen outside a request's result (a connect retried by TCP)."""
+        with self._lock:
+            self._cut(time.monotonic(), why)
+
     def _new_window(self, now: float) -> None:
         self._window_start = now
         self._window_bytes = 0
         self._window_done = 0
+        self._window_latency = 0.0
         self._full = self.in_flight >= int(self.limit)
 
     def _cut(self, now: float, why: str) -> None:
@@ -195,15 +222,17 @@ class HostLimit:
         if self._window_done < max(WINDOW_MIN_REQUESTS, int(self.limit)) or elapsed < WINDOW_MIN_S:
             return
         rate = (self._window_bytes or self._window_done) / elapsed
-        if self._best and rate < self._best * COLLAPSE and self._full:
-            self._cut(now, "collapse")
-            return
         if self._full:  # only a window that used the whole limit says anything about its size
-            paid = not self._prev or rate >= self._prev * RISE
+            # Latency says whether requests now queue somewhere (the link, the server's
+            # threads or its accept queue): only a step that adds throughput, not queueing, pays.
+            latency = self._window_latency / self._window_done
+            self._base = min(self._base or latency, latency)
+            queued = latency > self._base * QUEUED
+            paid = (not self._prev or rate >= self._prev * RISE) and not queued
             if self._slow_start and not paid:
                 self._slow_start = False  # that step did not pay: one at a time from here
             if self._slow_start:
-                self._step(min(GROW_STEP_MAX, max(1.0, self.limit / 2)))
+                self._step(self.limit)  # doubles: 20 ms to first byte needs ~30 in flight at 1 Gbit
             elif self._grew and rate < self._prev * FALL:
                 self._step(-1.0)  # one more made it worse
             elif paid or self._held >= PROBE_EVERY:
@@ -216,7 +245,8 @@ class HostLimit:
         self._new_window(now)
 
     def _step(self, by: float) -> None:
-        self.limit = min(float(self.cap), max(1.0, self.limit + by))
+        ceiling = min(self.cap, CLOSING_MAX) if self.closing else self.cap
+        self.limit = min(float(ceiling), max(1.0, self.limit + by))
         self._grew = by > 0
         self._held = 0
 
@@ -228,9 +258,10 @@ class HostLimit:
 class _Outcome:
     """What a request holding a slot reports: its bytes, or the error it raised."""
 
-    __slots__ = ("error", "nbytes")
+    __slots__ = ("error", "nbytes", "t0")
 
     def __init__(self) -> None:
+        self.t0 = time.monotonic()  # when the slot was granted
         self.nbytes = 0
         self.error: BaseException | None = None
 
@@ -243,6 +274,12 @@ def _async_waker(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], 
             future.set_result(None)
 
     def wake() -> bool:
+        try:
+            if asyncio.get_running_loop() is loop:  # released on the loop itself: no self-pipe write
+                resolve()
+                return True
+        except RuntimeError:  # released by a thread without a running loop
+            pass
         try:
             loop.call_soon_threadsafe(resolve)
         except RuntimeError:  # the loop is closed: nobody will take the slot
@@ -310,6 +347,46 @@ def limit_for(host: str, cap: int) -> HostLimit:
     if limit.cap != cap:
         limit.set_cap(cap)
     return limit
+
+
+@functools.cache  # one object: fsspec caches filesystems by their options, a new one each time would defeat it
+def aiohttp_trace() -> Any:
+    """An aiohttp ``TraceConfig`` that reports slow TCP connects, and servers that close
+    each connection, to their host's limit.
+
+    A server whose listen backlog is full drops the SYN; TCP sends it again after
+    a second, then two, and the request just looks slow. Only the connect's own
+    duration tells (tests/integration/test_hostlimit_server.py).
+    """
+    import aiohttp
+
+    trace = aiohttp.TraceConfig()
+
+    async def on_request_start(session: Any, ctx: Any, params: Any) -> None:
+        ctx.url = str(params.url)
+
+    async def on_connect_start(session: Any, ctx: Any, params: Any) -> None:
+        ctx.connect_t0 = time.monotonic()
+
+    async def on_connect_end(session: Any, ctx: Any, params: Any) -> None:
+        t0, url = getattr(ctx, "connect_t0", None), getattr(ctx, "url", None)
+        if t0 is not None and url is not None and time.monotonic() - t0 > SLOW_CONNECT_S:
+            limit = _LIMITS.get(host_of(url))
+            if limit is not None:
+                limit.signal("slow connect")
+
+    async def on_request_end(session: Any, ctx: Any, params: Any) -> None:
+        response = params.response
+        if response.version < (1, 1) or response.headers.get("Connection", "").lower() == "close":
+            limit = _LIMITS.get(host_of(str(params.url)))
+            if limit is not None:
+                limit.closes_connections()
+
+    trace.on_request_start.append(on_request_start)
+    trace.on_request_end.append(on_request_end)
+    trace.on_connection_create_start.append(on_connect_start)
+    trace.on_connection_create_end.append(on_connect_end)
+    return trace
 
 
 def settled() -> dict[str, dict[str, Any]]:

@@ -428,7 +428,7 @@ class DataLoader(tud.DataLoader[T_co]):
         ahead = DEFAULT_READ_AHEAD if self.read_ahead is None else self.read_ahead
         collector = self._fl_collector if self.stats_enabled else None
         batches: Iterator[Any] = state._sampler_iter
-        hint = getattr(self.dataset, "prefetch", None)
+        hint = getattr(self.dataset, "fetch_ahead", None)
         if callable(hint) and self._auto_collation:
             batches = Lookahead(batches, hint, depth_for(self.batch_size))
         state._sampler_iter = batches

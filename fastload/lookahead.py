@@ -5,7 +5,7 @@ threads. Over a link with 20 ms to first byte that bounds the requests in
 flight by threads x chunk size, not by what the link could carry: 2 threads kept
 64 GETs in flight on the 1gbit+20ms link of benchmarks/peers. :class:`Lookahead`
 draws index batches further ahead of the readers and hands each to the dataset's
-``prefetch(indices)`` (see :meth:`fastload.reader.Reader.prefetch`), whose
+``fetch_ahead(indices)`` (see :meth:`fastload.fetch.Fetcher.ahead`), whose
 requests run on fsspec's event loop without a thread each.
 """
 

@@ -3,7 +3,8 @@
 :class:`Reader` is the one place that joins a :class:`~fastload.source.Source`
 (the remote) with the :class:`~fastload.cache.Cache` (the local disk). Datasets,
 ``fastload.open``, the ``fastload::`` fsspec protocol and staging all go
-through it, so they share one identity and one miss path.
+through it, so they share one identity; its misses, fetches ahead and staging's
+fetches all go to its :class:`~fastload.fetch.Fetcher`, the one fetch path.
 
 **Manifests.** Listing a dataset (``Reader.list``) records the listing and each
 object's fingerprint (size + ETag/mtime) in the cache index. Afterwards, reading
@@ -21,26 +22,20 @@ shard or .npy file fetches only the blocks it touches.
 from __future__ import annotations
 
 import builtins
-import contextvars
 import hashlib
 import logging
-import os
-import sqlite3
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fastload.cache import Cache, cannot_write, entry_key
+from fastload.cache import Cache, entry_key
 from fastload.config import Settings, format_size
 from fastload.errors import (
-    CacheFullError,
-    CacheLimitError,
     ConfigError,
     EmptyDatasetError,
-    RemoteChangedError,
 )
+from fastload.fetch import Fetcher
 from fastload.source import RemoteItem, Source, glob_to_regex, nothing_matched
 from fastload.stats import current_collector
 
@@ -49,8 +44,6 @@ _log = logging.getLogger("fastload")
 
 
 KEYS_MAX = 1 << 20  # cache keys remembered per Reader
-AHEAD_ITEMS = 512  # first blocks fetched ahead per Reader, at most (prefetch)
-AHEAD_ITEM_BYTES = 1 << 20  # larger objects are not fetched ahead: their transfer, not latency, dominates
 
 
 def _checked_urls(urls: Sequence[str]) -> builtins.list[str]:
@@ -93,13 +86,8 @@ class Reader:
         self.cache = cache or Cache(self.settings)
         self._sources: dict[str, Source] = {}
         self._lock = threading.Lock()
-        self._inflight: dict[str, threading.Lock] = {}
-        self._pool: ThreadPoolExecutor | None = None  # concurrent misses (_read_blocks)
-        self._pool_pid = 0
         self._keys: dict[tuple[RemoteItem, int], str] = {}
-        # First blocks being fetched ahead of their reads (prefetch): url -> (item, future).
-        self._ahead: dict[str, tuple[RemoteItem, Future[Any]]] = {}
-        self._ahead_pid = os.getpid()
+        self.fetcher = Fetcher(self)  # every miss, fetch ahead and staging fetch goes through it
         self._warned_limit = False
         self.hits = 0
         self.misses = 0
@@ -246,8 +234,6 @@ class Reader:
                     out.append({"root": root, "pattern": pattern or None, **rec})
         return out
 
-    # -- sizeless items (HTTP listings) ---------------------------------------
-
     def pinned(self, items: builtins.list[RemoteItem]) -> builtins.list[RemoteItem]:
         """``items``, those without a size filled in from their pins where pinned (one index query)."""
         need = ["u:" + i.url for i in items if i.size < 0]
@@ -259,101 +245,6 @@ class Reader:
             pin = pins.get("u:" + item.url) if item.size < 0 else None
             out.append(item if pin is None else RemoteItem(item.url, int(pin[0]), str(pin[1])))
         return out
-
-    def complete_first(self, items: builtins.list[RemoteItem]) -> builtins.list[RemoteItem]:
-        """``items`` with sizes: each sizeless one completed by the GET of its first block.
-
-        An HTTP listing has no sizes; a HEAD per object before its GET cost a round trip
-        and ~0.5 ms of CPU each, before the first byte moved (benchmarks/peers). Here the
-        GETs of a batch overlap (:meth:`Source.read_first_many`); their first blocks are
-        cached and their fingerprints pinned, so other processes and epochs find them.
-        """
-        todo = [i for i, item in enumerate(items) if item.size < 0]
-        if not todo:
-            return items
-        t0 = time.perf_counter()
-        got = self._first_blocks([items[i] for i in todo])
-        self._record("fetch", len(got), sum(len(d) for _, d in got), t0)
-        # Pins first: a process killed between the two then refetches only blocks it
-        # never cached, not ones it cached but cannot find again (tests/reliability/test_train_kill.py).
-        try:
-            self.pin([item for item, _ in got])
-        except sqlite3.OperationalError as err:
-            if not cannot_write(err):  # pins save a request later; a full or read-only disk must not fail the read
-                raise
-        self.store_blocks([((item, 0), data) for item, data in got])
-        out = list(items)
-        for i, (item, _) in zip(todo, got):
-            out[i] = item
-        return out
-
-    # -- fetching ahead ---------------------------------------------------------
-
-    def prefetch(self, items: builtins.list[RemoteItem]) -> int:
-        """Start fetching the first block of items that will be read soon; returns how many started.
-
-        Advisory: a read that finds its item's fetch under way waits for it (and caches
-        it) instead of requesting it again. The requests run on fsspec's event loop, so
-        how many are in flight no longer depends on how many threads wait: on the 20 ms
-        link of benchmarks/peers, 2 loader threads kept only 64 GETs in flight. Only
-        objects of one block and at most ``AHEAD_ITEM_BYTES`` (or of unknown size) are
-        fetched ahead, at most ``AHEAD_ITEMS`` at a time, so memory stays bounded.
-        """
-        if self._ahead_pid != os.getpid():  # futures of the parent's event loop
-            self._ahead, self._ahead_pid = {}, os.getpid()
-        limit = self._ahead_bytes
-        todo = [i for i in items if i.url not in self._ahead and i.size <= limit]
-        todo = todo[: max(0, AHEAD_ITEMS - len(self._ahead))]
-        known = self.cache.known
-        todo = [i for i in todo if i.size < 0 or self.key(i, 0) not in known]  # cached here already: skip
-        sized = [i for i in todo if i.size >= 0]
-        if sized:  # cached by another process: nothing to fetch either
-            cached = {i.url for i, e in zip(sized, self.cache.entries_for([self.key(i, 0) for i in sized])) if e is not None}
-            todo = [i for i in todo if i.url not in cached]
-        started = 0
-        for item in todo:
-            future = self.source(item.url).start_first(item, limit)
-            if future is None:
-                break  # this store has no event loop: reads fetch as they go
-            self._ahead[item.url] = (item, future)
-            started += 1
-        return started
-
-    @property
-    def _ahead_bytes(self) -> int:
-        """Bytes fetched ahead per object: its first block, at most AHEAD_ITEM_BYTES."""
-        return min(self.settings.block_bytes, AHEAD_ITEM_BYTES)
-
-    def _take_ahead(self, item: RemoteItem) -> Future[Any] | None:
-        got = self._ahead.pop(item.url, None) if self._ahead_pid == os.getpid() else None
-        if got is None:
-            return None
-        ahead, future = got
-        if ahead != item:
-            future.cancel()  # started for another identity of the object
-            return None
-        return future
-
-    def _first_blocks(self, items: builtins.list[RemoteItem]) -> builtins.list[tuple[RemoteItem, bytes]]:
-        """:meth:`Source.read_first` of each, from fetches started ahead where there are some."""
-        bb = self.settings.block_bytes
-        out: builtins.list[tuple[RemoteItem, bytes] | None] = [None] * len(items)
-        rest = []
-        for k, item in enumerate(items):
-            future = self._take_ahead(item)
-            if future is None:
-                rest.append(k)
-                continue
-            src = self.source(item.url)
-            done, data = src.finish_first(item, self._ahead_bytes, future)
-            if len(data) != min(bb, done.size):  # larger than fetched ahead: its whole first block
-                done, data = src.read_first(done, bb)
-            out[k] = (done, data)
-        if rest:
-            got = self.source(items[rest[0]].url).read_first_many([items[k] for k in rest], bb)
-            for k, pair in zip(rest, got):
-                out[k] = pair
-        return [pair for pair in out if pair is not None]
 
     # -- blocks ---------------------------------------------------------------
 
@@ -376,78 +267,17 @@ class Reader:
         return key
 
     def read_block(self, item: RemoteItem, block: int) -> bytes:
-        """One block of ``item``: from the cache, or fetched, stored and returned."""
+        """One block of ``item``: from the cache, or fetched (fastload.fetch), stored and returned."""
         key = self.key(item, block)
         t0 = time.perf_counter()
         data = self.cache.get(key)
         if data is not None:
-            self._record("cache_read", 1, len(data), t0)
+            self.record("cache_read", 1, len(data), t0)
             return data
-        # One fetch per block per process even when threads miss together.
-        with self._lock:
-            gate = self._inflight.setdefault(key, threading.Lock())
-        with gate:
-            data = self.cache.get(key)
-            if data is None:
-                data = self.fetch_block(item, block)
-            else:
-                self.hits += 1
-        with self._lock:
-            self._inflight.pop(key, None)
-        return data
+        return self.fetcher.fetch([(item, block)])[0]
 
-    def fetch_block(self, item: RemoteItem, block: int, *, store: bool = True) -> bytes:
-        """Fetch one block from the remote and (if ``store``) cache it; counts a miss."""
-        data = self.fetch_blocks([(item, block)])[0]
-        if store:
-            self.store_block(item, block, data)
-        return data
-
-    def fetch_blocks(self, blocks: builtins.list[tuple[RemoteItem, int]]) -> builtins.list[bytes]:
-        """Fetch blocks from the remote, their requests overlapping (Source.read_many); counts misses."""
-        if not blocks:
-            return []
-        t0 = time.perf_counter()
-        spans = [self.block_span(item, block) for item, block in blocks]
-        ranges: builtins.list[tuple[str, int, int | None]] = [
-            (item.url, start, None if start == 0 and end == item.size else end) for (item, _), (start, end) in zip(blocks, spans)
-        ]
-        fetched: builtins.list[bytes | Exception | None] = [None] * len(blocks)
-        for k, (item, block) in enumerate(blocks):
-            future = self._take_ahead(item) if block == 0 else None
-            if future is not None:
-                try:
-                    fetched[k] = self.source(item.url).finish_first(item, self._ahead_bytes, future)[1]
-                except Exception as err:
-                    fetched[k] = err
-        rest = [k for k, d in enumerate(fetched) if d is None]
-        if rest:
-            for k, d in zip(rest, self.source(blocks[rest[0]][0].url).read_many([ranges[k] for k in rest])):
-                fetched[k] = d
-        got: builtins.list[bytes] = []
-        for (item, block), (start, end), data in zip(blocks, spans, fetched):
-            assert data is not None
-            if isinstance(data, FileNotFoundError):
-                raise RemoteChangedError(
-                    f"{item.url}: listed (or staged) but now missing on the remote ({data}); fix: re-list with "
-                    "refresh=True / `fastload cache --refresh`"
-                ) from data
-            if isinstance(data, Exception):
-                raise data
-            if len(data) != end - start:
-                raise RemoteChangedError(
-                    f"{item.url}: remote now returns {len(data)} B for block {block}, expected {end - start} B from its "
-                    "recorded size; the object changed since it was listed; fix: `fastload cache --refresh` or refresh=True"
-                )
-            got.append(data)
-        self._record("fetch", len(got), sum(len(d) for d in got), t0)
-        return got
-
-    def store_block(self, item: RemoteItem, block: int, data: bytes) -> None:
-        """Cache a fetched block; a cache that cannot hold it degrades to streaming."""
-        self.store_blocks([((item, block), data)])
-
-    def _warn_streaming(self, why: str) -> None:
+    def warn_streaming(self, why: str) -> None:
+        """Warn once that this reader serves data it cannot cache."""
         if not self._warned_limit:
             self._warned_limit = True
             _log.warning("fastload is streaming: %s", why)
@@ -458,14 +288,14 @@ class Reader:
         limit = self.cache.limit_bytes()  # capped by the disk's free space less its reserve
         if total > limit:
             capped = limit < self.settings.cache_limit_bytes
-            self._warn_streaming(
+            self.warn_streaming(
                 f"dataset is {format_size(total)} but the cache limit {'in force ' if capped else ''}is "
                 f"{format_size(limit)}{' (the disk has no more room)' if capped else ''}; items will be evicted and "
                 f"refetched each epoch ({'free space on the cache disk' if capped else 'raise --cache-limit / FASTLOAD_CACHE_LIMIT'}"
                 " to cache it all)"
             )
 
-    def _record(self, stage: str, items: int, nbytes: int, t0: float) -> None:
+    def record(self, stage: str, items: int, nbytes: int, t0: float) -> None:
         """Count ``items`` cache hits (stage ``cache_read``) or misses (``fetch``) since ``t0``."""
         if stage == "fetch":
             self.misses += items
@@ -476,17 +306,20 @@ class Reader:
         collector.add(stage, items=items, bytes=nbytes, seconds=time.perf_counter() - t0)
         collector.count("cache_miss" if stage == "fetch" else "cache_hit", items)
 
-    def read_into(self, requests: Sequence[tuple[RemoteItem, int, int, int]], out: Any) -> None:
+    def read_into(self, requests: Sequence[tuple[RemoteItem, int, int, int]], out: Any,
+                  fresh: Mapping[str, bytes] | None = None) -> None:
         """Bytes ``[start, end)`` of each item into ``out`` at byte ``dst``, as one batch.
 
         The batch-assembly path of the datasets' ``read_batch``: the blocks the
         requests touch are read through :meth:`Cache.read_into` (checked and decoded
         once per call however many ranges they serve, in C when it is built), and
-        only the blocks that miss go through :meth:`read_block` (fetched, stored).
+        the blocks that miss are fetched together (:meth:`Fetcher.fetch`).
 
         Args:
             requests: ``(item, start, end, dst)`` with ``0 <= start <= end <= item.size``.
             out: A writable, C-contiguous buffer (see :func:`fastload.gather.gather`).
+            fresh: Blocks just fetched (cache key -> bytes, from :meth:`Fetcher.complete`):
+                copied from memory, not read back from disk, and not counted again.
         """
         bb = self.settings.block_bytes
         plan: dict[str, tuple[RemoteItem, int, builtins.list[tuple[int, int, int]]]] = {}
@@ -500,93 +333,31 @@ class Reader:
                 if step is None:
                     step = plan[key] = (item, block, [])
                 step[2].append((lo - base, hi - lo, dst + lo - start))
+        view = memoryview(out).cast("B")
+        if fresh:
+            for key in [k for k in plan if k in fresh]:
+                data = fresh[key]
+                for lo, n, dst in plan.pop(key)[2]:
+                    view[dst : dst + n] = data[lo : lo + n]
         keys = list(plan)
         t0 = time.perf_counter()
         missed = self.cache.read_into([(k, plan[k][2]) for k in keys], out)
         if len(missed) < len(keys):
             hit = set(keys) - {keys[i] for i in missed}
             spans = [self.block_span(plan[k][0], plan[k][1]) for k in hit]
-            self._record("cache_read", len(hit), sum(b - a for a, b in spans), t0)
+            self.record("cache_read", len(hit), sum(b - a for a, b in spans), t0)
         if missed:
-            view = memoryview(out).cast("B")
             steps = [plan[keys[i]] for i in missed]
-            for (_, _, copies), data in zip(steps, self._read_blocks([(it, b) for it, b, _ in steps])):
+            for (_, _, copies), data in zip(steps, self.fetcher.fetch([(it, b) for it, b, _ in steps])):
                 for lo, n, dst in copies:
                     view[dst : dst + n] = data[lo : lo + n]
 
-    def _read_blocks(self, blocks: builtins.list[tuple[RemoteItem, int]]) -> builtins.list[bytes]:
-        """:meth:`read_block` of each, the misses of one call fetched concurrently and stored together.
-
-        One after another, every miss of a loader thread's chunk waited a full round
-        trip: 8 read threads kept only 8 requests in flight, ~380 items/s with 20 ms to
-        first byte (benchmarks/peers, link 1gbit+20ms). Now they overlap: on fsspec's
-        event loop for async stores (HTTP, S3, GCS: :meth:`fetch_blocks`), else on a pool
-        of ``Settings.workers`` threads, each task in a copy of the caller's context so
-        the loader's stats collector still sees the fetches. The fetched blocks are then
-        cached by one :meth:`Cache.put_many` (two index transactions, not two per block).
-        """
-        if len(blocks) < 2:
-            return [self.read_block(item, block) for item, block in blocks]
-        # Claim each block's fetch without waiting: a block another thread is fetching
-        # is read after ours (a cache hit by then), so two threads never wait on each other.
-        mine: builtins.list[tuple[int, str, threading.Lock]] = []
-        with self._lock:
-            if self._pool is None or self._pool_pid != os.getpid():
-                # A forked child inherits the pool without its threads: start a new one.
-                self._pool = ThreadPoolExecutor(self.settings.workers, thread_name_prefix="fastload-fetch")
-                self._pool_pid = os.getpid()
-            pool = self._pool
-            for i, (item, block) in enumerate(blocks):
-                key = self.key(item, block)
-                gate = self._inflight.setdefault(key, threading.Lock())
-                if gate.acquire(blocking=False):
-                    mine.append((i, key, gate))
-        out: builtins.list[bytes | None] = [None] * len(blocks)
-        error: BaseException | None = None
-        try:
-            if mine and getattr(self.source(blocks[0][0].url).fs, "async_impl", False):
-                # One call, the requests overlapping on fsspec's event loop (no thread each).
-                for (i, _, _), data in zip(mine, self.fetch_blocks([blocks[i] for i, _, _ in mine])):
-                    out[i] = data
-            else:
-                futures = {i: pool.submit(contextvars.copy_context().run, self._fetch_unstored, blocks[i]) for i, _, _ in mine}
-                for i, future in futures.items():
-                    try:
-                        out[i] = future.result()
-                    except BaseException as err:  # the others still finish and are stored
-                        error = error or err
-            self.store_blocks([(blocks[i], out[i]) for i, _, _ in mine])
-            if error is not None:
-                raise error
-        finally:
-            with self._lock:
-                for _, key, gate in mine:
-                    self._inflight.pop(key, None)
-                    gate.release()
-        return [data if data is not None else self.read_block(*blocks[i]) for i, data in enumerate(out)]
-
-    def _fetch_unstored(self, block: tuple[RemoteItem, int]) -> bytes:
-        return self.fetch_block(*block, store=False)
-
-    def store_blocks(self, fetched: builtins.list[tuple[tuple[RemoteItem, int], bytes | None]]) -> None:
-        """Cache fetched blocks in one batch; a cache that cannot hold them degrades to streaming."""
-        batch = [(self.key(item, block), data, item.url, block) for (item, block), data in fetched if data is not None]
-        if not batch:
-            return
-        try:
-            self.cache.put_many(batch)
-        except CacheLimitError:
-            raise
-        except CacheFullError as err:
-            what = f"{batch[0][2]} ({err}); serving it" if len(batch) == 1 else f"{batch[0][2]} and {len(batch) - 1} more ({err}); serving them"
-            self._warn_streaming(f"cache cannot store {what} without caching")
-
     # -- whole objects and ranges ---------------------------------------------
 
-    def read(self, url: str | RemoteItem) -> bytes:
-        """The whole object at ``url``, through the cache."""
+    def read(self, url: str | RemoteItem, fresh: Mapping[str, bytes] | None = None) -> bytes:
+        """The whole object at ``url``, through the cache (``fresh``: as :meth:`read_into`)."""
         item = url if isinstance(url, RemoteItem) else self.stat(url)
-        parts = [self.read_block(item, b) for b in self.blocks(item)]
+        parts = [fresh[k] if fresh and (k := self.key(item, b)) in fresh else self.read_block(item, b) for b in self.blocks(item)]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def read_range(self, url: str | RemoteItem, start: int, end: int) -> bytes:

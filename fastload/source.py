@@ -40,7 +40,7 @@ from fastload.errors import (
     RemoteNotFoundError,
     SourceError,
 )
-from fastload.hostlimit import HostLimit, host_of, limit_for
+from fastload.hostlimit import HostLimit, aiohttp_trace, host_of, limit_for
 
 T = TypeVar("T")
 
@@ -169,8 +169,11 @@ class Source:
         fs = self.fs  # fail early on unknown protocols and missing packages
         self.url = fs.unstrip_protocol(self._root_path).rstrip("/") if self._root_path else url
         # Local files have no host to flood: their reads take no slot.
-        local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-        self._host = None if local else host_of(self.url, self.storage_options)
+        local = bool({"file", "local", "memory"} & set(fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)))
+        self._local = local
+        # Hosts whose answer to a ranged GET was the whole object (Python's http.server
+        # ignores Range): the fetch stage then asks for each object once, whole (fastload.fetch).
+        self._rangeless: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         # Settings travel; the filesystem (sockets, event loop) is reopened in the child.
@@ -213,11 +216,23 @@ class Source:
 
     @property
     def host_limit(self) -> HostLimit | None:
-        """The limit on requests in flight to this source's host (None for local files).
+        """The limit on requests in flight to this source's host (None for local files)."""
+        return self.limit_of(self.url)
 
-        Looked up per use: a forked child starts with its own limits (fastload.hostlimit).
+    def limit_of(self, url: str) -> HostLimit | None:
+        """The limit on requests in flight to ``url``'s host (None for local files).
+
+        Looked up per request: a forked child starts with its own limits (fastload.hostlimit).
         """
-        return None if self._host is None else limit_for(self._host, self.settings.workers)
+        return None if self._local else limit_for(host_of(url, self.storage_options), self.settings.workers)
+
+    def ignores_ranges(self, url: str) -> bool:
+        """Whether ``url``'s host answered a ranged GET with the whole object."""
+        return bool(self._rangeless) and host_of(url, self.storage_options) in self._rangeless
+
+    def note_ignores_ranges(self, url: str) -> None:
+        """Record that ``url``'s host answers ranged GETs with the whole object."""
+        self._rangeless.add(host_of(url, self.storage_options))
 
     # -- naming -------------------------------------------------------------
 
@@ -402,7 +417,7 @@ class Source:
         if len(items) < 2 or not isinstance(fs, _http_fs_class()) or any(i.size >= 0 for i in items):
             return [self.read_first(i, nbytes) for i in items]
         urls = [i.url for i in items]
-        results = fsspec.asyn.sync(fs.loop, _gather_first, fs, urls, nbytes, self.settings.request_timeout_s, self.host_limit)
+        results = fsspec.asyn.sync(fs.loop, _gather_first, fs, urls, nbytes, self.settings.request_timeout_s, self.limit_of)
         return [self.read_first(item, nbytes) if isinstance(res, BaseException) else (self._item(res[0]), res[1])
                 for item, res in zip(items, results)]
 
@@ -416,10 +431,10 @@ class Source:
         if item.size < 0:
             if not isinstance(fs, _http_fs_class()):
                 return None
-            coro = _held(self.host_limit, lambda: _http_get_first(fs, item.url, nbytes, self.settings.request_timeout_s))
+            coro = _held(self.limit_of(item.url), lambda: _http_get_first(fs, item.url, nbytes, self.settings.request_timeout_s))
         else:
             coro = _gather_ranges(fs, [(fs._strip_protocol(item.url), 0, min(nbytes, item.size))], self.settings.request_timeout_s,
-                                  self.host_limit)
+                                  self.limit_of)
         return asyncio.run_coroutine_threadsafe(coro, fs.loop)
 
     def finish_first(self, item: RemoteItem, nbytes: int, future: concurrent.futures.Future[Any]) -> tuple[RemoteItem, bytes]:
@@ -441,6 +456,8 @@ class Source:
         return self.read_first(item, nbytes)
 
     def _item(self, info: dict[str, Any]) -> RemoteItem:
+        if info.get("ignores_ranges"):
+            self.note_ignores_ranges(info["name"])
         size = info.get("size")
         if size is None:
             raise SourceError(
@@ -494,21 +511,31 @@ class Source:
         results: builtins.list[Any] = [None] * len(ranges)
         if len(ranges) > 1 and getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
             paths = [(fs._strip_protocol(url), start, end) for url, start, end in ranges]
-            results = fsspec.asyn.sync(fs.loop, _gather_ranges, fs, paths, self.settings.request_timeout_s, self.host_limit)
-        out: builtins.list[bytes | Exception] = []
-        for (url, start, end), res in zip(ranges, results):
-            if res is None or isinstance(res, BaseException):
-                try:
-                    res = self.read(url, start, end)
-                except Exception as err:
-                    res = err
-            out.append(res if isinstance(res, Exception) else bytes(res))
-        return out
+            results = fsspec.asyn.sync(fs.loop, _gather_ranges, fs, paths, self.settings.request_timeout_s, self.limit_of)
+
+        def again(i: int) -> bytes | Exception:
+            url, start, end = ranges[i]
+            try:
+                return self.read(url, start, end)
+            except Exception as err:
+                return err
+
+        redo = [i for i, res in enumerate(results) if res is None or isinstance(res, BaseException)]
+        if len(redo) > 1 and not getattr(fs, "async_impl", False):
+            # A store without an event loop (local files, NFS): its reads overlap on
+            # threads, as many as the cap on requests in flight allows.
+            with ThreadPoolExecutor(min(len(redo), self.settings.workers), thread_name_prefix="fastload-read") as pool:
+                for i, res in zip(redo, pool.map(again, redo)):
+                    results[i] = res
+        else:
+            for i in redo:
+                results[i] = again(i)
+        return [res if isinstance(res, Exception) else bytes(res) for res in results]
 
     def _call(self, fn: Callable[[], T], url: str) -> T:
         """``fn()`` (one request) in a slot of the host's limit, retried with backoff outside it."""
         settings = self.settings
-        limit = self.host_limit
+        limit = self.limit_of(url)
         attempt = 0
         while True:
             try:
@@ -585,6 +612,7 @@ def _with_timeouts(protocol: str, options: dict[str, Any], timeout_s: float) -> 
         # sock_read bounds each silence, not the whole transfer: a large, slow but
         # steady answer is not a stall.
         client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s))
+        client["trace_configs"] = [*(client.get("trace_configs") or []), aiohttp_trace()]
         opts["client_kwargs"] = client
     elif protocol in ("s3", "s3a"):
         config = dict(opts.get("config_kwargs") or {})
@@ -713,6 +741,7 @@ async def _http_get_first(fs: Any, url: str, nbytes: int, timeout_s: float) -> t
     # identity, as fsspec's HEAD asks: a compressed body's length is not the object's size.
     headers = {**(kwargs.pop("headers", None) or {}), "Range": f"bytes=0-{max(nbytes, 1) - 1}", "Accept-Encoding": "identity"}
     size: int | None
+    ignored = False
     async with session.get(fs.encode_url(url), headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s), **kwargs) as r:
         if r.status == 416:  # an empty object has no byte 0
             body, size = b"", 0
@@ -724,6 +753,7 @@ async def _http_get_first(fs: Any, url: str, nbytes: int, timeout_s: float) -> t
                 size = int(total) if total.isdigit() else None
             elif "Content-Length" in r.headers:  # the server ignored the range: read what we asked for
                 size = int(r.headers["Content-Length"])
+                ignored = size > nbytes
                 body = await r.content.readexactly(min(nbytes, size))
                 if len(body) < size:
                     r.close()  # drop the connection rather than drain the rest
@@ -732,7 +762,7 @@ async def _http_get_first(fs: Any, url: str, nbytes: int, timeout_s: float) -> t
                 size = len(body)
         if size is not None and len(body) != min(nbytes, size):
             raise TruncatedBodyError(f"got {len(body)} B of {min(nbytes, size)} B")
-        info: dict[str, Any] = {"name": url, "size": size}
+        info: dict[str, Any] = {"name": url, "size": size, "ignores_ranges": ignored}
         for field in ("ETag", "Content-MD5", "Digest", "Last-Modified"):  # what fsspec's HEAD keeps
             if r.headers.get(field):
                 info[field] = r.headers[field]
@@ -750,10 +780,12 @@ async def _held(limit: HostLimit | None, request: Callable[[], Awaitable[T]]) ->
         return result
 
 
-async def _gather_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], timeout_s: float, limit: HostLimit | None) -> list[Any]:
+async def _gather_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], timeout_s: float,
+                         limit_of: Callable[[str], HostLimit | None]) -> list[Any]:
     async def one(path: str, start: int, end: int | None) -> bytes:
         # Bounded like Source.read's requests (asyncio's own timeout for stores that take no
         # kwarg); the timeout starts once the request holds its slot.
+        limit = limit_of(fs.unstrip_protocol(path))
         if start == 0 and end is None:
             return await _held(limit, lambda: asyncio.wait_for(fs._cat_file(path), timeout_s))
         return await _held(limit, lambda: asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout_s))
@@ -761,9 +793,10 @@ async def _gather_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], tim
     return await asyncio.gather(*(one(*r) for r in ranges), return_exceptions=True)
 
 
-async def _gather_first(fs: Any, urls: list[str], nbytes: int, timeout_s: float, limit: HostLimit | None) -> list[Any]:
+async def _gather_first(fs: Any, urls: list[str], nbytes: int, timeout_s: float,
+                        limit_of: Callable[[str], HostLimit | None]) -> list[Any]:
     async def one(url: str) -> tuple[dict[str, Any], bytes]:
-        return await _held(limit, lambda: _http_get_first(fs, url, nbytes, timeout_s))
+        return await _held(limit_of(url), lambda: _http_get_first(fs, url, nbytes, timeout_s))
 
     return await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
 

@@ -163,7 +163,7 @@ def stage(
     fresh = not refresh and reader.cache.index.get(marker) is None
     if writable:
         reader.cache.index.set(marker, time.time())
-    items = _fetch_all(reader, items, settings.workers, report, _show(progress), "staging", one_request=fresh)
+    items = _fetch_all(reader, items, report, _show(progress), "staging", heads="pinned" if fresh else "all")
     if writable:
         reader.save_manifest(root, pattern, items)
         reader.cache.index.delete(marker)
@@ -177,7 +177,7 @@ def stage(
         # A bad entry was counted as skipped (valid by size) above; refetched, it counts as
         # fetched instead, so the two still add up to the dataset's entries.
         report.skipped_blocks -= min(len(bad), report.skipped_blocks)
-        _fetch_blocks(reader, bad, settings.workers, report, _show(progress), "refetching")
+        _fetch_blocks(reader, bad, report, _show(progress), "refetching")
     report.stored_bytes = _stored(reader, items)
     # The index's log folded into its file: a staged cache then reads whole from a
     # read-only mount too (docs/cache.md, "Full and read-only disks").
@@ -305,125 +305,82 @@ class _Stopped(Exception):
     """A staging task that found the stop set."""
 
 
-CHUNK = 32  # sizeless HTTP items whose GETs one staging thread keeps in flight (_fetch_all)
-CHUNK_THREADS = 4  # threads that run those chunks
+CHUNK = 32  # items one staging task completes and fetches together: their requests overlap
+CHUNK_THREADS = 4  # tasks at once; the requests in flight are bounded by the host limit, not here
+BATCH_BYTES = 64 * 1024**2  # blocks one fetch call holds in memory, at most
 
 
-def _fetch_all(reader: Reader, items: list[RemoteItem], workers: int, report: StageReport, show: bool, label: str,
-               one_request: bool = False) -> list[RemoteItem]:
-    """Complete, skip-or-fetch every block of every item with ``workers`` threads; returns completed items.
+def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, show: bool, label: str,
+               heads: str) -> list[RemoteItem]:
+    """Complete, skip-or-fetch every block of every item through the fetch stage; returns completed items.
 
-    With ``one_request``, a sizeless (HTTP) item that no earlier listing pinned is completed
-    by the GET of its first block (Source.read_first_many, CHUNK items per task) instead of
-    a HEAD and then a GET.
+    CHUNK items per task: their sizeless ones are completed together (a GET each that
+    brings the first block, or a HEAD each as ``heads`` says: Fetcher.complete), then
+    the blocks not cached yet are fetched together. Staging exists to cache, so a
+    cache that cannot hold a block ends it (``strict``; tests/reliability/test_disk_full.py).
+    Every cache write passes the stop (Ctrl-C), so none begins after it.
     """
     if not items:
         return []
-    src = reader.source(items[0].url)
+    fetcher = reader.fetcher
     sized = all(i.size >= 0 for i in items)
     progress = _Progress(report, sum(i.size for i in items) if sized else None, len(items), show, label)
     completed: list[RemoteItem | None] = [None] * len(items)
-    left: dict[int, int] = {}  # item index -> blocks not yet done, for items of several blocks
     stop = _Stop()
+    per_call = max(1, BATCH_BYTES // reader.settings.block_bytes)
 
-    def block_done(index: int) -> None:
-        with progress.lock:
-            left[index] -= 1
-            last = left[index] == 0
-        if last:
+    def do_chunk(indices: list[int]) -> None:
+        stop.check()
+        done, fresh = fetcher.complete([items[i] for i in indices], heads=heads, strict=True, gate=stop.write)
+        todo: list[tuple[RemoteItem, int]] = []
+        for i, item in zip(indices, done):
+            completed[i] = item
+            todo += [(item, b) for b in reader.blocks(item)]
+        entries = reader.cache.entries_for([reader.key(item, b) for item, b in todo])
+        missing = []
+        for (item, block), entry in zip(todo, entries):
+            key = reader.key(item, block)
+            if key in fresh:
+                progress.fetched(len(fresh[key]))
+            elif entry is not None:
+                start, end = reader.block_span(item, block)
+                progress.skipped(end - start)
+            else:
+                missing.append((item, block))
+        for k in range(0, len(missing), per_call):
+            stop.check()
+            for data in fetcher.fetch(missing[k : k + per_call], strict=True, gate=stop.write):
+                progress.fetched(len(data))
+        for _ in indices:
             progress.item_done()
 
-    def do_block(index: int, item: RemoteItem, block: int) -> None:  # same result type as do_item
-        start, end = reader.block_span(item, block)
-        stop.check()
-        if reader.cache.contains(reader.key(item, block)):
-            progress.skipped(end - start)
-        else:
-            progress.fetched(len(_fetch_and_store(reader, item, block, stop)))
-        block_done(index)
-        return None
-
-    def finish(index: int, item: RemoteItem, first: bytes | None) -> list[tuple[int, RemoteItem, int]]:
-        """Account for ``item``, whose first block is already cached when ``first`` is given."""
-        completed[index] = item
-        blocks = reader.blocks(item)
-        with progress.lock:
-            left[index] = len(blocks)
-        if first is None:
-            do_block(index, item, blocks[0])
-        else:
-            progress.fetched(len(first))
-            block_done(index)
-        return [(index, item, b) for b in blocks[1:]]
-
-    def do_item(index: int) -> list[tuple[int, RemoteItem, int]] | None:
-        stop.check()
-        item = items[index]
-        return finish(index, src.complete(item) if item.size < 0 else item, None)
-
-    def do_chunk(indices: list[int]) -> list[tuple[int, RemoteItem, int]] | None:
-        # One GET per sizeless item gives its size, version and first block: HEAD + GET
-        # doubled the per-item latency (2 x 20 ms to first byte on the cloud link of
-        # benchmarks/peers). The chunk's GETs overlap (Source.read_first_many), so each
-        # thread keeps CHUNK requests in flight. A pinned URL may be cached: HEAD it.
-        stop.check()
-        pinned = [i for i, item in zip(indices, reader.pinned([items[i] for i in indices])) if item.size >= 0]
-        fresh = [i for i in indices if i not in pinned]
-        rest = [r for i in pinned for r in (do_item(i) or [])]
-        got = src.read_first_many([items[i] for i in fresh], reader.settings.block_bytes)
-        # One cache batch for the chunk: two index transactions, not two per item.
-        stop.write(lambda: reader.cache.put_many([(reader.key(item, 0), first, item.url, 0) for item, first in got]))
-        for i, (item, first) in zip(fresh, got):
-            rest += finish(i, item, first)
-        return rest
-
-    # Chunks keep CHUNK requests each in flight on the event loop, so a few threads
-    # suffice; 16 of them cost more in switches than they added (benchmarks/peers).
-    pool, chunk_pool = ThreadPoolExecutor(workers), ThreadPoolExecutor(min(workers, CHUNK_THREADS))
+    pool = ThreadPoolExecutor(CHUNK_THREADS)
     interrupted = False
     try:
         with progress.bar:
-            # Each item's first block is fetched by the task that completes the item;
-            # the other blocks of a large object fan out to the pool afterwards.
-            sizeless = [i for i, item in enumerate(items) if item.size < 0] if one_request else []
-            chunks = [sizeless[k : k + CHUNK] for k in range(0, len(sizeless), CHUNK)]
-            others = sorted(set(range(len(items))) - set(sizeless))
-            futures: set[Future[list[tuple[int, RemoteItem, int]] | None]] = {pool.submit(do_item, i) for i in others}
-            futures |= {chunk_pool.submit(do_chunk, c) for c in chunks}
+            futures: set[Future[None]] = {pool.submit(do_chunk, list(range(k, min(k + CHUNK, len(items)))))
+                                          for k in range(0, len(items), CHUNK)}
             while futures:
                 done, futures = wait(futures, return_when=FIRST_EXCEPTION)
                 for f in done:
                     if f.exception() is not None:
                         raise f.exception()  # type: ignore[misc]
-                    result = f.result()
-                    if isinstance(result, list):
-                        futures |= {pool.submit(do_block, *task) for task in result}
     except BaseException:
         interrupted = True  # Ctrl-C or a failed task: stop the rest, without waiting on the remote
         stop.set()
         raise
     finally:
-        for executor in (pool, chunk_pool):
-            executor.shutdown(wait=not interrupted, cancel_futures=interrupted)
+        pool.shutdown(wait=not interrupted, cancel_futures=interrupted)
     return [c for c in completed if c is not None]
 
 
-def _fetch_and_store(reader: Reader, item: RemoteItem, block: int, stop: _Stop | None = None) -> bytes:
-    # Not reader.fetch_block(store=True): a reader that cannot cache a block
-    # streams it with a warning, and staging onto a full disk then "succeeded"
-    # with nothing staged. Staging exists to cache, so CacheFullError must end it
-    # (tests/reliability/test_disk_full.py).
-    data = reader.fetch_block(item, block, store=False)
-    stop = stop or _Stop()
-    stop.write(lambda: reader.cache.put(reader.key(item, block), data, url=item.url, block=block))
-    return data
-
-
-def _fetch_blocks(reader: Reader, todo: list[tuple[RemoteItem, int]], workers: int, report: StageReport, show: bool, label: str) -> None:
+def _fetch_blocks(reader: Reader, todo: list[tuple[RemoteItem, int]], report: StageReport, show: bool, label: str) -> None:
     progress = _Progress(report, sum(e - s for s, e in (reader.block_span(i, b) for i, b in todo)), len(todo), show, label)
-    with progress.bar, ThreadPoolExecutor(workers) as pool:
-        for data in pool.map(lambda t: _fetch_and_store(reader, *t), todo):
-            progress.fetched(len(data))
+    per_call = max(1, BATCH_BYTES // reader.settings.block_bytes)
+    with progress.bar:
+        for k in range(0, len(todo), per_call):
+            for data in reader.fetcher.fetch(todo[k : k + per_call], strict=True):
+                progress.fetched(len(data))
 
 
 def _verify(reader: Reader, items: list[RemoteItem], workers: int, show: bool) -> list[tuple[RemoteItem, int]]:

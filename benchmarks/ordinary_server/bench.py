@@ -68,12 +68,20 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def _link(args: argparse.Namespace) -> Iterator[tuple[list[str], str]]:
-    reason = "disabled with --no-shaping" if args.no_shaping else _servers.shaping_unavailable_reason()
+    reason = "disabled with --no-shaping" if args.no_shaping else None
+    link = None
     if reason is None:
-        with _servers.ShapedLink(rate=args.rate, name_prefix=args.netns_prefix) as link:
-            yield link.exec_prefix, f"netns, loopback tbf rate {args.rate}"
-    else:
+        try:  # no throwaway probe namespace: only ones named by --netns-prefix are made
+            link = _servers.ShapedLink(rate=args.rate, name_prefix=args.netns_prefix).start()
+        except (_servers.ServerError, OSError, subprocess.SubprocessError) as err:
+            reason = f"cannot build a shaped namespace here: {err}"
+    if link is None:
         yield [], f"plain loopback, unshaped ({reason})"
+        return
+    try:
+        yield link.exec_prefix, f"netns, loopback tbf rate {args.rate}"
+    finally:
+        link.close()
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

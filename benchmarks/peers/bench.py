@@ -80,6 +80,7 @@ BUCKET = "peers"
 
 ALL_PEERS = ["torch_fsspec", "fsspec_simplecache", "fsspec_filecache", "webdataset", "streaming", "litdata",
              "dali", "fastload", "fastload_stage"]
+NETNS_PREFIX = ["fl"]  # set from --netns-prefix by main
 FASTLOAD_PEERS = {"fastload", "fastload_stage", "fastload_uint8"}  # run from the project's venv
 S3_PEERS = {"streaming", "litdata"}
 # Each peer's recommended parallelism for 2 cores: torch's guidance is one worker
@@ -164,6 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "the table. Keeps the full run under 25 minutes, when naive peers need minutes per epoch")
     p.add_argument("--work-dir", type=Path, help="where data and caches go (default: a new temp folder)")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
+    p.add_argument("--netns-prefix", default="fl", help="prefix of the network namespaces' names")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help="only re-render results.{md,csv,png} (and the "
                    "targets) from a results.json into --out (default: its folder); runs nothing")
@@ -344,10 +346,12 @@ def open_link(spec: LinkSpec, work: Path, need_s3: bool) -> Iterator[Link]:
         prefix: list[str] = []
         netns = None
         if spec.rate is not None:
-            reason = _servers.shaping_unavailable_reason()
+            # The probe builds a throwaway namespace of its own name; with --netns-prefix only ours are made.
+            reason = None if NETNS_PREFIX[0] != "fl" else _servers.shaping_unavailable_reason()
             if reason is not None:
                 raise RuntimeError(f"link {spec.name} needs kernel shaping: {reason}; run as root or use --links none")
-            shaped = stack.enter_context(_servers.ShapedLink(rate=spec.rate, burst=spec.burst, latency="100ms"))
+            shaped = stack.enter_context(_servers.ShapedLink(rate=spec.rate, burst=spec.burst, latency="100ms",
+                                                             name_prefix=NETNS_PREFIX[0]))
             prefix, netns = shaped.exec_prefix, shaped.name
             how = f"network namespace, loopback `tc qdisc add dev lo root tbf rate {spec.rate} burst {spec.burst} latency 100ms`"
         else:
@@ -476,6 +480,8 @@ def run_peer(link: Link, peer: str, mode: str, args: argparse.Namespace, work: P
         epochs.append({**e, "total_s": round(seconds, 3), "samples_per_s": round(e["samples"] / seconds, 1),
                        "mb_s": round(e["samples"] * jpeg / seconds / 1e6, 2), "complete": ok})
     row["epochs"] = epochs
+    if res.get("concurrency"):
+        row["concurrency"] = res["concurrency"]
     if not all(e["complete"] for e in epochs):
         row["error"] = (f"incomplete epoch: samples {[e['samples'] for e in epochs]} of {n}, bytes "
                         f"{[e['delivered_bytes'] for e in epochs]} of {data['jpeg_bytes']}")
@@ -760,6 +766,7 @@ def write_results(res: dict[str, Any], out: Path) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Runs the benchmark; JSON on stdout, a table on stderr, results in ``args.out``."""
+    NETNS_PREFIX[0] = getattr(args, "netns_prefix", "fl")
     if args.render is not None:
         res = json.loads(args.render.read_text())
         res["targets"] = evaluate(res)

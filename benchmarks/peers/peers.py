@@ -322,7 +322,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         epochs.append({"epoch": e + 1, "seconds": time.perf_counter() - t1, "samples": samples,
                        "delivered_bytes": nbytes, "batches": batches, "truncated": truncated})
     epochs[0]["setup_s"] = setup_s
-    return {"peer": spec["peer"], "mode": spec["mode"], "epochs": epochs}
+    out: dict[str, Any] = {"peer": spec["peer"], "mode": spec["mode"], "epochs": epochs}
+    limits = sys.modules.get("fastload.hostlimit")
+    if limits is not None:  # the request limit fastload settled on (fastload peers only)
+        out["concurrency"] = limits.settled()  # type: ignore[attr-defined]
+    return out
 
 
 # -- writers ------------------------------------------------------------------------------------

@@ -89,17 +89,15 @@ def read_payload(reader: Reader, item: RemoteItem) -> bytes:
             "sample: raise FASTLOAD_BLOCK_SIZE, or use ArrayDataset (decoded on the host)"
         )
     key = reader.key(item, 0)
-    data = b""
-    for _ in range(2):
-        t0 = time.perf_counter()
-        payload = cache.read_payload(key)  # checked as Cache.get checks it; a bad one is dropped
-        if payload is not None:
-            collector = current_collector()
-            collector.add("cache_read", items=1, bytes=len(payload), seconds=time.perf_counter() - t0)
-            collector.count("cache_hit")
-            return payload
-        data = reader.read_block(item, 0)  # a miss: fetched and stored (or served uncached)
-    return codec.encode(data, chunk_bytes=reader.settings.chunk_bytes, min_saving=1.0)
+    t0 = time.perf_counter()
+    payload = cache.read_payload(key)  # checked as Cache.get checks it; a bad one is dropped
+    if payload is not None:
+        reader.record("cache_read", 1, len(payload), t0)
+        return payload
+    data = reader.fetcher.fetch([(item, 0)])[0]  # a miss (counted there): fetched and stored
+    # The payload as stored (its codec's choice), not counted again; none when streaming.
+    payload = cache.read_payload(key)
+    return payload if payload is not None else codec.encode(data, chunk_bytes=reader.settings.chunk_bytes, min_saving=1.0)
 
 
 class CompressedArrayDataset(ArrayDataset):

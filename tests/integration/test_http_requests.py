@@ -103,16 +103,16 @@ def test_misses_of_one_batch_are_fetched_concurrently(tmp_path: Path, settings: 
     items = [RemoteItem(f"file://{tmp_path}/{i}.bin", 1000, "v1") for i in range(8)]
     lock, active, peak = threading.Lock(), [0], [0]
 
-    def slow_fetch(item: RemoteItem, block: int, *, store: bool = True) -> bytes:
+    def slow_read(url: str, start: int = 0, end: int | None = None, *, expect: int | None = None) -> bytes:
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
         time.sleep(0.05)  # one round trip to a remote
         with lock:
             active[0] -= 1
-        return item.url[-5].encode() * item.size
+        return url[-5].encode() * 1000
 
-    reader.fetch_block = slow_fetch  # type: ignore[method-assign]
+    reader.source(items[0].url).read = slow_read  # type: ignore[method-assign]
     out = bytearray(8000)
     reader.read_into([(item, 0, 1000, 1000 * k) for k, item in enumerate(items)], out)
     assert bytes(out) == b"".join(str(k).encode() * 1000 for k in range(8))
@@ -177,14 +177,14 @@ def test_lookahead_fetches_ahead_without_fetching_twice(
     server = nginx_server(tmp_path / "www")
     ds = fastload.FileDataset(server.url + "/", pattern="**/*.bin", settings=settings)
     started: list[int] = []
-    prefetch = ds.reader.prefetch
+    ahead = ds.reader.fetcher.ahead
 
     def counting(items: list[RemoteItem]) -> int:
-        n = prefetch(items)
+        n = ahead(items)
         started.append(n)
         return n
 
-    monkeypatch.setattr(ds.reader, "prefetch", counting)
+    monkeypatch.setattr(ds.reader.fetcher, "ahead", counting)
     batches = list(fastload.DataLoader(ds, batch_size=4, shuffle=True, seed=3, collate_fn=lambda b: b))
     plain = list(fastload.DataLoader(ds, batch_size=4, shuffle=True, seed=3, collate_fn=lambda b: b))
     assert [[s["url"] for s in b] for b in batches] == [[s["url"] for s in b] for b in plain]  # same order

@@ -134,3 +134,16 @@ def test_arbitrary_bytes_never_crash(blob: bytes) -> None:
     else:
         info = codec.parse_header(codec.MAGIC + blob)
         assert info.raw_size <= 255 * len(blob)
+
+
+def test_already_compressed_formats_are_stored_raw_without_trying_lz4(monkeypatch) -> None:
+    import lz4.block
+
+    jpeg = b"\xff\xd8\xff\xe0" + b"\x00" * 50_000  # compressible bytes, but a JPEG by its magic
+    calls = []
+    real = lz4.block.compress
+    monkeypatch.setattr(lz4.block, "compress", lambda *a, **k: calls.append(1) or real(*a, **k))
+    payload = codec.encode(jpeg)
+    assert codec.parse_header(payload).codec == codec.RAW and codec.decode(payload) == jpeg and calls == []
+    wav = b"RIFF\x00\x00\x00\x00WAVE" + b"\x00" * 50_000  # RIFF, but not a compressed kind
+    assert codec.parse_header(codec.encode(wav)).codec == codec.LZ4 and calls

@@ -144,3 +144,13 @@ def test_every_guard_names_a_gpu_test_that_exists(load_script: Callable[[str], M
         if line.startswith("def test_")
     }
     assert set(check.GUARDS) - defined == set()
+
+
+def test_sync_count_leaves_out_the_debug_modes_own_notice(load_script: Callable[[str], ModuleType]) -> None:
+    # set_sync_debug_mode warns once per process that it is a prototype, in words that
+    # contain "synchronizing": counted, a pipeline without syncs read 1 per batch.
+    bench = load_script("benchmarks/gpu/bench.py")
+    notice = "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"
+    sync = "called a synchronizing CUDA operation (Triggered internally at c10/cuda/CUDAFunctions.cpp:148.)"
+    assert bench.sync_warnings([notice]) == 0
+    assert bench.sync_warnings([notice, sync, "something else", sync]) == 2

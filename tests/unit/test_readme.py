@@ -1,5 +1,6 @@
 """README.md tells a new user what they need: how to reach the `fastload` command
-after `make demo` / `make test`, and where the guides are."""
+after `make demo` / `make test`, and where the guides are; the guides end cleanly
+and cite nothing a clone lacks."""
 
 from __future__ import annotations
 

@@ -1,0 +1,344 @@
+"""The fetch stage: the only code on the read path that asks a Source for bytes.
+
+Words, one meaning each across fastload:
+
+* **fetch**: remote to memory and the cache (this module, :class:`Fetcher`);
+* **read**: cache to a buffer (:class:`~fastload.cache.Cache`, :class:`~fastload.reader.Reader`);
+* **ahead**: a fetch started before its read asked for it (:meth:`Fetcher.ahead`,
+  fed by the DataLoader's announced index batches through ``dataset.fetch_ahead``);
+* **prefetch**: only the device copy (:class:`~fastload.prefetch.DevicePrefetcher`).
+
+One :class:`Fetcher` per :class:`~fastload.reader.Reader`. It holds the one table
+of fetches in flight, keyed by (URL, block): a block is fetched once however many
+threads (or fetches ahead) want it. Its callers are the Reader's misses (datasets,
+``fastload.open``, the pipelines' payloads) and staging. It stores what it fetched
+with one :meth:`~fastload.cache.Cache.put_many` per call and returns those bytes,
+so a cold read never goes back to disk for them. How many requests are in flight
+is not decided here: every request holds a slot of its host's limit
+(:mod:`fastload.hostlimit`).
+
+Sizeless items (an HTTP listing) are completed here too, in one of two ways
+(:meth:`Fetcher.complete`): from their pins, else by the GET of their first block
+(size, version and bytes in one request); or, to re-check a remote
+(``--refresh``), by a HEAD each.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from fastload.cache import cannot_write
+from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError
+from fastload.source import RemoteItem
+
+if TYPE_CHECKING:
+    from fastload.reader import Reader
+
+AHEAD_ITEMS = 512  # first blocks fetched ahead per Fetcher, at most (memory bound)
+AHEAD_ITEM_BYTES = 1 << 20  # larger objects are not fetched ahead: their transfer, not latency, dominates
+
+Block = tuple[RemoteItem, int]
+Gate = Callable[[Callable[[], Any]], Any]  # runs a cache write, or refuses it (staging's stop)
+
+
+def _now(write: Callable[[], Any]) -> Any:
+    return write()
+
+
+class _Flight:
+    """One fetch in flight: a block being fetched by a thread, or a first block fetched ahead."""
+
+    __slots__ = ("ahead", "future", "item")
+
+    def __init__(self, item: RemoteItem, future: Future[Any], ahead: bool) -> None:
+        self.item = item
+        self.future = future
+        self.ahead = ahead  # a Source.start_first future (finish it with Source.finish_first)
+
+
+class Fetcher:
+    """Fetches blocks for one Reader: one table in flight, stores them, returns their bytes."""
+
+    def __init__(self, reader: Reader) -> None:
+        self.reader = reader
+        self._lock = threading.Lock()
+        self._flights: dict[tuple[str, int], _Flight] = {}
+        self._pid = os.getpid()
+
+    def _table(self) -> dict[tuple[str, int], _Flight]:
+        if self._pid != os.getpid():  # a forked child: the parent's futures never finish here
+            self._lock, self._flights, self._pid = threading.Lock(), {}, os.getpid()
+        return self._flights
+
+    @property
+    def ahead_bytes(self) -> int:
+        """Bytes fetched ahead per object: its first block, at most AHEAD_ITEM_BYTES."""
+        return min(self.reader.settings.block_bytes, AHEAD_ITEM_BYTES)
+
+    # -- ahead ----------------------------------------------------------------------
+
+    def ahead(self, items: Sequence[RemoteItem]) -> int:
+        """Start fetching the first block of items that will be read soon; returns how many started.
+
+        Advisory: a read that finds its item's fetch under way takes it instead of
+        requesting again. Only objects of at most ``AHEAD_ITEM_BYTES`` (or of unknown
+        size) are fetched ahead, at most ``AHEAD_ITEMS`` at a time, so memory stays bounded.
+        """
+        reader, limit = self.reader, self.ahead_bytes
+        with self._lock:
+            table = self._table()
+            room = AHEAD_ITEMS - sum(1 for f in table.values() if f.ahead)
+            todo = [i for i in items if (i.url, 0) not in table and i.size <= limit][: max(0, room)]
+        known = reader.cache.known
+        todo = [i for i in todo if i.size < 0 or reader.key(i, 0) not in known]  # cached here already
+        sized = [i for i in todo if i.size >= 0]
+        if sized:  # cached by another process: nothing to fetch either
+            entries = reader.cache.entries_for([reader.key(i, 0) for i in sized])
+            cached = {i.url for i, e in zip(sized, entries) if e is not None}
+            todo = [i for i in todo if i.url not in cached]
+        started = 0
+        for item in todo:
+            future = reader.source(item.url).start_first(item, limit)
+            if future is None:
+                break  # this store has no event loop: reads fetch as they go
+            with self._lock:
+                if self._table().setdefault((item.url, 0), _Flight(item, future, True)).future is not future:
+                    future.cancel()
+                    continue
+            started += 1
+        return started
+
+    def _take_ahead(self, item: RemoteItem) -> Future[Any] | None:
+        """The fetch ahead of ``item``'s first block, now the caller's to finish; None if there is none."""
+        with self._lock:
+            flight = self._table().get((item.url, 0))
+            if flight is None or not flight.ahead:
+                return None
+            del self._flights[(item.url, 0)]
+        if flight.item != item and not (flight.item.size < 0 and flight.item.url == item.url):
+            flight.future.cancel()  # started for another identity of the object
+            return None
+        return flight.future
+
+    # -- sizeless items -------------------------------------------------------------
+
+    def complete(self, items: Sequence[RemoteItem], *, heads: str = "none", strict: bool = False,
+                 gate: Gate | None = None) -> tuple[list[RemoteItem], dict[str, bytes]]:
+        """``items`` with sizes, and the first blocks fetched on the way (cache key -> bytes).
+
+        A sizeless item is completed by the GET of its first block (an HTTP listing
+        has no sizes; a HEAD before each GET cost a round trip and ~0.5 ms of CPU per
+        object, benchmarks/peers); those GETs overlap, and their blocks are pinned
+        and stored. An item with a recorded pin needs no request, unless ``heads``
+        asks for one.
+
+        Args:
+            heads: ``"none"``: trust pins (training). ``"pinned"``: check pinned items
+                by a HEAD each, so their cached blocks can be skipped (staging).
+                ``"all"``: a HEAD for every sizeless item (an interrupted stage's
+                rerun, ``--refresh``).
+            strict: Raise CacheFullError when the cache cannot hold a block
+                (staging), instead of serving it uncached (training streams).
+            gate: Runs each cache write (staging's Ctrl-C stop refuses new ones).
+        """
+        reader = self.reader
+        todo = [k for k, item in enumerate(items) if item.size < 0]
+        out = list(items)
+        if not todo:
+            return out, {}
+        checks = todo if heads == "all" else []
+        if heads != "all":
+            for k, item in zip(todo, reader.pinned([items[k] for k in todo])):
+                if item.size >= 0 and heads == "pinned":
+                    checks.append(k)
+                else:
+                    out[k] = item
+        if checks:
+            for k, item in zip(checks, reader.source(items[checks[0]].url).complete_all([items[k] for k in checks])):
+                out[k] = item
+        rest = [k for k in todo if out[k].size < 0]
+        if not rest:
+            return out, {}
+        t0 = time.perf_counter()
+        got = self._first_blocks([items[k] for k in rest])
+        reader.record("fetch", len(got), sum(len(d) for _, d in got), t0)
+        # Pins first: a process killed between the two then refetches only blocks it
+        # never cached, not ones it cached but cannot find again (tests/reliability/test_train_kill.py).
+        try:
+            (gate or _now)(lambda: reader.pin([item for item, _ in got]))
+        except sqlite3.OperationalError as err:
+            if not cannot_write(err):  # pins save a request later; a full or read-only disk must not fail the read
+                raise
+        self._store([((item, 0), data) for item, data in got], strict, gate)
+        fresh = {}
+        for k, (item, data) in zip(rest, got):
+            out[k] = item
+            fresh[reader.key(item, 0)] = data
+        return out, fresh
+
+    def _first_blocks(self, items: list[RemoteItem]) -> list[tuple[RemoteItem, bytes]]:
+        """Source.read_first of each, from fetches started ahead where there are some."""
+        bb = self.reader.settings.block_bytes
+        out: list[tuple[RemoteItem, bytes] | None] = [None] * len(items)
+        rest = []
+        for k, item in enumerate(items):
+            future = self._take_ahead(item)
+            if future is None:
+                rest.append(k)
+                continue
+            src = self.reader.source(item.url)
+            done, data = src.finish_first(item, self.ahead_bytes, future)
+            if len(data) != min(bb, done.size):  # larger than fetched ahead: its whole first block
+                done, data = src.read_first(done, bb)
+            out[k] = (done, data)
+        if rest:
+            got = self.reader.source(items[rest[0]].url).read_first_many([items[k] for k in rest], bb)
+            for k, pair in zip(rest, got):
+                out[k] = pair
+        return [pair for pair in out if pair is not None]
+
+    # -- blocks ---------------------------------------------------------------------
+
+    def fetch(self, blocks: Sequence[Block], *, strict: bool = False, gate: Gate | None = None) -> list[bytes]:
+        """The bytes of each (sized) block, fetched once whoever asks, stored, and returned.
+
+        A block another thread is fetching is waited for (bounded by the request
+        timeout and retries); the rest go out together (one Source.read_many call,
+        whose requests overlap on fsspec's event loop) and are stored by one
+        Cache.put_many. Counts one miss per block fetched here.
+
+        Args:
+            strict, gate: As :meth:`complete`.
+
+        Raises:
+            RemoteChangedError: The remote's object is gone or changed size since it was listed.
+        """
+        reader = self.reader
+        mine: list[int] = []
+        ahead: dict[int, Future[Any]] = {}
+        waits: dict[int, Future[Any]] = {}
+        known = reader.cache.known
+        with self._lock:
+            table = self._table()
+            for k, (item, block) in enumerate(blocks):
+                flight = table.get((item.url, block))
+                if flight is None:
+                    table[(item.url, block)] = _Flight(item, Future(), False)
+                    mine.append(k)
+                elif flight.ahead:
+                    mine.append(k)  # finished below, by this caller
+                    table[(item.url, block)] = _Flight(item, Future(), False)
+                    if flight.item == item or (flight.item.size < 0 and flight.item.url == item.url):
+                        ahead[k] = flight.future
+                    else:
+                        flight.future.cancel()
+                else:
+                    waits[k] = flight.future
+        out: list[bytes | None] = [None] * len(blocks)
+        try:
+            # Stored by this process since the caller missed: read it, do not fetch again.
+            for k in [k for k in mine if k not in ahead and reader.key(*blocks[k]) in known]:
+                out[k] = reader.cache.get(reader.key(*blocks[k]))
+            self._fetch_mine(blocks, [k for k in mine if out[k] is None], ahead, out, strict, gate)
+        except BaseException as err:
+            self._land(blocks, mine, out, err)
+            raise
+        self._land(blocks, mine, out, None)
+        timeout = reader.settings.request_timeout_s * reader.settings.retries + reader.settings.backoff_max_s
+        for k, future in waits.items():
+            out[k] = future.result(timeout=timeout)  # the fetching thread's error, if it failed
+        return [d if d is not None else reader.read_block(*blocks[k]) for k, d in enumerate(out)]
+
+    def _land(self, blocks: Sequence[Block], mine: list[int], out: list[bytes | None], err: BaseException | None) -> None:
+        """Resolve this caller's flights: their bytes for the threads waiting on them, or ``err``."""
+        with self._lock:
+            table = self._table()
+            for k in mine:
+                item, block = blocks[k]
+                flight = table.pop((item.url, block), None)
+                if flight is None or flight.future.done():
+                    continue
+                if out[k] is not None:
+                    flight.future.set_result(out[k])
+                else:
+                    flight.future.set_exception(err or RemoteChangedError(f"{item.url}: block {block} was not fetched"))
+                    flight.future.exception()  # retrieved: a waiter may never come
+
+    def _fetch_mine(self, blocks: Sequence[Block], mine: list[int], ahead: dict[int, Future[Any]],
+                    out: list[bytes | None], strict: bool, gate: Gate | None) -> None:
+        if not mine:
+            return
+        reader = self.reader
+        t0 = time.perf_counter()
+        spans = {k: reader.block_span(*blocks[k]) for k in mine}
+        fetched: dict[int, bytes | Exception] = {}
+        for k, future in ahead.items():
+            item = blocks[k][0]
+            try:
+                fetched[k] = reader.source(item.url).finish_first(item, self.ahead_bytes, future)[1]
+            except Exception as err:
+                fetched[k] = err
+        rest = [k for k in mine if k not in fetched]
+        if rest:
+            src = reader.source(blocks[rest[0]][0].url)
+            ranges: dict[tuple[str, int, int | None], list[int]] = {}
+            for k in rest:
+                item = blocks[k][0]
+                start, end = spans[k]
+                entire = (start == 0 and end == item.size) or src.ignores_ranges(item.url)  # one GET of it all, not one per block
+                ranges.setdefault((item.url, 0, None) if entire else (item.url, start, end), []).append(k)
+            for ks, data in zip(ranges.values(), src.read_many(list(ranges))):
+                for k in ks:
+                    fetched[k] = data
+        stored: list[tuple[Block, bytes]] = []
+        seen: set[Block] = set()  # blocks already taken from a whole object
+        for k in mine:
+            (item, block), (start, end), data = blocks[k], spans[k], fetched[k]
+            if isinstance(data, FileNotFoundError):
+                raise RemoteChangedError(
+                    f"{item.url}: listed (or staged) but now missing on the remote ({data}); fix: re-list with "
+                    "refresh=True / `fastload cache --refresh`"
+                ) from data
+            if isinstance(data, Exception):
+                raise data
+            if len(data) == item.size != end - start:
+                # The whole object, for one block: the server ignores Range headers (Python's
+                # http.server does), or it was asked for all of it. Every block is kept, so the
+                # object is fetched once (tests/integration/test_hostlimit_server.py).
+                whole, out[k] = data, data[start:end]
+                reader.source(item.url).note_ignores_ranges(item.url)
+                if (item, block) not in seen:
+                    stored += [((item, b), whole[x:y]) for b in reader.blocks(item) for x, y in [reader.block_span(item, b)]]
+                    seen.update((item, b) for b in reader.blocks(item))
+                continue
+            elif len(data) != end - start:
+                raise RemoteChangedError(
+                    f"{item.url}: remote now returns {len(data)} B for block {block}, expected {end - start} B from its "
+                    "recorded size; the object changed since it was listed; fix: `fastload cache --refresh` or refresh=True"
+                )
+            out[k] = data
+            stored.append(((item, block), data))
+        reader.record("fetch", len(mine), sum(len(out[k] or b"") for k in mine), t0)
+        self._store(stored, strict, gate)
+
+    def _store(self, fetched: list[tuple[Block, bytes]], strict: bool, gate: Gate | None) -> None:
+        """Cache fetched blocks in one batch; a cache that cannot hold them streams (or, strict, raises)."""
+        reader = self.reader
+        batch = [(reader.key(item, block), data, item.url, block) for (item, block), data in fetched]
+        if not batch:
+            return
+        try:
+            (gate or _now)(lambda: reader.cache.put_many(batch))
+        except CacheLimitError:
+            raise
+        except CacheFullError as err:
+            if strict:  # staging exists to cache: a full disk ends it (tests/reliability/test_disk_full.py)
+                raise
+            what = f"{batch[0][2]} ({err}); serving it" if len(batch) == 1 else f"{batch[0][2]} and {len(batch) - 1} more ({err}); serving them"
+            reader.warn_streaming(f"cache cannot store {what} without caching")

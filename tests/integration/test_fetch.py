@@ -1,0 +1,108 @@
+"""The fetch stage (fastload.fetch) against real servers: honest hit rates, servers without Range."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import fastload
+from fastload.cli import main
+from fastload.config import Settings
+from fastload.reader import Reader
+from fastload.samples import make_image_folder
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_cold_epoch_over_http_counts_every_item_once_as_a_miss(
+    tmp_path: Path, nginx_server: Callable, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An HTTP listing has no sizes: each item is completed by the GET of its first block,
+    # which is stored; the read that follows used to count it again as a hit (50% cold).
+    make_image_folder(tmp_path / "www" / "train", n=24)
+    server = nginx_server(tmp_path / "www")
+    settings = Settings(cache_dir=tmp_path / "cache")
+    ds = fastload.FileDataset(server.url + "/train/", pattern="**/*.jpg", settings=settings)
+    loader = fastload.DataLoader(ds, batch_size=4, shuffle=True, seed=0, collate_fn=lambda b: b)
+    assert sum(len(b) for b in loader) == 24
+    cold = loader.stats()
+    assert (cold.counters.get("cache_hit", 0), cold.counters["cache_miss"], cold.cache_hit_rate) == (0, 24, 0.0)
+    loader.reset_stats()
+    assert sum(len(b) for b in loader) == 24
+    assert loader.stats().cache_hit_rate == 1.0
+    # One by one (__getitem__, torch's own fetch path) too.
+    fresh = fastload.FileDataset(server.url + "/train/", pattern="**/*.jpg", settings=Settings(cache_dir=tmp_path / "c2"))
+    before = fresh.reader.hits, fresh.reader.misses
+    data = [fresh[i]["data"] for i in range(len(fresh))]
+    assert (fresh.reader.hits - before[0], fresh.reader.misses - before[1]) == (0, 24)
+    root = server.url + "/train/"
+    assert data == [(tmp_path / "www" / "train" / u[len(root):]).read_bytes() for u in (i.url for i in fresh.items)]
+
+    # fastload bench labels the fresh epoch cold and the next warm, from the same counters.
+    code = main(["bench", server.url + "/train/", "--pattern", "**/*.jpg", "--json", "--epochs", "2",
+                 "--batch-size", "4", "--cache-dir", str(tmp_path / "c3")])
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert code == 0
+    assert [(r["regime"], r["cache_hit_rate"]) for r in runs] == [("cold", 0.0), ("warm", 1.0)]
+
+
+@pytest.fixture
+def rangeless_server(tmp_path: Path) -> Iterator[tuple[str, dict[str, int]]]:
+    """Python's http.server (it ignores Range headers), counting GETs per path."""
+    gets: dict[str, int] = {}
+    lock = threading.Lock()
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            with lock:
+                gets[self.path] = gets.get(self.path, 0) + 1
+            super().do_GET()
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+            pass
+
+    (tmp_path / "www" / "big").mkdir(parents=True)
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(tmp_path / "www")))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", gets
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout=10)
+
+
+def test_a_server_without_range_support_stages_a_file_larger_than_a_block(
+    tmp_path: Path, rangeless_server: tuple[str, dict[str, int]]
+) -> None:
+    base, gets = rangeless_server
+    data = os.urandom(5 * 1024**2 + 123)
+    (tmp_path / "www" / "big" / "large.bin").write_bytes(data)
+    settings = Settings(cache_dir=tmp_path / "cache", block_bytes=1024**2, retries=2, backoff_s=0.01)
+    # It used to fail: "remote now returns 5242998 B for block 1 ... the object changed".
+    report = fastload.stage(base + "/big/", settings=settings, progress=False)
+    assert report.items == 1 and report.blocks == 6 and report.fetched_bytes == len(data)
+    assert gets["/big/large.bin"] <= 2  # the first GET (cut after block 0), then the whole object once
+    again = fastload.stage(base + "/big/", settings=settings, progress=False, refresh=True)
+    assert again.fetched_blocks == 0 and again.skipped_blocks == 6
+    assert Reader(settings).read(base + "/big/large.bin") == data
+
+
+def test_a_server_without_range_support_serves_a_random_read_from_one_whole_fetch(
+    tmp_path: Path, rangeless_server: tuple[str, dict[str, int]]
+) -> None:
+    base, gets = rangeless_server
+    data = os.urandom(3 * 1024**2)
+    (tmp_path / "www" / "big" / "large.bin").write_bytes(data)
+    reader = Reader(Settings(cache_dir=tmp_path / "cache", block_bytes=1024**2, retries=2, backoff_s=0.01))
+    item = reader.stat(base + "/big/large.bin")
+    assert reader.read_range(item, 2 * 1024**2 + 5, 2 * 1024**2 + 100) == data[2 * 1024**2 + 5 : 2 * 1024**2 + 100]
+    assert reader.read(item) == data  # every block was kept from that one answer
+    assert gets["/big/large.bin"] == 1

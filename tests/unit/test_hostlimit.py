@@ -1,0 +1,107 @@
+"""fastload.hostlimit: the slot accounting, with real threads and a real event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from fastload import hostlimit
+from fastload.hostlimit import HostLimit, is_congestion
+
+
+def test_threads_and_coroutines_share_one_cap() -> None:
+    limit = HostLimit("http://h", cap=3)
+    lock = threading.Lock()
+    now, peak, done = [0], [0], []
+
+    def enter() -> None:
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+
+    def leave() -> None:
+        with lock:
+            now[0] -= 1
+            done.append(1)
+
+    def thread_request() -> None:
+        with limit.slot():
+            enter()
+            time.sleep(0.01)
+            leave()
+
+    async def coro_request() -> None:
+        async with limit.aslot():
+            enter()
+            await asyncio.sleep(0.01)
+            leave()
+
+    async def coros() -> None:
+        await asyncio.gather(*(coro_request() for _ in range(12)))
+
+    threads = [threading.Thread(target=thread_request) for _ in range(12)]
+    threads.append(threading.Thread(target=asyncio.run, args=(coros(),)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(done) == 24 and peak[0] == 3 and limit.in_flight == 0
+
+
+def test_a_cancelled_waiter_gives_its_slot_back() -> None:
+    limit = HostLimit("http://h", cap=1)
+
+    async def main() -> bool:
+        async with limit.aslot():
+            waiter = asyncio.ensure_future(limit.aslot().__aenter__())
+            await asyncio.sleep(0)
+            waiter.cancel()
+        await asyncio.sleep(0.01)  # the slot handed to the cancelled waiter comes back
+        async with limit.aslot():
+            return limit.in_flight == 1
+
+    assert asyncio.run(asyncio.wait_for(main(), 5))
+    assert limit.in_flight == 0
+
+
+def test_busy_answers_halve_the_limit_once_per_window_and_closing_hosts_stay_small() -> None:
+    limit = HostLimit("http://h", cap=64)
+    limit.limit = 16.0
+    slots = [limit.slot() for _ in range(3)]
+    for slot in slots:
+        slot.__enter__()
+    err = OSError("503 Service Unavailable")
+    for slot in slots:  # three 503s of requests that were in flight together: one cut
+        assert slot.__exit__(OSError, err, None) is False
+    assert (limit.limit, limit.cuts, limit.last_cut) == (8.0, 1, "OSError")
+    limit.closes_connections()
+    assert limit.limit == hostlimit.CLOSING_MAX
+    limit._step(10)
+    assert limit.limit == hostlimit.CLOSING_MAX
+
+
+@pytest.mark.parametrize(
+    ("err", "congested"),
+    [
+        (OSError("An error occurred (SlowDown) when calling the GetObject operation"), True),
+        (ConnectionResetError(104, "Connection reset by peer"), True),
+        (TimeoutError(), True),
+        (FileNotFoundError("http://h/x"), False),
+        (ValueError("bad range"), False),
+    ],
+)
+def test_what_counts_as_congestion(err: BaseException, congested: bool) -> None:
+    assert is_congestion(err) is congested
+
+
+def test_http_status_on_the_error_or_beneath_it() -> None:
+    aiohttp = pytest.importorskip("aiohttp")
+    info = aiohttp.RequestInfo(url=__import__("yarl").URL("http://h/x"), method="GET", headers={}, real_url=__import__("yarl").URL("http://h/x"))
+    for status, congested in ((429, True), (503, True), (404, False), (500, False)):
+        err = aiohttp.ClientResponseError(info, (), status=status)
+        wrapped = FileNotFoundError("http://h/x")
+        wrapped.__cause__ = err
+        assert is_congestion(err) is congested and is_congestion(wrapped) is congested
