@@ -333,7 +333,8 @@ class Source:
         timeout_s, limit = self.settings.request_timeout_s, self.host_limit
 
         def get_page(url: str) -> _Page:
-            return self._call(lambda: fsspec.asyn.sync(fs.loop, _held, limit, lambda: _http_page(fs, url, timeout_s)), url)
+            # _call holds this request's slot; a second one here waited for itself at a limit of 1.
+            return self._call(lambda: fsspec.asyn.sync(fs.loop, _http_page, fs, url, timeout_s), url)
 
         root = get_page(self.url + "/" if self._folder_hint else self.url)
         # A folder: its URL ends in "/" (as asked, or after a redirect), or it is an index

@@ -187,3 +187,18 @@ def test_a_recorded_listing_serves_a_new_pattern_with_the_remote_offline(
     assert sorted(s["url"].rsplit("/", 1)[1] for s in (sub[i] for i in range(len(sub)))) == ["img_0.jpg", "img_1.jpg", "notes.txt"]
     with pytest.raises(EmptyDatasetError, match=r"pattern '\*\.png' matches nothing: the listing found 12 folders and 25 files"):
         fastload.FileDataset(base + "/", pattern="*.png", settings=settings)
+
+
+@pytest.mark.timeout(60)
+def test_a_listing_with_one_request_allowed_in_flight_completes(
+    tmp_path: Path, py_server: Callable[..., tuple[str, _Recorder]]
+) -> None:
+    # Each folder page takes one slot of the host's limit: it used to take two (the
+    # retry loop's and the page's own), so with one slot (--workers 1, or a limit cut
+    # to 1 by a busy server) the first page waited for itself forever.
+    files = _nested(tmp_path / "www" / "data", classes=3)
+    base, rec = py_server(tmp_path / "www")
+    settings = Settings(cache_dir=tmp_path / "cache", workers=1, retries=1, request_timeout_s=10)
+    items = Reader(settings).list(base + "/data/", "**/*.jpg", complete=False)
+    assert sorted(i.url[len(base) + 6 :] for i in items) == sorted(files)
+    assert rec.peak == 1
