@@ -73,8 +73,10 @@ class _CachedDataset(torch.utils.data.Dataset):
         # A refresh re-checks every item now, so no pin of the old listing is trusted.
         lazy = lazy_sizes and not refresh
         self.items: list[RemoteItem] = self.reader.list(url, pattern, refresh=refresh, complete=not lazy)
+        # Where the manifest is recorded; once: for a URL list it is a digest of every URL.
+        self._root = self.reader.manifest_root(self.url)
         if not self.items:  # a listing raises EmptyDatasetError itself; this is a manifest recorded empty
-            raise EmptyDatasetError(f"{url}: the recorded listing holds no items; fix: refresh=True to list it again")
+            raise EmptyDatasetError(f"{self._root}: the recorded listing holds no items; fix: refresh=True to list it again")
         self._manifest_due = any(i.size < 0 for i in self.items)
         self.items = self.reader.pinned(self.items)
         self._unsized = sum(1 for i in self.items if i.size < 0)
@@ -101,7 +103,7 @@ class _CachedDataset(torch.utils.data.Dataset):
         if self._unsized == 0 and self._manifest_due:
             self._manifest_due = False
             try:
-                self.reader.save_manifest(self.reader.manifest_root(self.url), self.pattern, self.items)
+                self.reader.save_manifest(self._root, self.pattern, self.items)
             except sqlite3.OperationalError as err:
                 if not cannot_write(err):  # a full or read-only disk only costs the next dataset a listing
                     raise
@@ -170,7 +172,7 @@ class FileDataset(_CachedDataset):
             raise ConfigError("pattern= filters a listing; a URL list has none; fix: filter the list itself")
         super().__init__(url, pattern, transform=transform, storage_options=storage_options, settings=settings,
                          refresh=refresh, lazy_sizes=True)
-        root = self.reader.manifest_root(url) + "/"
+        root = self._root + "/"
         self.relpaths = [i.url[len(root):] if i.url.startswith(root) else i.url for i in self.items]
         is_parent = isinstance(label, str) and label == "parent"
         if label is not None and not is_parent and not callable(label):
@@ -266,7 +268,7 @@ class ArrayDataset(_CachedDataset):
     def __init__(self, url: str | Sequence[str], pattern: str | None = "**/*.npy", *, transform: Transform | None = None,
                  storage_options: dict[str, Any] | None = None, settings: Settings | None = None, refresh: bool = False) -> None:
         super().__init__(url, pattern if isinstance(url, str) else None, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
-        self.single = len(self.items) == 1 and self.items[0].url.rstrip("/") == self.reader.manifest_root(url)
+        self.single = len(self.items) == 1 and self.items[0].url.rstrip("/") == self._root
         self.dtype: np.dtype | None = None
         self.shape: tuple[int, ...] = ()
         if self.single:
