@@ -391,3 +391,18 @@ def test_nvml_reader_falls_back_to_the_index_and_survives_unsupported_queries():
     unsupported = link_mod._nvml_reader(FakeNvml(False), 0, None)
     assert unsupported is not None and unsupported() == (None, None)
     assert link_mod.under_load([unsupported()]) == {"gen": None, "width": None}
+
+
+def test_storage_probe_lists_as_the_datasets_do_and_says_why_nothing_matched(tmp_path: Path) -> None:
+    from fastload.diagnose.storage import StorageBudget, probe_storage
+
+    (tmp_path / "train" / "cat").mkdir(parents=True)
+    (tmp_path / "train" / "cat" / "1.jpg").write_bytes(b"\xff\xd8\xff" + b"x" * 100)
+    budget = StorageBudget(level_s=0.05, max_connections=1, ttfb_requests=1)
+    got = probe_storage(str(tmp_path / "train"), pattern="*.jpg", budget=budget)
+    # The datasets' EmptyDatasetError wording: what the listing found, and the nested glob.
+    assert got["status"] == "skipped"
+    assert "pattern '*.jpg' matches nothing: the listing found 1 folder and 1 file, 0 matching" in got["reason"]
+    assert "'**/*.jpg'" in got["reason"]
+    got = probe_storage(str(tmp_path / "train"), pattern="**/*.jpg", budget=budget)
+    assert got["status"] == "ok" and got["listing"]["items"] == 1 and got["listing"]["matched"] == 1
