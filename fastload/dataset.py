@@ -43,18 +43,18 @@ _NPY_HEADER_MAX = 64 * 1024
 _ALIGN = 64  # sample offsets in a batch buffer, as .npy aligns its data
 
 
-def _offsets(sizes: Sequence[int]) -> list[int]:
+def _offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Each sample's offset in a batch buffer of ``sizes`` bytes, and the buffer's size."""
     offsets, pos = [], 0
     for size in sizes:
         offsets.append(pos)
         pos += -(-size // _ALIGN) * _ALIGN
-    return offsets
+    return offsets, pos
 
 
 def _batch_buffer(sizes: Sequence[int]) -> tuple[np.ndarray, list[int]]:
     """One uninitialised buffer for a batch of ``sizes`` bytes, and each sample's offset."""
-    offsets = _offsets(sizes)
-    end = offsets[-1] + -(-sizes[-1] // _ALIGN) * _ALIGN if sizes else 0
+    offsets, end = _offsets(sizes)
     return np.empty(end, dtype=np.uint8), offsets
 
 
@@ -223,8 +223,8 @@ class FileDataset(_CachedDataset):
             # In a DataLoader worker whose batches cross through shared buffers, and
             # no transform to see the bytes: read into the batch's buffer, hand out
             # spans of it; the parent makes the bytes (fastload._worker_pack).
-            offsets = _offsets(sizes)
-            lease = read_buffer(offsets[-1] + sizes[-1]) if sizes else None
+            offsets, end = _offsets(sizes)
+            lease = read_buffer(end) if sizes else None
             if lease is not None:
                 self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], lease, fresh)
                 return [self._sample(i, item, Span(off, item.size)) for i, item, off in zip(indices, items, offsets)]
