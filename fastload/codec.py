@@ -148,7 +148,7 @@ _PRECOMPRESSED = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"RIFF", b"\x1f\x8b", b"
 
 
 def precompressed(view: memoryview | bytes) -> bool:
-    """Whether ``view`` starts like a format that is compressed already (stored raw, untried).
+    r"""Whether ``view`` starts like a format that is compressed already (stored raw, untried).
 
     >>> precompressed(b"\xff\xd8\xff\xe0 JFIF"), precompressed(b"plain text")
     (True, False)

@@ -29,6 +29,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -66,10 +67,20 @@ class Fetcher:
     """Fetches blocks for one Reader: one table in flight, stores them, returns their bytes."""
 
     def __init__(self, reader: Reader) -> None:
-        self.reader = reader
+        # Weak: a Reader that owns its Fetcher is then freed (its cache's files closed) as
+        # soon as it is dropped, not at the next cycle collection; a cache left open kept
+        # `mount -o remount,ro` failing (tests/reliability/test_disk_full.py).
+        self._reader = weakref.ref(reader)
         self._lock = threading.Lock()
         self._flights: dict[tuple[str, int], _Flight] = {}
         self._pid = os.getpid()
+
+    @property
+    def reader(self) -> Reader:
+        reader = self._reader()
+        if reader is None:
+            raise ReferenceError("the Reader of this Fetcher is gone")
+        return reader
 
     def _table(self) -> dict[tuple[str, int], _Flight]:
         if self._pid != os.getpid():  # a forked child: the parent's futures never finish here

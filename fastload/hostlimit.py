@@ -39,6 +39,8 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
+from fastload.errors import SourceError
+
 START = 4  # requests allowed at first: a small server is never met with a burst
 RISE = 1.05  # a step "pays" when throughput rises by at least this factor
 QUEUED = 2.0  # mean latency above this many times its lowest: requests are queueing, not adding throughput
@@ -49,6 +51,7 @@ FALL = 0.9  # a step "hurts" when throughput falls below this factor: take it ba
 # times in 3 stagings (TcpExtListenOverflows), 4 never did; each overflow costs a
 # SYN retried after 1 s.
 CLOSING_MAX = 4
+SLOT_WAIT_S = 900.0  # a wait for a slot longer than this is a fault, not a queue: it raises
 SLOW_CONNECT_S = 0.5  # a TCP connect this slow was retried: the server's listen backlog overflowed
 WINDOW_MIN_S = 0.05  # a window shorter than this is too noisy to judge
 WINDOW_MIN_REQUESTS = 8
@@ -110,8 +113,14 @@ class HostLimit:
                     return True
 
                 self._waiters.append(wake)
-        if event is not None:
-            event.wait()  # handed a slot by _release; the requests ahead end by their timeouts
+        if event is not None and not event.wait(SLOT_WAIT_S):  # handed a slot by _release
+            with self._lock:
+                handed = wake not in self._waiters
+                if not handed:
+                    self._waiters.remove(wake)
+            if handed:  # handed over just now: pass it on
+                self._give_back()
+            raise self._starved()
         outcome = _Outcome()
         try:
             yield outcome
@@ -133,7 +142,10 @@ class HostLimit:
                 future = loop.create_future()
                 self._waiters.append(_async_waker(loop, future, self._give_back))
         if future is not None:
-            await future  # cancelled while waiting: the slot, once handed over, is given back
+            try:  # cancelled while waiting: the slot, once handed over, is given back (_async_waker)
+                await asyncio.wait_for(future, SLOT_WAIT_S)
+            except asyncio.TimeoutError as err:
+                raise self._starved() from err
         outcome = _Outcome()
         try:
             yield outcome
@@ -142,6 +154,12 @@ class HostLimit:
             raise
         finally:
             self._release(outcome)
+
+    def _starved(self) -> SourceError:
+        return SourceError(
+            f"{self.host}: no request slot came free in {SLOT_WAIT_S:g} s ({self.in_flight} requests in flight, "
+            f"limit {int(self.limit)} of --workers {self.cap}); fix: check that the server answers, or raise FASTLOAD_TIMEOUT_S"
+        )
 
     def _free(self) -> bool:
         return self.in_flight < int(self.limit) and not self._waiters

@@ -333,7 +333,8 @@ class Source:
         timeout_s, limit = self.settings.request_timeout_s, self.host_limit
 
         def get_page(url: str) -> _Page:
-            # _call holds this request's slot; a second one here waited for itself at a limit of 1.
+            # _call holds the request's slot: a second one taken inside it (_held) waited
+            # for itself once the limit was cut to 1 (tests/reliability/test_flaky_remote.py hung).
             return self._call(lambda: fsspec.asyn.sync(fs.loop, _http_page, fs, url, timeout_s), url)
 
         root = get_page(self.url + "/" if self._folder_hint else self.url)

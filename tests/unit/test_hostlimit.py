@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+import fastload.errors
 from fastload import hostlimit
 from fastload.hostlimit import HostLimit, is_congestion
 
@@ -105,3 +106,22 @@ def test_http_status_on_the_error_or_beneath_it() -> None:
         wrapped = FileNotFoundError("http://h/x")
         wrapped.__cause__ = err
         assert is_congestion(err) is congested and is_congestion(wrapped) is congested
+
+
+def test_a_wait_for_a_slot_that_never_comes_raises_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hostlimit, "SLOT_WAIT_S", 0.05)
+    limit = HostLimit("http://h", cap=1)
+    with limit.slot():  # held, and never given back while the others wait
+        with pytest.raises(fastload.errors.SourceError, match=r"http://h: no request slot came free .*fix:"):
+            with limit.slot():
+                pass
+
+        async def wait() -> None:
+            async with limit.aslot():
+                pass
+
+        with pytest.raises(fastload.errors.SourceError, match="no request slot"):
+            asyncio.run(wait())
+    assert limit.in_flight == 0 and not limit._waiters
+    with limit.slot():  # the waiters that gave up left nothing behind
+        assert limit.in_flight == 1
