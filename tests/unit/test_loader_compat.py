@@ -109,18 +109,18 @@ def test_grid_num_workers_0(kw: dict[str, Any]) -> None:
     assert_same(expected, got)
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [
-        pytest.param(dict(batch_size=4, shuffle=True, seeded=True), id="shuffle"),
-        pytest.param(dict(batch_size=None), id="bs-None"),
-        pytest.param(dict(batch_size=3, persistent_workers=True, seeded=True), id="persistent"),
-        # Workers return their stats with each batch; the user's collate output and
-        # the batch order must come through untouched.
-        pytest.param(dict(batch_size=5, collate_fn=_collate_sum), id="collate-fn"),
-        pytest.param(dict(batch_sampler=[[0, 5], [22, 1, 2], [7]]), id="batch-sampler"),
-    ],
-)
+WORKER_GRID = [
+    pytest.param(dict(batch_size=4, shuffle=True, seeded=True), id="shuffle"),
+    pytest.param(dict(batch_size=None), id="bs-None"),
+    pytest.param(dict(batch_size=3, persistent_workers=True, seeded=True), id="persistent"),
+    # Workers return their stats with each batch; the user's collate output and
+    # the batch order must come through untouched.
+    pytest.param(dict(batch_size=5, collate_fn=_collate_sum), id="collate-fn"),
+    pytest.param(dict(batch_sampler=[[0, 5], [22, 1, 2], [7]]), id="batch-sampler"),
+]
+
+
+@pytest.mark.parametrize("kw", WORKER_GRID)
 def test_grid_num_workers_2(kw: dict[str, Any]) -> None:
     expected, got = _run_both(TensorDS(), epochs=2, num_workers=2, **kw)
     assert_same(expected, got)

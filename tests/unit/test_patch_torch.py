@@ -12,20 +12,12 @@ import torch
 import torch.utils.data as tud
 import torch.utils.data.dataloader as tdl
 from _loader_helpers import ReadBatchDS, TensorDS, assert_same
-from test_loader_compat import GRID, _collate_sum
+from test_loader_compat import GRID, WORKER_GRID
 
 import fastload
 from fastload._torch_surface import TORCH_DATALOADER
 from fastload.errors import ConfigError
 from fastload.loader import DataLoader
-
-WORKER_GRID = [
-    pytest.param(dict(batch_size=4, shuffle=True, seeded=True), id="shuffle"),
-    pytest.param(dict(batch_size=None), id="bs-None"),
-    pytest.param(dict(batch_size=3, persistent_workers=True, seeded=True), id="persistent"),
-    pytest.param(dict(batch_size=5, collate_fn=_collate_sum), id="collate-fn"),
-    pytest.param(dict(batch_sampler=[[0, 5], [22, 1, 2], [7]]), id="batch-sampler"),
-]
 
 
 def _gen() -> torch.Generator:
