@@ -244,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.command == "cache" and (args.url is None) == (args.url_list is None):
             parser.error("cache: give a URL or --url-list FILE (one of them), e.g. fastload cache s3://bucket/train/")
+        if args.command == "cache" and args.url_list is not None and args.pattern is not None:
+            # As FileDataset([...], pattern=...): a URL list has no listing to filter.
+            parser.error("cache: --pattern filters a listing and --url-list has none; filter the list itself")
     except SystemExit as exit_:
         return int(exit_.code or 0)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="fastload: %(message)s")

@@ -66,6 +66,9 @@ def test_staging_a_url_list_from_the_cli(tmp_path: Path, nginx_server: Callable[
 
     report = json.loads(capsys.readouterr().out)
     assert (report["items"], report["fetched_blocks"], report["remote_bytes"]) == (len(files), len(files), sum(map(len, files.values())))
+    # A pattern has no listing to filter: a usage error, not a pattern silently dropped.
+    code = cli_main(["cache", "--url-list", str(tmp_path / "urls.txt"), "--pattern", "*.jpg", "--cache-dir", str(tmp_path / "c")])
+    assert code == 2 and "--pattern filters a listing and --url-list has none" in capsys.readouterr().err
 
 
 def test_bad_url_lists_get_short_errors_naming_the_entry(tmp_path: Path) -> None:
