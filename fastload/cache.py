@@ -86,9 +86,11 @@ LOW_WATERMARK = 0.9
 _BYTES = "bytes"
 _CORRUPT = "corrupt"
 _RESERVED = "r:"
-# Reservations this process holds for writes in flight; any other reservation
-# under our PID was left behind by a failed release (a full disk) and is stale.
-_IN_FLIGHT: set[str] = set()
+# Reservations this process holds for writes in flight (token -> bytes); any other
+# reservation under our PID was left behind by a failed release (a full disk) and is stale.
+# Their bytes are not on the disk yet, so the disk's free space does not show them: the
+# reserve check takes them off (tests/reliability/test_disk_full.py::test_default_limit_keeps_a_free_margin).
+_IN_FLIGHT: dict[str, int] = {}
 
 
 MEMO_MAX = 1 << 20  # entries remembered per Cache (about 300 B each)
@@ -531,7 +533,7 @@ class Cache:
             for i, rel in enumerate(written):
                 if not committed or i not in won:
                     (self.data_dir / rel).unlink(missing_ok=True)
-            _IN_FLIGHT.discard(token)
+            _IN_FLIGHT.pop(token, None)
             if not committed:
                 self._release(token, total)
         out = []
@@ -597,8 +599,14 @@ class Cache:
         token = f"{_RESERVED}{os.getpid()}:{uuid.uuid4().hex}"
         deadline = time.monotonic() + self.settings.lock_timeout_s
         while True:
-            room = self._room()  # outside the transaction: a syscall, not an index read
             with self.index.transact():
+                # Inside the transaction: a free-space reading taken before another
+                # writer's reservation landed would let both spend the same space
+                # (statvfs is a microsecond syscall). Writes still in flight are not on
+                # the disk yet, so their bytes come off what it shows as free.
+                room = self._room()
+                if room is not None:
+                    room -= sum(list(_IN_FLIGHT.values()))  # a copy: other threads add and remove
                 used = self.index.get(_BYTES, 0)
                 limit = self._capped(used, room)
                 if n > limit:  # even an empty cache could not take it: the disk keeps its reserve
@@ -611,7 +619,7 @@ class Cache:
                 if used + n <= limit:
                     self.index.incr(_BYTES, n)
                     self.index.set(token, n)
-                    _IN_FLIGHT.add(token)
+                    _IN_FLIGHT[token] = n
                     return token
             if not self.evict(int(min(limit - n, LOW_WATERMARK * limit))):
                 # Everything left is other writers' bytes in flight: wait for them.
