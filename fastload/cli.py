@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -258,14 +257,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"error": type(err).__name__, "message": str(err)}))
         return EXIT_FAIL
     except KeyboardInterrupt:
+        # Staging's threads have ended by now, their requests cancelled (stage._Stop): the
+        # process exits at once, as a Python caller of fastload.stage returns at once
+        # (tests/integration/test_stage_interrupt.py).
         print(f"fastload {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
-        if argv is None:  # the `fastload` command itself, not a caller of main()
-            # Staging stopped every write before re-raising (stage._Stop); what is left
-            # are threads waiting on the remote, for up to request_timeout_s. Joining
-            # them at exit is what made Ctrl-C take 23 s (tests/integration/test_stage_interrupt.py).
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
 
 

@@ -66,5 +66,9 @@ class DecodeError(FastloadError, ValueError):
     """A sample could not be decoded (corrupt JPEG, wrong dtype or shape)."""
 
 
+class StoppedError(FastloadError):
+    """A request refused because its Reader is stopping (staging's Ctrl-C); the caller re-raises the interrupt."""
+
+
 class LoaderError(FastloadError, RuntimeError):
     """The DataLoader or a background stage failed (worker death, timeout)."""

@@ -39,7 +39,7 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
-from fastload.errors import SourceError
+from fastload.errors import SourceError, StoppedError
 
 START = 4  # requests allowed at first: a small server is never met with a burst
 RISE = 1.05  # a step "pays" when throughput rises by at least this factor
@@ -52,6 +52,7 @@ FALL = 0.9  # a step "hurts" when throughput falls below this factor: take it ba
 # SYN retried after 1 s.
 CLOSING_MAX = 4
 SLOT_WAIT_S = 900.0  # a wait for a slot longer than this is a fault, not a queue: it raises
+STOP_POLL_S = 0.05  # how often a thread waiting on a slot or a request looks at its Reader's stop
 SLOW_CONNECT_S = 0.5  # a TCP connect this slow was retried: the server's listen backlog overflowed
 WINDOW_MIN_S = 0.05  # a window shorter than this is too noisy to judge
 WINDOW_MIN_REQUESTS = 8
@@ -99,8 +100,12 @@ class HostLimit:
     # -- slots -------------------------------------------------------------------
 
     @contextmanager
-    def slot(self) -> Iterator[_Outcome]:
-        """Hold a slot in this thread for the ``with`` body (one request)."""
+    def slot(self, stop: threading.Event | None = None) -> Iterator[_Outcome]:
+        """Hold a slot in this thread for the ``with`` body (one request).
+
+        Raises:
+            StoppedError: ``stop`` was set while waiting for the slot (staging's Ctrl-C).
+        """
         with self._lock:
             if self._free():
                 self._take()
@@ -113,13 +118,15 @@ class HostLimit:
                     return True
 
                 self._waiters.append(wake)
-        if event is not None and not event.wait(SLOT_WAIT_S):  # handed a slot by _release
+        if event is not None and not _waited(event, stop):  # handed a slot by _release
             with self._lock:
                 handed = wake not in self._waiters
                 if not handed:
                     self._waiters.remove(wake)
             if handed:  # handed over just now: pass it on
                 self._give_back()
+            if stop is not None and stop.is_set():
+                raise StoppedError(f"{self.host}: stopped while waiting for a request slot")
             raise self._starved()
         outcome = _Outcome()
         try:
@@ -271,6 +278,17 @@ class HostLimit:
     def as_dict(self) -> dict[str, Any]:
         """The limit now, the cap, the peak in flight, the cuts and the last cut's cause (stats, JSON)."""
         return {"limit": int(self.limit), "cap": self.cap, "peak": self.peak, "cuts": self.cuts, "last_cut": self.last_cut}
+
+
+def _waited(event: threading.Event, stop: threading.Event | None) -> bool:
+    """Whether ``event`` (a slot handed over) came before SLOT_WAIT_S passed or ``stop`` was set."""
+    if stop is None:
+        return event.wait(SLOT_WAIT_S)
+    deadline = time.monotonic() + SLOT_WAIT_S
+    while not event.wait(STOP_POLL_S):
+        if stop.is_set() or time.monotonic() > deadline:
+            return False
+    return True
 
 
 class _Outcome:

@@ -85,6 +85,10 @@ class Reader:
         self.storage_options = dict(storage_options or {})
         self.cache = cache or Cache(self.settings)
         self._sources: dict[str, Source] = {}
+        # Set to end this reader's requests: none starts or retries after it, waits for a
+        # slot end, requests on fsspec's event loop are cancelled (Source; staging's Ctrl-C).
+        # For good: a stopped Reader is dropped.
+        self.stop = threading.Event()
         self._lock = threading.Lock()
         self._keys: dict[tuple[RemoteItem, int], str] = {}
         self.fetcher = Fetcher(self)  # every miss, fetch ahead and staging fetch goes through it
@@ -107,7 +111,7 @@ class Reader:
         with self._lock:
             src = self._sources.get(protocol)
             if src is None:
-                src = self._sources[protocol] = Source(url, self.storage_options, self.settings)
+                src = self._sources[protocol] = Source(url, self.storage_options, self.settings, self.stop)
         return src
 
     def canonical(self, url: str) -> str:
@@ -150,7 +154,7 @@ class Reader:
             covered = self._covered(root, pattern)
             if covered is not None:
                 return covered
-        items = Source(url, self.storage_options, self.settings).list(pattern, complete=complete)
+        items = Source(url, self.storage_options, self.settings, self.stop).list(pattern, complete=complete)
         if all(i.size >= 0 for i in items):
             self.save_manifest(root, pattern, items)
         return items

@@ -19,7 +19,6 @@ import os
 import random
 import re
 import threading
-import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,8 +38,9 @@ from fastload.errors import (
     FastloadError,
     RemoteNotFoundError,
     SourceError,
+    StoppedError,
 )
-from fastload.hostlimit import HostLimit, aiohttp_trace, host_of, limit_for
+from fastload.hostlimit import STOP_POLL_S, HostLimit, aiohttp_trace, host_of, limit_for
 
 T = TypeVar("T")
 
@@ -149,9 +149,13 @@ class Source:
         url: Any fsspec URL or local path.
         storage_options: Passed to the fsspec filesystem (credentials, endpoint...).
         settings: Retry, timeout and parallelism settings.
+        stop: Once set, no request or retry starts, waits for a slot end, and requests
+            on fsspec's event loop are cancelled: each raises StoppedError (the Reader's
+            stop: staging's Ctrl-C).
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, settings: Settings | None = None) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, settings: Settings | None = None,
+                 stop: threading.Event | None = None) -> None:
         if not isinstance(url, str) or not url:
             # Never the whole value: a list of 100,000 URLs made a 7,900-character message.
             shown = repr(url) if len(repr(url)) <= 60 else f"{repr(url)[:57]}... ({type(url).__name__})"
@@ -160,6 +164,7 @@ class Source:
         _check_url(url)
         self.storage_options = dict(storage_options or {})
         self.settings = settings or Settings.from_env()
+        self.stop = stop or threading.Event()
         self._lock = threading.Lock()
         self._fs: fsspec.AbstractFileSystem | None = None
         self._pid = os.getpid()
@@ -233,6 +238,35 @@ class Source:
     def note_ignores_ranges(self, url: str) -> None:
         """Record that ``url``'s host answers ranged GETs with the whole object."""
         self._rangeless.add(host_of(url, self.storage_options))
+
+    def _sync(self, func: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
+        """``await func(*args, **kwargs)`` on fsspec's event loop, from this thread.
+
+        As ``fsspec.asyn.sync``, but the wait ends when :attr:`stop` is set (or this
+        thread is interrupted): the coroutine is then cancelled, its slot given back,
+        and StoppedError raised. Staging's threads once kept retrying held requests
+        for tens of seconds after a Ctrl-C (tests/integration/test_stage_interrupt.py).
+        """
+        future = asyncio.run_coroutine_threadsafe(func(*args, **kwargs), self.fs.loop)
+        try:
+            while True:
+                try:
+                    return future.result(timeout=STOP_POLL_S)
+                except concurrent.futures.TimeoutError:
+                    if future.done():
+                        raise  # the coroutine's own timeout
+                    if self.stop.is_set():
+                        raise StoppedError(f"{self.url}: stopped; its request was cancelled") from None
+        finally:
+            future.cancel()  # no-op once done
+
+    @staticmethod
+    def _async(fs: Any) -> bool:
+        return bool(getattr(fs, "async_impl", False)) and getattr(fs, "loop", None) is not None
+
+    def _stopped(self, url: str) -> None:
+        if self.stop.is_set():
+            raise StoppedError(f"{url}: stopped before its request")
 
     # -- naming -------------------------------------------------------------
 
@@ -335,7 +369,7 @@ class Source:
         def get_page(url: str) -> _Page:
             # _call holds the request's slot: a second one taken inside it (_held) waited
             # for itself once the limit was cut to 1 (tests/reliability/test_flaky_remote.py hung).
-            return self._call(lambda: fsspec.asyn.sync(fs.loop, _http_page, fs, url, timeout_s), url)
+            return self._call(lambda: self._sync(_http_page, fs, url, timeout_s), url)
 
         root = get_page(self.url + "/" if self._folder_hint else self.url)
         # A folder: its URL ends in "/" (as asked, or after a redirect), or it is an index
@@ -359,7 +393,7 @@ class Source:
                 subfolders |= got_dirs - seen
             seen |= subfolders
             todo = sorted(subfolders)
-            pages = fsspec.asyn.sync(fs.loop, _http_pages, fs, todo, timeout_s, limit) if todo else []
+            pages = self._sync(_http_pages, fs, todo, timeout_s, limit) if todo else []
             # A failed page is retried alone: backoff, then a named error.
             level = [get_page(url) if isinstance(got, BaseException) else got for url, got in zip(todo, pages)]
         return {u[len(base) :] if u.startswith(base) else u: RemoteItem(u, -1, "") for u in files}, len(seen) - 1
@@ -383,7 +417,10 @@ class Source:
 
     def info(self, url: str) -> RemoteItem:
         """Fetch one object's current size and version (one round trip)."""
-        return self._item(self._call(lambda: self.fs.info(url), url))
+        fs: Any = self.fs
+        if self._async(fs):  # cancellable on a stop
+            return self._item(self._call(lambda: self._sync(fs._info, url), url))
+        return self._item(self._call(lambda: fs.info(url), url))
 
     def read_first(self, item: RemoteItem, nbytes: int) -> tuple[RemoteItem, bytes]:
         """Complete ``item`` and read its first ``nbytes`` bytes, in one request where possible.
@@ -402,7 +439,7 @@ class Source:
         timeout_s = self.settings.request_timeout_s
 
         def once() -> tuple[dict[str, Any], bytes]:
-            return fsspec.asyn.sync(fs.loop, _http_get_first, fs, item.url, nbytes, timeout_s)
+            return self._sync(_http_get_first, fs, item.url, nbytes, timeout_s)
 
         info, data = self._call(once, item.url)  # _call holds the slot
         return self._item(info), data
@@ -419,7 +456,7 @@ class Source:
         if len(items) < 2 or not isinstance(fs, _http_fs_class()) or any(i.size >= 0 for i in items):
             return [self.read_first(i, nbytes) for i in items]
         urls = [i.url for i in items]
-        results = fsspec.asyn.sync(fs.loop, _gather_first, fs, urls, nbytes, self.settings.request_timeout_s, self.limit_of)
+        results = self._sync(_gather_first, fs, urls, nbytes, self.settings.request_timeout_s, self.limit_of)
         return [self.read_first(item, nbytes) if isinstance(res, BaseException) else (self._item(res[0]), res[1])
                 for item, res in zip(items, results)]
 
@@ -488,7 +525,10 @@ class Source:
             kwargs["timeout"] = self.settings.request_timeout_s
 
         def once() -> bytes:
-            if start == 0 and end is None:
+            if self._async(fs):  # cancellable on a stop
+                data = self._sync(fs._cat_file, path, **kwargs) if start == 0 and end is None else \
+                    self._sync(fs._cat_file, path, start=start, end=end, **kwargs)
+            elif start == 0 and end is None:
                 data = fs.cat_file(path, **kwargs)
             else:
                 data = fs.cat_file(path, start=start, end=end, **kwargs)
@@ -513,7 +553,7 @@ class Source:
         results: builtins.list[Any] = [None] * len(ranges)
         if len(ranges) > 1 and getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
             paths = [(fs._strip_protocol(url), start, end) for url, start, end in ranges]
-            results = fsspec.asyn.sync(fs.loop, _gather_ranges, fs, paths, self.settings.request_timeout_s, self.limit_of)
+            results = self._sync(_gather_ranges, fs, paths, self.settings.request_timeout_s, self.limit_of)
 
         def again(i: int) -> bytes | Exception:
             url, start, end = ranges[i]
@@ -540,10 +580,11 @@ class Source:
         limit = self.limit_of(url)
         attempt = 0
         while True:
+            self._stopped(url)  # no request or retry starts once stopping
             try:
                 if limit is None:
                     return fn()
-                with limit.slot() as outcome:
+                with limit.slot(self.stop) as outcome:
                     result = fn()
                     outcome.nbytes = len(result) if isinstance(result, bytes) else 0
                 return result
@@ -556,7 +597,7 @@ class Source:
                 break
             # Full jitter keeps many workers from retrying in lockstep.
             delay = min(settings.backoff_max_s, settings.backoff_s * 2 ** (attempt - 1))
-            time.sleep(random.uniform(0, delay))
+            self.stop.wait(random.uniform(0, delay))  # a stop ends the backoff; the next turn raises
         raise SourceError(
             f"{url}: failed after {settings.retries} attempts; last cause: "
             f"{self.scrub(_describe(last, settings.request_timeout_s))}; fix: check the server, or raise "

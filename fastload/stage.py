@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from tqdm import tqdm
 
 from fastload.config import Settings, format_size
-from fastload.errors import CacheFullError
+from fastload.errors import CacheFullError, StoppedError
 from fastload.reader import Reader, manifest_key
 from fastload.source import RemoteItem
 
@@ -263,30 +263,34 @@ class _Progress:
 
 
 class _Stop:
-    """Ctrl-C for staging: no fetch starts and no write begins once it is set.
+    """Ctrl-C for staging: no request, retry or cache write starts once it is set.
 
-    Waiting for every queued task took 23 s on a slow server (issue 14). Now the
-    interrupted run waits only for writes in progress (milliseconds), never for
-    requests: a request that answers later finds the stop set and stores nothing,
-    so nothing is left half-written (tests/integration/test_stage_interrupt.py).
+    Waiting for every queued task took 23 s on a slow server (issue 14), and from
+    Python (``fastload.stage`` in a notebook) the staging threads went on retrying
+    held requests one by one after the KeyboardInterrupt. The stop is the Reader's
+    (``Reader.stop``): its Sources start no request or retry after it, end their waits
+    for a slot, and cancel their requests on fsspec's event loop. So the interrupted
+    run waits only for writes in progress (milliseconds) and for its threads to see
+    the stop, never for the remote; nothing is left half-written
+    (tests/integration/test_stage_interrupt.py).
     """
 
     WRITES_WAIT_S = 5.0
+    THREADS_WAIT_S = 5.0  # a thread in a request that cannot be cancelled (a sync-only store) is left to end alone
 
-    def __init__(self) -> None:
+    def __init__(self, event: threading.Event) -> None:
         self._cond = threading.Condition()
-        self._set = False
+        self._event = event
         self._writing = 0
 
     def check(self) -> None:
-        if self._set:
-            raise _Stopped
+        if self._event.is_set():
+            raise StoppedError("staging is stopping")
 
     def write(self, fn: Callable[[], T]) -> T:
         """``fn()`` (a cache write) unless stopped; a stop waits for it to end."""
         with self._cond:
-            if self._set:
-                raise _Stopped
+            self.check()
             self._writing += 1
         try:
             return fn()
@@ -297,12 +301,8 @@ class _Stop:
 
     def set(self) -> None:
         with self._cond:
-            self._set = True
+            self._event.set()
             self._cond.wait_for(lambda: self._writing == 0, self.WRITES_WAIT_S)
-
-
-class _Stopped(Exception):
-    """A staging task that found the stop set."""
 
 
 CHUNK = 32  # items one staging task completes and fetches together: their requests overlap
@@ -326,7 +326,7 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
     sized = all(i.size >= 0 for i in items)
     progress = _Progress(report, sum(i.size for i in items) if sized else None, len(items), show, label)
     completed: list[RemoteItem | None] = [None] * len(items)
-    stop = _Stop()
+    stop = _Stop(reader.stop)
     per_call = max(1, BATCH_BYTES // reader.settings.block_bytes)
 
     def do_chunk(indices: list[int]) -> None:
@@ -355,22 +355,24 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
             progress.item_done()
 
     pool = ThreadPoolExecutor(CHUNK_THREADS)
-    interrupted = False
+    tasks: list[Future[None]] = []
     try:
         with progress.bar:
-            futures: set[Future[None]] = {pool.submit(do_chunk, list(range(k, min(k + CHUNK, len(items)))))
-                                          for k in range(0, len(items), CHUNK)}
+            tasks += [pool.submit(do_chunk, list(range(k, min(k + CHUNK, len(items))))) for k in range(0, len(items), CHUNK)]
+            futures = set(tasks)
             while futures:
                 done, futures = wait(futures, return_when=FIRST_EXCEPTION)
                 for f in done:
                     if f.exception() is not None:
                         raise f.exception()  # type: ignore[misc]
     except BaseException:
-        interrupted = True  # Ctrl-C or a failed task: stop the rest, without waiting on the remote
+        # Ctrl-C or a failed task: stop the rest. Their requests are cancelled (_Stop), so the
+        # threads end at once and none fetches on behind the caller's back.
         stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        wait(tasks, timeout=_Stop.THREADS_WAIT_S)
         raise
-    finally:
-        pool.shutdown(wait=not interrupted, cancel_futures=interrupted)
+    pool.shutdown()
     return [c for c in completed if c is not None]
 
 

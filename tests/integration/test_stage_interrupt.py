@@ -54,7 +54,8 @@ class _Server(http.server.ThreadingHTTPServer):
         pass  # the interrupted client hangs up mid-answer: expected here
 
 
-def test_ctrl_c_stops_without_waiting_for_requests_in_flight_and_the_rerun_resumes(tmp_path: Path) -> None:
+def _serve(tmp_path: Path) -> tuple[Any, Any, threading.Thread, str, dict[str, bytes]]:
+    """A ThreadingHTTPServer over 400 files that holds every GET after its first ``served``."""
     www = tmp_path / "www"
     www.mkdir()
     files = {f"f{k:03d}.bin": os.urandom(20_000) for k in range(400)}
@@ -65,49 +66,91 @@ def test_ctrl_c_stops_without_waiting_for_requests_in_flight_and_the_rerun_resum
     httpd = _Server(("127.0.0.1", 0), functools.partial(handler, directory=str(www)))
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}/"
-    cache_dir = tmp_path / "cache"
-    # Requests the server holds would answer only after 300 s (the request timeout):
-    # a Ctrl-C that waited for them (17 s with a 1 s-per-file server, 23 s in issue 14)
-    # would not end before communicate()'s limit below.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FASTLOAD_RETRIES": "1", "FASTLOAD_TIMEOUT_S": "300"}
-    proc = None
+    return handler, httpd, thread, f"http://127.0.0.1:{httpd.server_address[1]}/", files
+
+
+def _interrupt_mid_run(cmd: list[str], cache_dir: Path, handler: Any) -> tuple[int, str, str]:
+    """Run ``cmd``, SIGINT it once some entries are cached and the server holds its next
+    requests, and return (exit code, stdout, stderr). Held requests would answer only after
+    300 s (the request timeout): a Ctrl-C that waited for them (17 s with a 1 s-per-file
+    server, 23 s in issue 14) would not end before communicate()'s limit."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FASTLOAD_RETRIES": "3", "FASTLOAD_TIMEOUT_S": "300"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "fastload", "cache", url, "--cache-dir", str(cache_dir), "--no-progress"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
-        # Mid-run: some staged, the next requests held by the server.
         while not (any(cache_dir.glob("data/*/*.flp")) and handler.counts["held"] > 0):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, f"staging never reached the held requests: {handler.counts}"
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=60)
         assert handler.counts["held"] > 0  # it ended while its requests were still unanswered
-        assert proc.returncode == 130, err
-        assert "interrupted; rerun the same command to resume" in err
-
-        # Nothing half-written: no temp file, and every indexed entry reads back checked.
-        assert not list(cache_dir.glob("**/*.part"))
-        settings = Settings(cache_dir=cache_dir, retries=1)
-        cache = Cache(settings)
-        entries = list(cache.entries())
-        assert 0 < len(entries) < len(files)
-        assert all(cache.get(e.key) is not None for e in entries)
-        assert cache.check()["orphans"] == 0
-        cache.close()
-
-        handler.release.set()
-        report = fastload.stage(url, settings=settings, progress=False)
-        assert report.skipped_blocks == len(entries) and report.fetched_blocks == len(files) - len(entries)
+        return proc.returncode, out, err
     finally:
-        if proc is not None and proc.poll() is None:  # it did not stop: no process outlives the test
+        if proc.poll() is None:  # it did not stop: no process outlives the test
             proc.kill()
             proc.wait()
-        handler.release.set()
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=10)
+
+
+def _check_nothing_half_written_and_resume(cache_dir: Path, url: str, handler: Any, files: dict[str, bytes]) -> Settings:
+    assert not list(cache_dir.glob("**/*.part"))
+    settings = Settings(cache_dir=cache_dir, retries=1)
+    cache = Cache(settings)
+    entries = list(cache.entries())
+    assert 0 < len(entries) < len(files)
+    assert all(cache.get(e.key) is not None for e in entries)
+    assert cache.check()["orphans"] == 0
+    cache.close()
+    handler.release.set()
+    report = fastload.stage(url, settings=settings, progress=False)
+    assert report.skipped_blocks == len(entries) and report.fetched_blocks == len(files) - len(entries)
+    return settings
+
+
+def _stop(handler: Any, httpd: Any, thread: threading.Thread) -> None:
+    handler.release.set()
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout=10)
+
+
+def test_ctrl_c_stops_without_waiting_for_requests_in_flight_and_the_rerun_resumes(tmp_path: Path) -> None:
+    handler, httpd, thread, url, files = _serve(tmp_path)
+    cache_dir = tmp_path / "cache"
+    try:
+        code, _, err = _interrupt_mid_run(
+            [sys.executable, "-m", "fastload", "cache", url, "--cache-dir", str(cache_dir), "--no-progress"], cache_dir, handler)
+        assert code == 130, err
+        assert "interrupted; rerun the same command to resume" in err
+        settings = _check_nothing_half_written_and_resume(cache_dir, url, handler, files)
+    finally:
+        _stop(handler, httpd, thread)
     reader = Reader(settings)  # the server is gone: every byte from the cache
     for item in reader.list(url):
         assert reader.read(item) == files[item.url.rsplit("/", 1)[1]]
+
+
+_STAGE_FROM_PYTHON = """
+import sys
+import fastload
+from fastload.config import Settings
+try:
+    fastload.stage(sys.argv[1], settings=Settings.from_env(cache_dir=sys.argv[2]), progress=False)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt re-raised", flush=True)
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_in_python_stops_stage_and_its_threads(tmp_path: Path) -> None:
+    # fastload.stage() from a notebook: the KeyboardInterrupt must reach the caller and
+    # every staging thread must end, not retry held requests one by one in the background
+    # (the interpreter joins those threads at exit: the process would outlive communicate()).
+    handler, httpd, thread, url, files = _serve(tmp_path)
+    cache_dir = tmp_path / "cache"
+    try:
+        code, out, err = _interrupt_mid_run([sys.executable, "-c", _STAGE_FROM_PYTHON, url, str(cache_dir)], cache_dir, handler)
+        assert (code, out.strip()) == (130, "KeyboardInterrupt re-raised"), err
+        _check_nothing_half_written_and_resume(cache_dir, url, handler, files)
+    finally:
+        _stop(handler, httpd, thread)
