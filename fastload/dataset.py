@@ -168,8 +168,6 @@ class FileDataset(_CachedDataset):
                  label: str | Callable[[str], Any] | Sequence[Any] | None = None,
                  transform: Transform | None = None, storage_options: dict[str, Any] | None = None,
                  settings: Settings | None = None, refresh: bool = False) -> None:
-        if pattern is not None and not isinstance(url, str):
-            raise ConfigError("pattern= filters a listing; a URL list has none; fix: filter the list itself")
         super().__init__(url, pattern, transform=transform, storage_options=storage_options, settings=settings,
                          refresh=refresh, lazy_sizes=True)
         root = self._root + "/"

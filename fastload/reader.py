@@ -141,8 +141,15 @@ class Reader:
         With ``complete=False`` items whose size the listing lacked come back with
         ``size == -1`` and no manifest is saved; the caller completes them and calls
         :meth:`save_manifest` (this is how staging overlaps HEADs with transfers).
+
+        Raises:
+            ConfigError: ``pattern`` with a URL list: there is no listing to filter. This is
+                the one check (datasets, ``fastload.stage``); a pattern was dropped silently.
         """
         if not isinstance(url, str):
+            if pattern is not None:
+                raise ConfigError(f"pattern={pattern!r} filters a listing and a URL list has none; fix: filter the "
+                                  "list itself, or pass the folder's URL with the pattern")
             return self._list_urls(url, refresh=refresh, complete=complete)
         src = self.source(url)
         root = src.canonical(url).rstrip("/")

@@ -14,6 +14,7 @@ from fastload.cli import dataset_summaries
 from fastload.cli import main as cli_main
 from fastload.config import Settings
 from fastload.errors import ConfigError, EmptyDatasetError
+from fastload.reader import Reader
 from fastload.source import Source
 
 pytestmark = pytest.mark.integration
@@ -83,8 +84,17 @@ def test_bad_url_lists_get_short_errors_naming_the_entry(tmp_path: Path) -> None
     with pytest.raises(ConfigError) as err:
         Source(urls)  # type: ignore[arg-type]
     assert len(str(err.value)) < 300 and "list" in str(err.value)
-    with pytest.raises(ConfigError, match="pattern= filters a listing"):
-        fastload.FileDataset(urls[:3], pattern="*.jpg", settings=settings)
+    # A pattern has no listing to filter: refused by Reader.list, for the datasets and staging alike.
+    local = []
+    for k in range(3):
+        (tmp_path / f"{k}.jpg").write_bytes(b"x")
+        local.append(str(tmp_path / f"{k}.jpg"))
+    for call in (lambda: fastload.FileDataset(local, pattern="*.jpg", settings=settings),
+                 lambda: fastload.stage(local, pattern="*.jpg", settings=settings, progress=False),
+                 lambda: Reader(settings).list(local, "*.jpg")):
+        with pytest.raises(ConfigError, match=r"pattern='\*\.jpg' filters a listing and a URL list has none"):
+            call()
+    assert not list(Reader(settings).cache.entries())  # nothing staged
     with pytest.raises(ConfigError, match="label= has 2 entries for 3 samples"):
         fastload.FileDataset([str(tmp_path / f"{k}") for k in range(3)], label=[0, 1], settings=settings)
 
