@@ -239,15 +239,16 @@ class Source:
         """Record that ``url``'s host answers ranged GETs with the whole object."""
         self._rangeless.add(host_of(url, self.storage_options))
 
-    def _sync(self, func: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
-        """``await func(*args, **kwargs)`` on fsspec's event loop, from this thread.
+    def _sync(self, func: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> T:
+        """``await func(*args, **kwargs)`` on fsspec's event loop, from this thread, within ``timeout_s``.
 
         As ``fsspec.asyn.sync``, but the wait ends when :attr:`stop` is set (or this
         thread is interrupted): the coroutine is then cancelled, its slot given back,
         and StoppedError raised. Staging's threads once kept retrying held requests
         for tens of seconds after a Ctrl-C (tests/integration/test_stage_interrupt.py).
         """
-        future = asyncio.run_coroutine_threadsafe(func(*args, **kwargs), self.fs.loop)
+        coro = func(*args, **kwargs)
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s) if timeout_s else coro, self.fs.loop)
         try:
             while True:
                 try:
@@ -520,18 +521,17 @@ class Source:
         """
         fs = self.fs
         path = fs._strip_protocol(url)
-        kwargs: dict[str, Any] = {}
-        if getattr(fs, "async_impl", False):
-            kwargs["timeout"] = self.settings.request_timeout_s
+        timeout_s = self.settings.request_timeout_s
 
         def once() -> bytes:
             if self._async(fs):  # cancellable on a stop
-                data = self._sync(fs._cat_file, path, **kwargs) if start == 0 and end is None else \
-                    self._sync(fs._cat_file, path, start=start, end=end, **kwargs)
+                whole = start == 0 and end is None
+                data = self._sync(fs._cat_file, path, timeout_s=timeout_s) if whole else \
+                    self._sync(fs._cat_file, path, start=start, end=end, timeout_s=timeout_s)
             elif start == 0 and end is None:
-                data = fs.cat_file(path, **kwargs)
+                data = fs.cat_file(path)
             else:
-                data = fs.cat_file(path, start=start, end=end, **kwargs)
+                data = fs.cat_file(path, start=start, end=end)
             if expect is not None and len(data) != expect:
                 raise TruncatedBodyError(f"got {len(data)} B of {expect} B")
             return bytes(data)
