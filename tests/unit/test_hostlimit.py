@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +126,43 @@ def test_a_wait_for_a_slot_that_never_comes_raises_instead_of_hanging(monkeypatc
     assert limit.in_flight == 0 and not limit._waiters
     with limit.slot():  # the waiters that gave up left nothing behind
         assert limit.in_flight == 1
+
+
+def test_a_stop_ends_a_threads_wait_for_a_slot_and_leaves_nothing_behind() -> None:
+    # Staging's Ctrl-C (Reader.stop): a thread queued for a slot of a host whose requests
+    # hang must not wait SLOT_WAIT_S (900 s) for it.
+    limit, stop = HostLimit("http://h", cap=1), threading.Event()
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            with limit.slot(stop):
+                errors.append(AssertionError("got a slot that was never free"))
+        except BaseException as err:
+            errors.append(err)
+
+    with limit.slot():  # held throughout, as by a request the server never answers
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        while not limit._waiters:
+            time.sleep(0.01)
+        stop.set()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], fastload.errors.StoppedError), errors
+        assert limit.in_flight == 1 and not limit._waiters
+    assert limit.in_flight == 0
+
+
+def test_a_stopped_source_starts_no_request(tmp_path: Path) -> None:
+    from fastload.source import Source
+
+    (tmp_path / "a.bin").write_bytes(b"abc")
+    stop = threading.Event()
+    src = Source(str(tmp_path), stop=stop)
+    assert src.read(str(tmp_path / "a.bin")) == b"abc"
+    calls: list[int] = []
+    stop.set()
+    with pytest.raises(fastload.errors.StoppedError):
+        src._call(lambda: calls.append(1), str(tmp_path / "a.bin"))
+    assert calls == []
