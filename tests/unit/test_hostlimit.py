@@ -142,10 +142,12 @@ def test_a_stop_ends_a_threads_wait_for_a_slot_and_leaves_nothing_behind() -> No
             errors.append(err)
 
     with limit.slot():  # held throughout, as by a request the server never answers
-        thread = threading.Thread(target=waiter)
+        thread = threading.Thread(target=waiter, daemon=True)  # without a stop it would wait 900 s
         thread.start()
-        while not limit._waiters:
+        deadline = time.monotonic() + 30
+        while not limit._waiters and not errors and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert limit._waiters, errors  # queued behind the held slot
         stop.set()
         thread.join(timeout=30)
         assert not thread.is_alive()
