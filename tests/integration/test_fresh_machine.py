@@ -118,7 +118,7 @@ def test_install_step_as_root_installs_the_missing_packages_with_apt(no_nginx: l
 
 
 def test_make_test_and_ci_share_the_install_step() -> None:
-    make = subprocess.run(["make", "-n", "test"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    make = subprocess.run(["make", "--no-print-directory", "-n", "test"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert make.returncode == 0, make.stderr
     assert make.stdout.splitlines()[0] == "scripts/install-test-deps", make.stdout[:500]
     ci = (ROOT / ".ci" / "run").read_text()

@@ -37,7 +37,7 @@ def test_without_a_gpu_it_says_so_writes_the_report_and_exits_0(tmp_path: Path) 
 
 def test_make_target_runs_the_script_on_the_gpu_python_and_never_builds_the_venv() -> None:
     # .venv's build step may install the pinned CPU torch; on a GPU machine that would hide the GPU.
-    done = subprocess.run(["make", "-n", "gpu-check", "GPU_PY=/opt/cuda-python"], cwd=ROOT,
+    done = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "GPU_PY=/opt/cuda-python"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "/opt/cuda-python scripts/gpu_check.py --out benchmarks/gpu/results/gpu-check.json"
