@@ -506,6 +506,7 @@ class Cache:
         entries: list[Entry] = []
         won: set[int] = set()
         committed = False
+        lost = 0
         try:
             for (key, raw, url, block), payload in batch:
                 rel = f"{key[:2]}/{key}-{uuid.uuid4().hex[:12]}.flp"
@@ -516,7 +517,6 @@ class Cache:
                                      codec.checksum(payload)))
             now = time.time()
             with self.index.transact():
-                lost = 0
                 for i, e in enumerate(entries):
                     # No "t:" (last use) record yet: until its first touch an entry's
                     # file mtime is its last use (evict), one index write less per put.
@@ -524,18 +524,22 @@ class Cache:
                         won.add(i)
                     else:
                         lost += e.stored
-                self.index.delete(token)  # the reserved bytes are now the entries'
-                if lost:
-                    self.index.incr(_BYTES, -lost)
+                if lost:  # the losers' files are still on the disk: their bytes stay reserved until unlinked
+                    self.index.set(token, lost)
+                else:
+                    self.index.delete(token)  # the reserved bytes are now the entries'
             committed = True  # only once COMMIT succeeded (it fails on a full disk)
         finally:
-            # Files first, then the reservation: disk use never exceeds the counter.
+            # Files first, then the reservation: disk use never exceeds the counter
+            # (tests/reliability/test_concurrency.py: four processes racing for the same keys).
             for i, rel in enumerate(written):
                 if not committed or i not in won:
                     (self.data_dir / rel).unlink(missing_ok=True)
             _IN_FLIGHT.pop(token, None)
             if not committed:
                 self._release(token, total)
+            elif lost:
+                self._release(token, lost)
         out = []
         for i, e in enumerate(entries):
             if i in won:
