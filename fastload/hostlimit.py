@@ -128,14 +128,8 @@ class HostLimit:
             if stop is not None and stop.is_set():
                 raise StoppedError(f"{self.host}: stopped while waiting for a request slot")
             raise self._starved()
-        outcome = _Outcome()
-        try:
+        with self._holding() as outcome:
             yield outcome
-        except BaseException as err:
-            outcome.error = err
-            raise
-        finally:
-            self._release(outcome)
 
     @asynccontextmanager
     async def aslot(self) -> AsyncIterator[_Outcome]:
@@ -153,6 +147,12 @@ class HostLimit:
                 await asyncio.wait_for(future, SLOT_WAIT_S)
             except asyncio.TimeoutError as err:
                 raise self._starved() from err
+        with self._holding() as outcome:
+            yield outcome
+
+    @contextmanager
+    def _holding(self) -> Iterator[_Outcome]:
+        """The body of a slot already taken: its outcome (error or not) goes to the controller."""
         outcome = _Outcome()
         try:
             yield outcome
