@@ -34,8 +34,8 @@ import functools
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -131,24 +131,28 @@ class HostLimit:
         with self._holding() as outcome:
             yield outcome
 
-    @asynccontextmanager
-    async def aslot(self) -> AsyncIterator[_Outcome]:
-        """Hold a slot in a coroutine on an event loop for the ``async with`` body."""
-        future: asyncio.Future[None] | None = None
+    def aslot(self) -> _AsyncSlot:
+        """A slot for a coroutine on an event loop, held for the ``async with`` body."""
+        return _AsyncSlot(self)
+
+    async def _acquire(self) -> None:
+        """Wait on the running loop until this coroutine holds a slot (FIFO with threads)."""
         with self._lock:
             if self._free():
                 self._take()
-            else:
-                loop = asyncio.get_running_loop()
-                future = loop.create_future()
-                self._waiters.append(_async_waker(loop, future, self._give_back))
-        if future is not None:
-            try:  # cancelled while waiting: the slot, once handed over, is given back (_async_waker)
-                await asyncio.wait_for(future, SLOT_WAIT_S)
-            except asyncio.TimeoutError as err:
-                raise self._starved() from err
-        with self._holding() as outcome:
-            yield outcome
+                return
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            self._waiters.append(_async_waker(loop, future, self._give_back))
+        # One timer, not asyncio.wait_for (a wrapper future and callbacks per waiter): slots
+        # cost ~30 us per request that way, on fsspec's loop thread (benchmarks/peers/results/profile.md).
+        timer = loop.call_later(SLOT_WAIT_S, _expire, future)
+        try:  # cancelled while waiting: the slot, once handed over, is given back (_async_waker)
+            await future
+        except _SlotExpired as err:
+            raise self._starved() from err
+        finally:
+            timer.cancel()
 
     @contextmanager
     def _holding(self) -> Iterator[_Outcome]:
@@ -289,6 +293,34 @@ def _waited(event: threading.Event, stop: threading.Event | None) -> bool:
         if stop.is_set() or time.monotonic() > deadline:
             return False
     return True
+
+
+class _AsyncSlot:
+    """``async with limit.aslot() as outcome``: a class, not a generator (this runs once per request)."""
+
+    __slots__ = ("_limit", "_outcome")
+
+    def __init__(self, limit: HostLimit) -> None:
+        self._limit = limit
+
+    async def __aenter__(self) -> _Outcome:
+        await self._limit._acquire()
+        self._outcome = _Outcome()
+        return self._outcome
+
+    async def __aexit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> None:
+        if err is not None:
+            self._outcome.error = err
+        self._limit._release(self._outcome)
+
+
+class _SlotExpired(Exception):
+    """No slot came free within SLOT_WAIT_S (set on a waiting coroutine's future)."""
+
+
+def _expire(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_exception(_SlotExpired())
 
 
 class _Outcome:
