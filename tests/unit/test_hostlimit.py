@@ -168,3 +168,49 @@ def test_a_stopped_source_starts_no_request(tmp_path: Path) -> None:
     with pytest.raises(fastload.errors.StoppedError):
         src._call(lambda: calls.append(1), str(tmp_path / "a.bin"))
     assert calls == []
+
+
+def _rounds(monkeypatch: pytest.MonkeyPatch, latencies: list[float], requests: int = 200) -> list[int]:
+    """Run ``requests`` coroutines through a fresh limit, answering all those in flight once per
+    round after that round's latency (a fake clock); the limit after each round."""
+    clock = [1000.0]
+    monkeypatch.setattr(hostlimit, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    limit = HostLimit("http://h", cap=64)
+    gates: list[asyncio.Future[None]] = []
+
+    async def request() -> None:
+        async with limit.aslot() as outcome:
+            outcome.nbytes = 100_000
+            gate = asyncio.get_running_loop().create_future()
+            gates.append(gate)
+            await gate
+
+    async def main() -> list[int]:
+        tasks = [asyncio.ensure_future(request()) for _ in range(requests)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        seen = []
+        for latency in latencies:
+            clock[0] += latency
+            answered, gates[:] = list(gates), []
+            for gate in answered:
+                gate.set_result(None)
+            for _ in range(10):  # the answers release their slots; the waiters handed one start
+                await asyncio.sleep(0)
+            seen.append(int(limit.limit))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return seen
+
+    return asyncio.run(main())
+
+
+def test_slow_start_doubles_the_limit_each_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 20 ms to first byte: a limit doubled once per window (>= 50 ms) needed ~3 round trips a step.
+    assert _rounds(monkeypatch, [0.02] * 5) == [8, 16, 32, 64, 64]
+
+
+def test_slow_start_grows_only_on_answers_that_did_not_queue_and_only_under_demand(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _rounds(monkeypatch, [0.02, 0.05, 0.05]) == [8, 8, 8]  # answers now take 2.5x the fastest: queueing
+    assert _rounds(monkeypatch, [0.02, 0.02], requests=3) == [4, 4]  # nobody waits: nothing to grow for
