@@ -429,44 +429,51 @@ def limit_for(host: str, cap: int) -> HostLimit:
     return limit
 
 
-@functools.cache  # one object: fsspec caches filesystems by their options, a new one each time would defeat it
-def aiohttp_trace() -> Any:
-    """An aiohttp ``TraceConfig`` that reports slow TCP connects, and servers that close
-    each connection, to their host's limit.
+async def aiohttp_client(**kwargs: Any) -> Any:
+    """fsspec's ``get_client`` for HTTP: an aiohttp session that reports slow TCP connects,
+    and servers that close each connection, to their host's limit.
 
     A server whose listen backlog is full drops the SYN; TCP sends it again after
     a second, then two, and the request just looks slow. Only the connect's own
-    duration tells (tests/integration/test_hostlimit_server.py).
+    duration tells (tests/integration/test_hostlimit_server.py). Both are seen in
+    the session's connector and response classes, not through an aiohttp
+    ``TraceConfig``: a trace sends five signals per request, ~25 us of the ~200 us
+    each GET costs on fsspec's loop (benchmarks/peers/results/profile.md). A
+    ``connector`` or ``response_class`` of the user's own is kept, without that report.
     """
     import aiohttp
 
-    trace = aiohttp.TraceConfig()
+    response_class, connector_class = _aiohttp_classes()
+    kwargs.setdefault("response_class", response_class)
+    if kwargs.get("connector") is None:
+        kwargs["connector"] = connector_class()  # on fsspec's loop, as set_session calls this
+    return aiohttp.ClientSession(**kwargs)
 
-    async def on_request_start(session: Any, ctx: Any, params: Any) -> None:
-        ctx.url = str(params.url)
 
-    async def on_connect_start(session: Any, ctx: Any, params: Any) -> None:
-        ctx.connect_t0 = time.monotonic()
+@functools.cache
+def _aiohttp_classes() -> tuple[type[Any], type[Any]]:
+    import aiohttp
 
-    async def on_connect_end(session: Any, ctx: Any, params: Any) -> None:
-        t0, url = getattr(ctx, "connect_t0", None), getattr(ctx, "url", None)
-        if t0 is not None and url is not None and time.monotonic() - t0 > SLOW_CONNECT_S:
-            limit = _LIMITS.get(host_of(url))
-            if limit is not None:
-                limit.signal("slow connect")
+    class _Response(aiohttp.ClientResponse):
+        async def start(self, connection: Any) -> Any:
+            started = await super().start(connection)
+            if self.version < (1, 1) or self.headers.get("Connection", "").lower() == "close":
+                limit = _LIMITS.get(host_of(str(self.url)))
+                if limit is not None:
+                    limit.closes_connections()
+            return started
 
-    async def on_request_end(session: Any, ctx: Any, params: Any) -> None:
-        response = params.response
-        if response.version < (1, 1) or response.headers.get("Connection", "").lower() == "close":
-            limit = _LIMITS.get(host_of(str(params.url)))
-            if limit is not None:
-                limit.closes_connections()
+    class _Connector(aiohttp.TCPConnector):
+        async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:
+            t0 = time.monotonic()
+            proto = await super()._create_connection(req, traces, timeout)
+            if time.monotonic() - t0 > SLOW_CONNECT_S:
+                limit = _LIMITS.get(host_of(str(req.url)))
+                if limit is not None:
+                    limit.signal("slow connect")
+            return proto
 
-    trace.on_request_start.append(on_request_start)
-    trace.on_request_end.append(on_request_end)
-    trace.on_connection_create_start.append(on_connect_start)
-    trace.on_connection_create_end.append(on_connect_end)
-    return trace
+    return _Response, _Connector
 
 
 def settled() -> dict[str, dict[str, Any]]:

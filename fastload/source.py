@@ -40,7 +40,7 @@ from fastload.errors import (
     SourceError,
     StoppedError,
 )
-from fastload.hostlimit import STOP_POLL_S, HostLimit, aiohttp_trace, host_of, limit_for
+from fastload.hostlimit import STOP_POLL_S, HostLimit, aiohttp_client, host_of, limit_for
 
 T = TypeVar("T")
 
@@ -655,8 +655,8 @@ def _with_timeouts(protocol: str, options: dict[str, Any], timeout_s: float) -> 
         # sock_read bounds each silence, not the whole transfer: a large, slow but
         # steady answer is not a stall.
         client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s))
-        client["trace_configs"] = [*(client.get("trace_configs") or []), aiohttp_trace()]
         opts["client_kwargs"] = client
+        opts.setdefault("get_client", aiohttp_client)  # reports slow connects and closing servers (hostlimit)
     elif protocol in ("s3", "s3a"):
         config = dict(opts.get("config_kwargs") or {})
         config.setdefault("connect_timeout", timeout_s)

@@ -196,3 +196,75 @@ def test_diagnose_reports_the_limit_it_settled_on_and_advises_with_it(
     text = "\n".join(verdict.lines())
     assert f"settled at {settled['limit']} in flight (cap --workers 3, cut" in text
     assert f"fastload cache {server.url} --workers 8" in text  # storage saturates above the cap
+
+
+def test_a_server_that_closes_each_connection_is_held_to_closing_max(
+    tmp_path: Path, counting_server: Callable[..., CountingServer]
+) -> None:
+    # http.server answers HTTP/1.0 and closes: every request passes its 5-deep listen
+    # queue. The session's response class sees that; slow start would grow past 4 otherwise.
+    make_files(tmp_path / "www", 120, 5_000)
+    server = counting_server(tmp_path / "www", delay_s=0.01)
+    report = fastload.stage(server.url + "/data/", settings=settings_for(tmp_path, workers=64), progress=False)
+    assert report.fetched_blocks == 120
+    assert hostlimit.limit_for(server.url, 64).closing
+    assert server.peak <= hostlimit.CLOSING_MAX
+
+
+def test_a_connect_that_tcp_had_to_retry_cuts_the_limit(tmp_path: Path) -> None:
+    # A listen queue that is full drops the SYN; TCP resends it a second later. The
+    # session's connector times its connects and reports that one as congestion.
+    import asyncio
+    import contextlib
+    import socket
+
+    from fastload.source import Source
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    while len(fillers) < 4:  # fill the accept queue (its depth depends on the kernel)
+        try:
+            fillers.append(socket.create_connection(("127.0.0.1", port), timeout=0.3))
+        except OSError:
+            break
+
+    def serve() -> None:
+        time.sleep(1.5)  # past the client's first SYN retry
+        listener.settimeout(0.2)
+        conns = []
+        with contextlib.suppress(OSError):
+            while True:  # the fillers
+                conns.append(listener.accept()[0])
+        listener.settimeout(10)
+        conn = listener.accept()[0]  # the client, on its next SYN retry
+        conns.append(conn)
+        conn.settimeout(10)
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        time.sleep(0.5)
+        for c in conns:
+            c.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    source = Source(url + "/x", settings=settings_for(tmp_path, retries=1))
+
+    async def get() -> bytes:
+        session = await source.fs.set_session()
+        async with session.get(url + "/x") as r:
+            return await r.read()
+
+    try:
+        hostlimit.limit_for(url, 64)
+        body = asyncio.run_coroutine_threadsafe(get(), source.fs.loop).result(timeout=20)
+    finally:
+        thread.join(timeout=15)
+        for s in fillers:
+            s.close()
+        listener.close()
+    state = hostlimit.settled()[url]
+    assert body == b"ok" and state["cuts"] == 1 and state["last_cut"] == "slow connect"
