@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from fastload.cache import cannot_write
-from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError
+from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError, StoppedError
 from fastload.source import RemoteItem
 
 if TYPE_CHECKING:
@@ -102,6 +102,8 @@ class Fetcher:
         size) are fetched ahead, at most ``AHEAD_ITEMS`` at a time, so memory stays bounded.
         """
         reader, limit = self.reader, self.ahead_bytes
+        if reader.stop.is_set():
+            return 0  # stopping: no request starts (staging's Ctrl-C)
         with self._lock:
             table = self._table()
             room = AHEAD_ITEMS - sum(1 for f in table.values() if f.ahead)
@@ -115,7 +117,10 @@ class Fetcher:
             todo = [i for i in todo if i.url not in cached]
         started = 0
         for item in todo:
-            future = reader.source(item.url).start_first(item, limit)
+            try:
+                future = reader.source(item.url).start_first(item, limit)
+            except StoppedError:
+                break  # stopped meanwhile
             if future is None:
                 break  # this store has no event loop: reads fetch as they go
             with self._lock:

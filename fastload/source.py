@@ -19,6 +19,7 @@ import os
 import random
 import re
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -464,6 +465,7 @@ class Source:
     def start_first(self, item: RemoteItem, nbytes: int) -> concurrent.futures.Future[Any] | None:
         """Start reading ``item``'s first ``nbytes`` on fsspec's event loop, or None where that
         cannot be done (a store without an event loop). Finish it with :meth:`finish_first`."""
+        self._stopped(item.url)
         fs: Any = self.fs
         if not getattr(fs, "async_impl", False) or getattr(fs, "loop", None) is None:
             return None
@@ -471,17 +473,22 @@ class Source:
         if item.size < 0:
             if not isinstance(fs, _http_fs_class()):
                 return None
-            coro = _held(self.limit_of(item.url), lambda: _http_get_first(fs, item.url, nbytes, self.settings.request_timeout_s))
+
+            def request() -> Awaitable[tuple[dict[str, Any], bytes]]:
+                self._stopped(item.url)  # a stop while it waited for its slot: no request
+                return _http_get_first(fs, item.url, nbytes, self.settings.request_timeout_s)
+
+            coro = _held(self.limit_of(item.url), request)
         else:
             coro = _gather_ranges(fs, [(fs._strip_protocol(item.url), 0, min(nbytes, item.size))], self.settings.request_timeout_s,
-                                  self.limit_of)
+                                  self.limit_of, self.stop)
         return asyncio.run_coroutine_threadsafe(coro, fs.loop)
 
     def finish_first(self, item: RemoteItem, nbytes: int, future: concurrent.futures.Future[Any]) -> tuple[RemoteItem, bytes]:
         """:meth:`read_first`'s result from a :meth:`start_first` future; a failed or short read
         is done again by :meth:`read_first` (retries, backoff, error translation)."""
         try:
-            res = future.result(timeout=self.settings.request_timeout_s * 2)
+            res = self._wait(future, self.settings.request_timeout_s * 2, item.url)
             if item.size < 0:
                 info, data = res
                 done = self._item(info)
@@ -491,9 +498,24 @@ class Source:
                     raise data
             if len(data) == min(nbytes, done.size):
                 return done, bytes(data)
+        except StoppedError:
+            raise
         except Exception:  # noqa: S110 - redone below, where errors are retried and translated
             future.cancel()
         return self.read_first(item, nbytes)
+
+    def _wait(self, future: concurrent.futures.Future[T], timeout_s: float, url: str) -> T:
+        """``future.result(timeout_s)``, but a stop cancels it and raises StoppedError (as :meth:`_sync`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return future.result(timeout=min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if self.stop.is_set():
+                    future.cancel()
+                    raise StoppedError(f"{url}: stopped; its request was cancelled") from None
+                if time.monotonic() >= deadline:
+                    raise
 
     def _item(self, info: dict[str, Any]) -> RemoteItem:
         if info.get("ignores_ranges"):
@@ -553,7 +575,7 @@ class Source:
         results: builtins.list[Any] = [None] * len(ranges)
         if len(ranges) > 1 and getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
             paths = [(fs._strip_protocol(url), start, end) for url, start, end in ranges]
-            results = self._sync(_gather_ranges, fs, paths, self.settings.request_timeout_s, self.limit_of)
+            results = self._sync(_gather_ranges, fs, paths, self.settings.request_timeout_s, self.limit_of, self.stop)
 
         def again(i: int) -> bytes | Exception:
             url, start, end = ranges[i]
@@ -824,14 +846,20 @@ async def _held(limit: HostLimit | None, request: Callable[[], Awaitable[T]]) ->
 
 
 async def _gather_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], timeout_s: float,
-                         limit_of: Callable[[str], HostLimit | None]) -> list[Any]:
+                         limit_of: Callable[[str], HostLimit | None], stop: threading.Event | None = None) -> list[Any]:
     async def one(path: str, start: int, end: int | None) -> bytes:
         # Bounded like Source.read's requests (asyncio's own timeout for stores that take no
         # kwarg); the timeout starts once the request holds its slot.
         limit = limit_of(fs.unstrip_protocol(path))
-        if start == 0 and end is None:
-            return await _held(limit, lambda: asyncio.wait_for(fs._cat_file(path), timeout_s))
-        return await _held(limit, lambda: asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout_s))
+
+        def request() -> Awaitable[bytes]:
+            if stop is not None and stop.is_set():  # stopped while it waited for its slot: no request
+                raise StoppedError(f"{fs.unstrip_protocol(path)}: stopped before its request")
+            if start == 0 and end is None:
+                return asyncio.wait_for(fs._cat_file(path), timeout_s)
+            return asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout_s)
+
+        return await _held(limit, request)
 
     return await asyncio.gather(*(one(*r) for r in ranges), return_exceptions=True)
 

@@ -7,6 +7,7 @@ import http.server
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,10 @@ import pytest
 import fastload
 from fastload.cli import main
 from fastload.config import Settings
+from fastload.errors import StoppedError
 from fastload.reader import Reader
 from fastload.samples import make_image_folder
+from fastload.source import RemoteItem
 
 pytestmark = pytest.mark.integration
 
@@ -106,3 +109,85 @@ def test_a_server_without_range_support_serves_a_random_read_from_one_whole_fetc
     assert reader.read_range(item, 2 * 1024**2 + 5, 2 * 1024**2 + 100) == data[2 * 1024**2 + 5 : 2 * 1024**2 + 100]
     assert reader.read(item) == data  # every block was kept from that one answer
     assert gets["/big/large.bin"] == 1
+
+
+class _HoldingServer:
+    """A ThreadingHTTPServer that counts file GETs and holds each answer until ``release`` is set."""
+
+    def __init__(self, root: Path) -> None:
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.gets = 0
+        self.held = 0
+        server = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                with server.lock:
+                    server.gets += 1
+                    server.held += 1
+                server.release.wait(timeout=120)
+                with server.lock:
+                    server.held -= 1
+                super().do_GET()
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+                pass
+
+        class Quiet(http.server.ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a cancelled request's client hung up: expected here
+
+        self.httpd = Quiet(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=10)
+
+
+def _until(cond: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_stop_starts_no_fetch_ahead_and_ends_the_wait_for_one(tmp_path: Path) -> None:
+    # Staging's Ctrl-C (Reader.stop): Fetcher.ahead once started requests after it, fetches
+    # ahead queued for a slot went out when one came free, and finishing one waited for its
+    # answer (up to twice the request timeout) instead of ending.
+    (tmp_path / "www").mkdir()
+    for k in range(8):
+        (tmp_path / "www" / f"f{k}.bin").write_bytes(os.urandom(1000))
+    server = _HoldingServer(tmp_path / "www")
+    try:
+        reader = Reader(Settings(cache_dir=tmp_path / "cache", workers=1, request_timeout_s=60, retries=1))
+        items = [RemoteItem(f"{server.url}/f{k}.bin", -1, "") for k in range(8)]
+        assert reader.fetcher.ahead(items[:5]) == 5  # one request in flight (the cap), four queued for its slot
+        _until(lambda: server.held == 1, "the first fetch ahead never reached the server")
+        reader.stop.set()
+        assert reader.fetcher.ahead(items[5:]) == 0
+        errors: list[BaseException] = []
+
+        def complete() -> None:
+            try:
+                reader.fetcher.complete(items[:1])
+            except BaseException as err:
+                errors.append(err)
+
+        thread = threading.Thread(target=complete, daemon=True)
+        thread.start()
+        thread.join(timeout=20)  # the server still holds its answer
+        assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], StoppedError), errors
+        server.release.set()
+        limit = reader.source(items[0].url).host_limit
+        assert limit is not None
+        _until(lambda: limit.in_flight == 0 and not limit._waiters, "slots were not given back")
+        assert server.gets == 1  # none of the queued fetches ahead went out once stopped
+    finally:
+        server.close()
