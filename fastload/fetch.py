@@ -10,7 +10,8 @@ Words, one meaning each across fastload:
 
 One :class:`Fetcher` per :class:`~fastload.reader.Reader`. It holds the one table
 of fetches in flight, keyed by (URL, block): a block is fetched once however many
-threads (or fetches ahead) want it. Its callers are the Reader's misses (datasets,
+threads (or fetches ahead) want it, and a sizeless item is completed once (its key
+(URL, COMPLETING)) however many threads complete it at once. Its callers are the Reader's misses (datasets,
 ``fastload.open``, the pipelines' payloads) and staging. It stores what it fetched
 with one :meth:`~fastload.cache.Cache.put_many` per call and returns those bytes,
 so a cold read never goes back to disk for them. How many requests are in flight
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
 
 AHEAD_ITEMS = 512  # first blocks fetched ahead per Fetcher, at most (memory bound)
 AHEAD_ITEM_BYTES = 1 << 20  # larger objects are not fetched ahead: their transfer, not latency, dominates
+
+COMPLETING = -1  # the in-flight table's "block" of a sizeless item being completed (its first GET)
 
 Block = tuple[RemoteItem, int]
 Gate = Callable[[Callable[[], Any]], Any]  # runs a cache write, or refuses it (staging's stop)
@@ -181,8 +184,25 @@ class Fetcher:
         rest = [k for k in todo if out[k].size < 0]
         if not rest:
             return out, {}
+        # The one table covers completions too: an item another thread is completing is
+        # waited for, not requested again (tests/integration/test_fetch.py counts the GETs).
+        waits: dict[int, Future[Any]] = {}
+        with self._lock:
+            table = self._table()
+            for k in rest:
+                flight = table.get((items[k].url, COMPLETING))
+                if flight is None:
+                    table[(items[k].url, COMPLETING)] = _Flight(items[k], Future(), False)
+                else:
+                    waits[k] = flight.future
+        rest = [k for k in rest if k not in waits]
         t0 = time.perf_counter()
-        got = self._first_blocks([items[k] for k in rest])
+        try:
+            got = self._first_blocks([items[k] for k in rest])
+        except BaseException as err:
+            self._land_completions([items[k] for k in rest], None, err)
+            raise
+        self._land_completions([items[k] for k in rest], got, None)
         reader.record("fetch", len(got), sum(len(d) for _, d in got), t0)
         # Pins first: a process killed between the two then refetches only blocks it
         # never cached, not ones it cached but cannot find again (tests/reliability/test_train_kill.py).
@@ -196,7 +216,31 @@ class Fetcher:
         for k, (item, data) in zip(rest, got):
             out[k] = item
             fresh[reader.key(item, 0)] = data
+        for k, future in waits.items():
+            item, data = future.result(timeout=self._wait_s())  # the completing thread's error, if it failed
+            out[k] = item
+            fresh[reader.key(item, 0)] = data
         return out, fresh
+
+    def _land_completions(self, items: list[RemoteItem], got: list[tuple[RemoteItem, bytes]] | None,
+                          err: BaseException | None) -> None:
+        """Resolve this caller's completions: (item, first block) for the threads waiting on them, or ``err``."""
+        with self._lock:
+            table = self._table()
+            for k, item in enumerate(items):
+                flight = table.pop((item.url, COMPLETING), None)
+                if flight is None or flight.future.done():
+                    continue
+                if got is not None:
+                    flight.future.set_result(got[k])
+                else:
+                    flight.future.set_exception(err or RemoteChangedError(f"{item.url}: not completed"))
+                    flight.future.exception()  # retrieved: a waiter may never come
+
+    def _wait_s(self) -> float:
+        """How long a thread waits for another's fetch: its request's timeout, retries and backoff."""
+        settings = self.reader.settings
+        return settings.request_timeout_s * settings.retries + settings.backoff_max_s
 
     def _first_blocks(self, items: list[RemoteItem]) -> list[tuple[RemoteItem, bytes]]:
         """Source.read_first of each, from fetches started ahead where there are some."""
@@ -266,9 +310,8 @@ class Fetcher:
             self._land(blocks, mine, out, err)
             raise
         self._land(blocks, mine, out, None)
-        timeout = reader.settings.request_timeout_s * reader.settings.retries + reader.settings.backoff_max_s
         for k, future in waits.items():
-            out[k] = future.result(timeout=timeout)  # the fetching thread's error, if it failed
+            out[k] = future.result(timeout=self._wait_s())  # the fetching thread's error, if it failed
         return [d if d is not None else reader.read_block(*blocks[k]) for k, d in enumerate(out)]
 
     def _land(self, blocks: Sequence[Block], mine: list[int], out: list[bytes | None], err: BaseException | None) -> None:

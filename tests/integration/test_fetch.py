@@ -191,3 +191,33 @@ def test_a_stop_starts_no_fetch_ahead_and_ends_the_wait_for_one(tmp_path: Path) 
         assert server.gets == 1  # none of the queued fetches ahead went out once stopped
     finally:
         server.close()
+
+
+def test_two_threads_completing_one_sizeless_item_send_one_request(tmp_path: Path) -> None:
+    # Fetcher.complete had no in-flight entry: two threads completing the same sizeless
+    # item at once (two staging chunks, or a read and a stage) each sent its first GET.
+    (tmp_path / "www").mkdir()
+    data = os.urandom(3000)
+    (tmp_path / "www" / "a.bin").write_bytes(data)
+    server = _HoldingServer(tmp_path / "www")
+    try:
+        reader = Reader(Settings(cache_dir=tmp_path / "cache", request_timeout_s=60, retries=1))
+        item = RemoteItem(f"{server.url}/a.bin", -1, "")
+        results: list[tuple[list[RemoteItem], dict[str, bytes]]] = []
+        threads = [threading.Thread(target=lambda: results.append(reader.fetcher.complete([item])), daemon=True)
+                   for _ in range(2)]
+        threads[0].start()
+        _until(lambda: server.held == 1, "the first completion never reached the server")
+        threads[1].start()
+        time.sleep(0.5)  # time for the second thread's own GET to reach the server, if it sends one
+        server.release.set()
+        for t in threads:
+            t.join(timeout=30)
+        assert len(results) == 2
+        assert server.gets == 1
+        for done, fresh in results:
+            assert done[0].size == len(data) and list(fresh.values()) == [data]
+        assert results[0][0] == results[1][0]
+        assert reader.misses == 1  # counted once, by the thread that fetched it
+    finally:
+        server.close()
