@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from fastload._worker_pack import BufferRef, SharedBuffers, activate, pack, pickled_bytes, unpack
 from fastload import hostlimit
+from fastload._worker_pack import BufferRef, SharedBuffers, activate, pack, pickled_bytes, unpack
 from fastload.stats import StatsCollector, default_collector, nbytes
 
 __all__ = ["Delta", "Unwrap", "WorkerBatch", "WorkerCollate"]

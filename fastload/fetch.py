@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 AHEAD_ITEMS = 512  # first blocks fetched ahead per Fetcher, at most (memory bound)
 AHEAD_ITEM_BYTES = 1 << 20  # larger objects are not fetched ahead: their transfer, not latency, dominates
+STREAM_BATCH_BYTES = 2 << 20  # blocks of a streamed whole object stored together (memory bound: _fetch_whole)
 
 COMPLETING = -1  # the in-flight table's "block" of a sizeless item being completed (its first GET)
 
@@ -337,6 +338,7 @@ class Fetcher:
         t0 = time.perf_counter()
         spans = {k: reader.block_span(*blocks[k]) for k in mine}
         fetched: dict[int, bytes | Exception] = {}
+        streamed: set[int] = set()
         for k, future in ahead.items():
             item = blocks[k][0]
             try:
@@ -347,14 +349,29 @@ class Fetcher:
         if rest:
             src = reader.source(blocks[rest[0]][0].url)
             ranges: dict[tuple[str, int, int | None], list[int]] = {}
+            wholes: dict[RemoteItem, list[int]] = {}  # objects of several blocks from a host that ignores Range
             for k in rest:
                 item = blocks[k][0]
                 start, end = spans[k]
-                entire = (start == 0 and end == item.size) or src.ignores_ranges(item.url)  # one GET of it all, not one per block
-                ranges.setdefault((item.url, 0, None) if entire else (item.url, start, end), []).append(k)
-            for ks, data in zip(ranges.values(), src.read_many(list(ranges))):
-                for k in ks:
-                    fetched[k] = data
+                if end - start != item.size and src.ignores_ranges(item.url):
+                    wholes.setdefault(item, []).append(k)
+                    continue
+                ranges.setdefault((item.url, 0, None) if start == 0 and end == item.size else (item.url, start, end), []).append(k)
+            if ranges:
+                for ks, data in zip(ranges.values(), src.read_many(list(ranges))):
+                    for k in ks:
+                        fetched[k] = data
+            for item, ks in wholes.items():
+                try:
+                    got = self._fetch_whole(item, {blocks[k][1] for k in ks}, strict, gate)
+                except Exception as err:
+                    got = None
+                    for k in ks:
+                        fetched[k] = err
+                if got is not None:
+                    for k in ks:
+                        fetched[k] = got[blocks[k][1]]
+                        streamed.add(k)
         stored: list[tuple[Block, bytes]] = []
         seen: set[Block] = set()  # blocks already taken from a whole object
         for k in mine:
@@ -366,10 +383,14 @@ class Fetcher:
                 ) from data
             if isinstance(data, Exception):
                 raise data
+            if k in streamed:  # stored as it arrived (_fetch_whole)
+                out[k] = data
+                continue
             if len(data) == item.size != end - start:
                 # The whole object, for one block: the server ignores Range headers (Python's
-                # http.server does), or it was asked for all of it. Every block is kept, so the
-                # object is fetched once (tests/integration/test_hostlimit_server.py).
+                # http.server does), found out by this request. Every block is kept, so the
+                # object is fetched once (tests/integration/test_hostlimit_server.py); from
+                # now on this host's objects are streamed (_fetch_whole).
                 whole, out[k] = data, data[start:end]
                 reader.source(item.url).note_ignores_ranges(item.url)
                 if (item, block) not in seen:
@@ -385,6 +406,70 @@ class Fetcher:
             stored.append(((item, block), data))
         reader.record("fetch", len(mine), sum(len(out[k] or b"") for k in mine), t0)
         self._store(stored, strict, gate)
+
+    def _fetch_whole(self, item: RemoteItem, wanted: set[int], strict: bool, gate: Gate | None) -> dict[int, bytes]:
+        """The ``wanted`` blocks of ``item``, from one GET of all of it (a host that ignores Range).
+
+        Every block is stored as it arrives, a few blocks per put_many (STREAM_BATCH_BYTES),
+        so memory holds those and the wanted ones, not the object; the object is fetched
+        once (tests/integration/test_fetch.py measures the memory and counts the GETs).
+        Blocks nobody else is fetching are entered in the table for this GET, and their
+        waiters get each as soon as it is stored.
+        """
+        reader = self.reader
+        with self._lock:
+            table = self._table()
+            claimed = {b for b in reader.blocks(item) if b not in wanted and (item.url, b) not in table}
+            for b in claimed:
+                table[(item.url, b)] = _Flight(item, Future(), False)
+        got: dict[int, bytes] = {}
+        seen: set[int] = set()
+        batch: list[tuple[Block, bytes]] = []
+        held = [0]  # bytes in batch
+        known = reader.cache.known
+
+        def flush() -> None:
+            self._store(batch, strict, gate)
+            self._land_blocks(item, [(b, data) for (_, b), data in batch if b in claimed], None)
+            batch.clear()
+            held[0] = 0
+
+        def sink(block: int, data: bytes) -> None:
+            if block in seen:  # the request was retried from its start
+                return
+            seen.add(block)
+            if block in wanted:
+                got[block] = data
+            if reader.key(item, block) in known:
+                self._land_blocks(item, [(block, data)] if block in claimed else [], None)
+                return
+            batch.append(((item, block), data))
+            held[0] += len(data)
+            if held[0] >= STREAM_BATCH_BYTES:
+                flush()
+
+        try:
+            reader.source(item.url).read_whole(item, reader.settings.block_bytes, sink)
+            flush()
+        except BaseException as err:
+            self._land_blocks(item, [(b, None) for b in claimed], err)
+            raise
+        return got
+
+    def _land_blocks(self, item: RemoteItem, blocks: list[tuple[int, bytes | None]], err: BaseException | None) -> None:
+        """Resolve the flights of ``item``'s blocks: their bytes, or ``err`` where there are none."""
+        with self._lock:
+            table = self._table()
+            for block, data in blocks:
+                flight = table.get((item.url, block))
+                if flight is None or flight.ahead or flight.future.done():
+                    continue
+                del table[(item.url, block)]
+                if data is not None:
+                    flight.future.set_result(data)
+                else:
+                    flight.future.set_exception(err or RemoteChangedError(f"{item.url}: block {block} was not fetched"))
+                    flight.future.exception()  # retrieved: a waiter may never come
 
     def _store(self, fetched: list[tuple[Block, bytes]], strict: bool, gate: Gate | None) -> None:
         """Cache fetched blocks in one batch; a cache that cannot hold them streams (or, strict, raises)."""

@@ -37,6 +37,7 @@ from fastload.errors import (
     CredentialsError,
     EmptyDatasetError,
     FastloadError,
+    RemoteChangedError,
     RemoteNotFoundError,
     SourceError,
     StoppedError,
@@ -596,6 +597,45 @@ class Source:
                 results[i] = again(i)
         return [res if isinstance(res, Exception) else bytes(res) for res in results]
 
+    def read_whole(self, item: RemoteItem, block_bytes: int, sink: Callable[[int, bytes], None]) -> None:
+        """One GET of all of ``item``, handed to ``sink(block, bytes)`` a ``block_bytes`` block at a time.
+
+        For hosts that ignore Range (:meth:`ignores_ranges`: Python's http.server): each
+        block is read off the answer as it arrives and given to ``sink`` (the fetch stage
+        stores it), so memory holds a block, not the object. The request, retried from
+        its start on a transient failure (``sink`` may then see a block again), holds one
+        slot throughout.
+
+        Raises:
+            RemoteChangedError: The answer's length is not the listed size.
+        """
+        fs: Any = self.fs
+        timeout_s = self.settings.request_timeout_s
+        sizes = [min(block_bytes, item.size - start) for start in range(0, max(item.size, 1), block_bytes)]
+
+        def once() -> None:
+            if not isinstance(fs, _http_fs_class()):
+                with fs.open(fs._strip_protocol(item.url), "rb") as f:
+                    for block, n in enumerate(sizes):
+                        data = f.read(n)
+                        if len(data) != n:
+                            raise TruncatedBodyError(f"got {len(data)} B of {n} B")
+                        sink(block, data)
+                return
+            stream = self._sync(_HttpStream.open, fs, item.url, timeout_s)
+            try:
+                if stream.length is not None and stream.length != item.size:
+                    raise RemoteChangedError(
+                        f"{item.url}: remote now has {stream.length} B, {item.size} B when listed; the object changed; "
+                        "fix: `fastload cache --refresh` or refresh=True"
+                    )
+                for block, n in enumerate(sizes):
+                    sink(block, self._sync(stream.read, n, timeout_s=timeout_s))
+            finally:
+                fsspec.asyn.sync(fs.loop, stream.close, timeout=timeout_s)
+
+        self._call(once, item.url)
+
     def _call(self, fn: Callable[[], T], url: str) -> T:
         """``fn()`` (one request) in a slot of the host's limit, retried with backoff outside it."""
         settings = self.settings
@@ -832,6 +872,41 @@ async def _http_get_first(fs: Any, url: str, nbytes: int, timeout_s: float) -> t
             if r.headers.get(field):
                 info[field] = r.headers[field]
     return info, body
+
+
+class _HttpStream:
+    """An answer to a GET on fsspec's aiohttp session, read a piece at a time (Source.read_whole)."""
+
+    def __init__(self, response: Any) -> None:
+        self.response = response
+        length = response.headers.get("Content-Length", "")
+        self.length = int(length) if length.isdigit() else None
+
+    @classmethod
+    async def open(cls, fs: Any, url: str, timeout_s: float) -> _HttpStream:
+        import aiohttp
+
+        session = await fs.set_session()
+        kwargs = dict(fs.kwargs)
+        # identity, as fsspec's HEAD asks: a compressed body's length is not the object's size.
+        headers = {**(kwargs.pop("headers", None) or {}), "Accept-Encoding": "identity"}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+        response = await session.get(fs.encode_url(url), headers=headers, timeout=timeout, **kwargs)
+        try:
+            fs._raise_not_found_for_status(response, url)
+        except BaseException:
+            response.close()
+            raise
+        return cls(response)
+
+    async def read(self, n: int) -> bytes:
+        return await self.response.content.readexactly(n)  # IncompleteReadError (retried) on a cut answer
+
+    async def close(self) -> None:
+        if self.response.content.at_eof():
+            self.response.release()  # read to its end: the connection can serve another request
+        else:
+            self.response.close()  # drop the connection rather than drain the rest
 
 
 async def _held(limit: HostLimit | None, request: Callable[[], Awaitable[T]]) -> T:

@@ -8,6 +8,7 @@ import json
 import os
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -221,3 +222,34 @@ def test_two_threads_completing_one_sizeless_item_send_one_request(tmp_path: Pat
         assert reader.misses == 1  # counted once, by the thread that fetched it
     finally:
         server.close()
+
+
+def test_a_server_without_range_support_streams_a_large_object_into_the_cache(
+    tmp_path: Path, rangeless_server: tuple[str, dict[str, int]]
+) -> None:
+    # Its whole-object answer was held in memory and then split (64 MB for a 64 MB object,
+    # and more for the copies); now each block is stored as it arrives.
+    base, gets = rangeless_server
+    mb = 1024**2
+    path = tmp_path / "www" / "big" / "huge.bin"
+    with path.open("wb") as f:
+        for _ in range(64):
+            f.write(os.urandom(mb))
+    reader = Reader(Settings(cache_dir=tmp_path / "cache", block_bytes=mb, retries=2, backoff_s=0.01))
+    (item,), fresh = reader.fetcher.complete([RemoteItem(base + "/big/huge.bin", -1, "")])  # finds Range ignored
+    assert item.size == 64 * mb and len(fresh) == 1
+    tracemalloc.start()
+    try:
+        block = reader.read_block(item, 40)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * mb, f"{peak / mb:.1f} MB held while fetching a 64 MB object"
+    assert gets["/big/huge.bin"] == 2  # the first GET (cut after block 0), then the whole object once
+    with path.open("rb") as f:
+        f.seek(40 * mb)
+        assert block == f.read(mb)
+        f.seek(0)
+        for b in reader.blocks(item):  # every block was stored from that one answer
+            assert reader.cache.get(reader.key(item, b)) == f.read(mb), b
+    assert gets["/big/huge.bin"] == 2
