@@ -42,7 +42,7 @@ from fastload.errors import (
     SourceError,
     StoppedError,
 )
-from fastload.hostlimit import STOP_POLL_S, HostLimit, aiohttp_trace, host_of, limit_for
+from fastload.hostlimit import STOP_POLL_S, HostLimit, aiohttp_trace, congestion, host_of, limit_for
 
 T = TypeVar("T")
 
@@ -219,6 +219,8 @@ class Source:
             raise
         except Exception as err:
             raise self.translate(err, self.url) from err
+        if protocol in ("s3", "s3a") and isinstance(getattr(fs, "retries", None), int):
+            fs.retries = 1  # s3fs retries SlowDown itself, inside the slot; fastload does (_with_timeouts)
         return fs, path
 
     @property
@@ -723,6 +725,11 @@ def _with_timeouts(protocol: str, options: dict[str, Any], timeout_s: float) -> 
         config = dict(opts.get("config_kwargs") or {})
         config.setdefault("connect_timeout", timeout_s)
         config.setdefault("read_timeout", timeout_s)
+        # One attempt per request: fastload retries (Source._call), with its backoff outside
+        # the request's slot, so the host limit sees each SlowDown. botocore retried them
+        # inside the slot, sleeping there, and the limit never heard of one
+        # (tests/reliability/test_s3_throttle.py). s3fs's own retries: Source._open_fs.
+        config.setdefault("retries", {"total_max_attempts": 1})
         opts["config_kwargs"] = config
     return opts
 
@@ -958,6 +965,8 @@ def _is_transient(err: BaseException) -> bool:
     if type(err).__name__ in _CREDENTIAL_ERRORS:
         return False
     if isinstance(err, (TimeoutError, asyncio.TimeoutError, ConnectionError, TruncatedBodyError)):
+        return True
+    if congestion(err):  # 429, 503, SlowDown...: worth another try, after backoff
         return True
     if type(err).__name__ in _TRANSIENT_NAMES:
         return True
