@@ -10,9 +10,9 @@ Words, one meaning each across fastload:
 
 One :class:`Fetcher` per :class:`~fastload.reader.Reader`. It holds the one table
 of fetches in flight, keyed by (URL, block): a block is fetched once however many
-threads (or fetches ahead) want it, and a sizeless item is completed once (its key
-(URL, COMPLETING)) however many threads complete it at once. Its callers are the Reader's misses (datasets,
-``fastload.open``, the pipelines' payloads) and staging. It stores what it fetched
+threads (or fetches ahead) want it, and a sizeless item is completed once (key
+(URL, COMPLETING)) however many threads complete it at once. Its callers are the
+Reader's misses (datasets, ``fastload.open``, the pipelines' payloads) and staging. It stores what it fetched
 with one :meth:`~fastload.cache.Cache.put_many` per call and returns those bytes,
 so a cold read never goes back to disk for them. How many requests are in flight
 is not decided here: every request holds a slot of its host's limit
@@ -201,9 +201,9 @@ class Fetcher:
         try:
             got = self._first_blocks([items[k] for k in rest])
         except BaseException as err:
-            self._land_completions([items[k] for k in rest], None, err)
+            self._land([((items[k].url, COMPLETING), None) for k in rest], err)
             raise
-        self._land_completions([items[k] for k in rest], got, None)
+        self._land([((items[k].url, COMPLETING), pair) for k, pair in zip(rest, got)], None)
         reader.record("fetch", len(got), sum(len(d) for _, d in got), t0)
         # Pins first: a process killed between the two then refetches only blocks it
         # never cached, not ones it cached but cannot find again (tests/reliability/test_train_kill.py).
@@ -222,21 +222,6 @@ class Fetcher:
             out[k] = item
             fresh[reader.key(item, 0)] = data
         return out, fresh
-
-    def _land_completions(self, items: list[RemoteItem], got: list[tuple[RemoteItem, bytes]] | None,
-                          err: BaseException | None) -> None:
-        """Resolve this caller's completions: (item, first block) for the threads waiting on them, or ``err``."""
-        with self._lock:
-            table = self._table()
-            for k, item in enumerate(items):
-                flight = table.pop((item.url, COMPLETING), None)
-                if flight is None or flight.future.done():
-                    continue
-                if got is not None:
-                    flight.future.set_result(got[k])
-                else:
-                    flight.future.set_exception(err or RemoteChangedError(f"{item.url}: not completed"))
-                    flight.future.exception()  # retrieved: a waiter may never come
 
     def _wait_s(self) -> float:
         """How long a thread waits for another's fetch: its request's timeout, retries and backoff."""
@@ -308,26 +293,28 @@ class Fetcher:
                 out[k] = reader.cache.get(reader.key(*blocks[k]))
             self._fetch_mine(blocks, [k for k in mine if out[k] is None], ahead, out, strict, gate)
         except BaseException as err:
-            self._land(blocks, mine, out, err)
+            self._land([((blocks[k][0].url, blocks[k][1]), out[k]) for k in mine], err)
             raise
-        self._land(blocks, mine, out, None)
+        self._land([((blocks[k][0].url, blocks[k][1]), out[k]) for k in mine], None)
         for k, future in waits.items():
             out[k] = future.result(timeout=self._wait_s())  # the fetching thread's error, if it failed
         return [d if d is not None else reader.read_block(*blocks[k]) for k, d in enumerate(out)]
 
-    def _land(self, blocks: Sequence[Block], mine: list[int], out: list[bytes | None], err: BaseException | None) -> None:
-        """Resolve this caller's flights: their bytes for the threads waiting on them, or ``err``."""
+    def _land(self, flights: Sequence[tuple[tuple[str, int], Any]], err: BaseException | None) -> None:
+        """Resolve this caller's flights (table key, result or None): the result for the threads
+        waiting on them, else ``err``."""
         with self._lock:
             table = self._table()
-            for k in mine:
-                item, block = blocks[k]
-                flight = table.pop((item.url, block), None)
+            for key, result in flights:
+                flight = table.pop(key, None)
                 if flight is None or flight.future.done():
                     continue
-                if out[k] is not None:
-                    flight.future.set_result(out[k])
+                if result is not None:
+                    flight.future.set_result(result)
                 else:
-                    flight.future.set_exception(err or RemoteChangedError(f"{item.url}: block {block} was not fetched"))
+                    url, block = key
+                    what = "not completed" if block == COMPLETING else f"block {block} was not fetched"
+                    flight.future.set_exception(err or RemoteChangedError(f"{url}: {what}"))
                     flight.future.exception()  # retrieved: a waiter may never come
 
     def _fetch_mine(self, blocks: Sequence[Block], mine: list[int], ahead: dict[int, Future[Any]],
@@ -426,11 +413,17 @@ class Fetcher:
         seen: set[int] = set()
         batch: list[tuple[Block, bytes]] = []
         held = [0]  # bytes in batch
+        landed: set[int] = set()  # claimed blocks whose waiters have their bytes
         known = reader.cache.known
+
+        def land(pairs: list[tuple[int, bytes]]) -> None:
+            pairs = [(b, data) for b, data in pairs if b in claimed]
+            self._land([((item.url, b), data) for b, data in pairs], None)
+            landed.update(b for b, _ in pairs)
 
         def flush() -> None:
             self._store(batch, strict, gate)
-            self._land_blocks(item, [(b, data) for (_, b), data in batch if b in claimed], None)
+            land([(b, data) for (_, b), data in batch])
             batch.clear()
             held[0] = 0
 
@@ -441,7 +434,7 @@ class Fetcher:
             if block in wanted:
                 got[block] = data
             if reader.key(item, block) in known:
-                self._land_blocks(item, [(block, data)] if block in claimed else [], None)
+                land([(block, data)])
                 return
             batch.append(((item, block), data))
             held[0] += len(data)
@@ -452,24 +445,9 @@ class Fetcher:
             reader.source(item.url).read_whole(item, reader.settings.block_bytes, sink)
             flush()
         except BaseException as err:
-            self._land_blocks(item, [(b, None) for b in claimed], err)
+            self._land([((item.url, b), None) for b in claimed - landed], err)
             raise
         return got
-
-    def _land_blocks(self, item: RemoteItem, blocks: list[tuple[int, bytes | None]], err: BaseException | None) -> None:
-        """Resolve the flights of ``item``'s blocks: their bytes, or ``err`` where there are none."""
-        with self._lock:
-            table = self._table()
-            for block, data in blocks:
-                flight = table.get((item.url, block))
-                if flight is None or flight.ahead or flight.future.done():
-                    continue
-                del table[(item.url, block)]
-                if data is not None:
-                    flight.future.set_result(data)
-                else:
-                    flight.future.set_exception(err or RemoteChangedError(f"{item.url}: block {block} was not fetched"))
-                    flight.future.exception()  # retrieved: a waiter may never come
 
     def _store(self, fetched: list[tuple[Block, bytes]], strict: bool, gate: Gate | None) -> None:
         """Cache fetched blocks in one batch; a cache that cannot hold them streams (or, strict, raises)."""

@@ -253,3 +253,33 @@ def test_a_server_without_range_support_streams_a_large_object_into_the_cache(
         for b in reader.blocks(item):  # every block was stored from that one answer
             assert reader.cache.get(reader.key(item, b)) == f.read(mb), b
     assert gets["/big/huge.bin"] == 2
+
+
+def test_a_block_wanted_while_its_object_streams_waits_for_that_stream(tmp_path: Path) -> None:
+    # The stream of a whole object (a server without Range) enters every block in the
+    # in-flight table: a second thread reading another block of it waits for that GET
+    # instead of sending a whole-object GET of its own.
+    (tmp_path / "www").mkdir()
+    mb = 1024**2
+    data = os.urandom(3 * mb)
+    (tmp_path / "www" / "a.bin").write_bytes(data)
+    server = _HoldingServer(tmp_path / "www")
+    try:
+        reader = Reader(Settings(cache_dir=tmp_path / "cache", block_bytes=mb, request_timeout_s=60, retries=1))
+        server.release.set()
+        (item,), _ = reader.fetcher.complete([RemoteItem(f"{server.url}/a.bin", -1, "")])  # finds Range ignored
+        server.release.clear()
+        got: dict[int, bytes] = {}
+        first = threading.Thread(target=lambda: got.update({1: reader.read_block(item, 1)}), daemon=True)
+        first.start()
+        _until(lambda: server.held == 1, "the whole-object GET never reached the server")
+        second = threading.Thread(target=lambda: got.update({2: reader.read_block(item, 2)}), daemon=True)
+        second.start()
+        time.sleep(0.5)  # time for the second thread's own GET to reach the server, if it sends one
+        server.release.set()
+        first.join(timeout=30)
+        second.join(timeout=30)
+        assert got == {1: data[mb : 2 * mb], 2: data[2 * mb :]}
+        assert server.gets == 2  # the first block's GET, then the whole object once
+    finally:
+        server.close()
