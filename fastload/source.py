@@ -624,7 +624,7 @@ class Source:
                             raise TruncatedBodyError(f"got {len(data)} B of {n} B")
                         sink(block, data)
                 return
-            stream = self._sync(_HttpStream.open, fs, item.url, timeout_s)
+            stream = self._sync(_HttpStream.open, fs, item.url, timeout_s, timeout_s=timeout_s)
             try:
                 if stream.length is not None and stream.length != item.size:
                     raise RemoteChangedError(
