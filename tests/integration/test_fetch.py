@@ -1,4 +1,8 @@
-"""The fetch stage (fastload.fetch) against real servers: honest hit rates, servers without Range."""
+"""The fetch stage (fastload.fetch) against real servers.
+
+Honest hit rates, servers without Range (one GET per object, streamed), stops, and
+one request per block or completion however many threads want it.
+"""
 
 from __future__ import annotations
 
