@@ -111,7 +111,9 @@ class Fetcher:
         with self._lock:
             table = self._table()
             room = AHEAD_ITEMS - sum(1 for f in table.values() if f.ahead)
-            todo = [i for i in items if (i.url, 0) not in table and i.size <= limit][: max(0, room)]
+            # Not one being completed either: that GET brings its first block.
+            todo = [i for i in items if (i.url, 0) not in table and (i.url, COMPLETING) not in table
+                    and i.size <= limit][: max(0, room)]
         known = reader.cache.known
         todo = [i for i in todo if i.size < 0 or reader.key(i, 0) not in known]  # cached here already
         sized = [i for i in todo if i.size >= 0]

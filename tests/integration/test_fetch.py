@@ -213,6 +213,7 @@ def test_two_threads_completing_one_sizeless_item_send_one_request(tmp_path: Pat
                    for _ in range(2)]
         threads[0].start()
         _until(lambda: server.held == 1, "the first completion never reached the server")
+        assert reader.fetcher.ahead([item]) == 0  # nor is it fetched ahead: that GET brings its first block
         threads[1].start()
         time.sleep(0.5)  # time for the second thread's own GET to reach the server, if it sends one
         server.release.set()
