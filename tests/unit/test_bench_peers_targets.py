@@ -111,3 +111,18 @@ def _render_fields() -> dict[str, Any]:
                         "uint8_arrays": 1, "tar_shards": 30, "formats": {}},
             "links": [{"name": n, "limit": {"mb_s": 125.0, "runs_mb_s": [125.0], "nominal_mb_s": 125.0}, "description": "test"}
                       for n in ("1gbit", "1gbit+20ms")]}
+
+
+def test_repeats_take_the_median_run_and_show_every_runs_share(bench: ModuleType) -> None:
+    rows = [_run("1gbit", "fastload", "raw", cold, 15000, cpu_ms=0.3) for cold in (900, 1100, 1000)]
+    failed = {"link": "1gbit", "peer": "fastload", "mode": "raw", "error": "timed out after 420 s"}
+    pick = bench.median_run([*rows, failed])
+    assert pick["epochs"][0]["samples_per_s"] == 1000  # the middle of the three that completed
+    assert pick["repeats"]["cold_samples_per_s"] == [900, 1100, 1000, None] and pick["repeats"]["failed"] == 1
+    assert bench.median_run(rows[:2])["epochs"][0]["samples_per_s"] == 900  # an even count takes the lower middle
+    assert bench.median_run([failed])["error"] == "timed out after 420 s"
+
+    res = _results([pick])
+    res["targets"] = bench.evaluate(res)
+    lines = set(bench.targets_text(res).splitlines())
+    assert "- cold_vs_link[1gbit]: 0.88 (median; runs 0.792, 0.968, 0.88, failed) (target >= 0.90) MISSED" in lines
