@@ -334,7 +334,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         importlib.import_module(name)
     cpu0, t0 = cpu_seconds(), time.perf_counter()
     epoch_iter = PEERS[spec["peer"]](spec)
-    setup_s = time.perf_counter() - t0
+    setup_s, setup_cpu_s = time.perf_counter() - t0, cpu_seconds() - cpu0
     epochs: list[dict[str, Any]] = []
     budget = spec.get("epoch_budget_s") or math.inf
     limit: float = math.inf  # samples; a time-boxed cold epoch bounds the warm ones to what it cached
@@ -357,7 +357,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                        "delivered_bytes": nbytes, "batches": batches, "truncated": truncated,
                        "cpu_s": round(cpu1 - cpu0, 4)})  # epoch 1's includes the setup, as its seconds do
         cpu0 = cpu1
-    epochs[0]["setup_s"] = setup_s
+    epochs[0]["setup_s"], epochs[0]["setup_cpu_s"] = setup_s, round(setup_cpu_s, 4)
     out: dict[str, Any] = {"peer": spec["peer"], "mode": spec["mode"], "epochs": epochs}
     limits = sys.modules.get("fastload.hostlimit")
     if limits is not None:  # the request limit fastload settled on (fastload peers only)
