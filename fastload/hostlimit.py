@@ -12,8 +12,8 @@ in fastload bounds requests, so this is the one home of that number.
   requests' latency does not (doubling while each step pays, then by one while
   each step pays, taking back a step that made throughput fall, and trying one
   more now and then), and halves on a congestion
-  signal: a connect timeout, a reset or refused connection, HTTP 429 or 503,
-  S3 ``SlowDown``, a TCP connect slower than :data:`SLOW_CONNECT_S` (a server
+  signal (:func:`congestion`): a connect timeout, a reset or refused connection,
+  HTTP 429 or 503, S3 ``SlowDown``, a TCP connect slower than :data:`SLOW_CONNECT_S` (a server
   whose listen backlog overflows drops SYNs, which TCP retries only after a
   second). Throughput alone never cuts: on a shared machine it dips for reasons
   of its own (an unshaped loopback cut itself three times an epoch). A server that closes each connection
@@ -74,7 +74,7 @@ class HostLimit:
         self.in_flight = 0
         self.peak = 0  # most requests ever in flight at once
         self.cuts = 0  # congestion signals that cut the limit
-        self.last_cut = ""  # what the last one was: an error's type, or "slow connect"
+        self.last_cut = ""  # what the last one was (congestion(): "SlowDown", "HTTP 503", an error's type), or "slow connect"
         self.closing = False  # the host closes each connection after its answer (CLOSING_MAX)
         self._lock = threading.Lock()
         self._waiters: collections.deque[Callable[[], bool]] = collections.deque()
@@ -196,11 +196,12 @@ class HostLimit:
 
     def _release(self, outcome: _Outcome) -> None:
         now = time.monotonic()
+        why = congestion(outcome.error) if outcome.error is not None else ""
         with self._lock:
             self.in_flight -= 1
             self._done += 1
-            if outcome.error is not None and is_congestion(outcome.error):
-                self._cut(now, type(outcome.error).__name__)
+            if why:
+                self._cut(now, why)
             elif outcome.error is None:
                 self._window_bytes += outcome.nbytes
                 self._window_done += 1
@@ -338,23 +339,61 @@ _CONGESTION_NAMES = {
 }
 
 
-def is_congestion(err: BaseException) -> bool:
-    """Whether ``err`` says the host is overloaded: 429, 503, SlowDown, a connect timeout or reset."""
-    seen = 0
+# Error codes of throttling answers (S3 and other AWS APIs, as botocore reports them).
+_THROTTLE_CODES = {
+    "SlowDown",
+    "ServiceUnavailable",
+    "Throttling",
+    "ThrottlingException",
+    "RequestThrottled",
+    "RequestThrottledException",
+    "TooManyRequestsException",
+    "RequestLimitExceeded",
+    "BandwidthLimitExceeded",
+}
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
     e: BaseException | None = err
-    while e is not None and seen < 6:
+    for _ in range(6):
+        if e is None:
+            return
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def congestion(err: BaseException) -> str:
+    """What in ``err`` says the host is overloaded ("" if nothing): 429, 503, SlowDown, a connect timeout or reset.
+
+    The structure of the error and its causes decides first: botocore's
+    ``response["Error"]["Code"]`` (s3fs raises ``OSError(EBUSY)`` from it, whose text
+    says only "Please reduce your request rate."), an HTTP status, the exception's
+    class. Message text is the fallback for errors that carry no structure.
+
+    >>> congestion(TimeoutError()), congestion(ValueError("bad range"))
+    ('TimeoutError', '')
+    """
+    for e in _chain(err):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):  # botocore's ClientError
+            code = (response.get("Error") or {}).get("Code")
+            if code in _THROTTLE_CODES:
+                return str(code)
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if status in (429, 503):
+                return f"HTTP {status}"
         status = getattr(e, "status", None) or getattr(e, "code", None)
         if status in (429, 503):
-            return True
+            return f"HTTP {status}"
         if isinstance(e, (ConnectionResetError, ConnectionRefusedError, ConnectionAbortedError, TimeoutError, asyncio.TimeoutError)):
-            return True
+            return type(e).__name__
         if type(e).__name__ in _CONGESTION_NAMES:
-            return True
+            return type(e).__name__
+    for e in _chain(err):
         text = str(e)
         if any(s in text for s in ("SlowDown", "Throttl", "429", "503", "Too Many Requests", "Service Unavailable")):
-            return True
-        e, seen = e.__cause__ or e.__context__, seen + 1
-    return False
+            return type(e).__name__
+    return ""
 
 
 _LIMITS: dict[str, HostLimit] = {}

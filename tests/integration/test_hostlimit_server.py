@@ -147,6 +147,27 @@ def test_training_reads_respect_the_cap_too(tmp_path: Path, counting_server: Cal
     assert loader.stats().concurrency[server.url]["cap"] == 3
 
 
+def test_worker_processes_report_their_own_limits_to_the_parent(
+    tmp_path: Path, counting_server: Callable[..., CountingServer]
+) -> None:
+    # Each DataLoader worker process has its own host limits (a cap per process): the
+    # parent's stats once showed only its own (from listing), never the workers' fetches.
+    make_files(tmp_path / "www", 120, 20_000)
+    server = counting_server(tmp_path / "www", delay_s=0.005)
+    ds = fastload.FileDataset(server.url + "/data/", pattern="**/*.bin", settings=settings_for(tmp_path, workers=3))
+    loader = fastload.DataLoader(ds, batch_size=8, num_workers=2, collate_fn=lambda b: b)
+    assert sum(len(b) for b in loader) == 120
+    state = loader.stats().concurrency[server.url]
+    procs = state["processes"]
+    assert {"worker 0", "worker 1"} <= set(procs), procs
+    assert all(procs[w]["cap"] == 3 and 1 <= procs[w]["peak"] <= 3 for w in ("worker 0", "worker 1")), procs
+    assert state["cap"] == 3 and state["limit"] == sum(p["limit"] for p in procs.values())
+    assert server.peak <= 3 * len(procs)  # a cap per process: the host sees at most their sum
+    text = str(loader.stats())
+    assert f"requests in flight to {server.url}: settled at {state['limit']} over {len(procs)} processes" in text
+    assert "cap 3 per process" in text
+
+
 def test_a_standard_library_server_is_not_flooded(tmp_path: Path, counting_server: Callable[..., CountingServer]) -> None:
     # Defaults, as a new user runs it: 300 objects, each requested once (no request
     # failed and was retried), and never more than the cap at once; before the cap,

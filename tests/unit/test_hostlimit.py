@@ -11,7 +11,7 @@ import pytest
 
 import fastload.errors
 from fastload import hostlimit
-from fastload.hostlimit import HostLimit, is_congestion
+from fastload.hostlimit import HostLimit, congestion
 
 
 def test_threads_and_coroutines_share_one_cap() -> None:
@@ -96,7 +96,7 @@ def test_busy_answers_halve_the_limit_once_per_window_and_closing_hosts_stay_sma
     ],
 )
 def test_what_counts_as_congestion(err: BaseException, congested: bool) -> None:
-    assert is_congestion(err) is congested
+    assert bool(congestion(err)) is congested
 
 
 def test_http_status_on_the_error_or_beneath_it() -> None:
@@ -106,7 +106,28 @@ def test_http_status_on_the_error_or_beneath_it() -> None:
         err = aiohttp.ClientResponseError(info, (), status=status)
         wrapped = FileNotFoundError("http://h/x")
         wrapped.__cause__ = err
-        assert is_congestion(err) is congested and is_congestion(wrapped) is congested
+        assert bool(congestion(err)) is congested and bool(congestion(wrapped)) is congested
+
+
+def test_s3_throttling_is_read_from_botocores_error_code_not_its_text() -> None:
+    # s3fs turns S3's SlowDown into OSError(EBUSY, "Please reduce your request rate."),
+    # raised from botocore's ClientError: the code there decides, whatever the texts say.
+    botocore = pytest.importorskip("botocore.exceptions")
+    s3fs_errors = pytest.importorskip("s3fs.errors")
+
+    def client_error(code: str, status: int, message: str) -> BaseException:
+        response = {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}
+        return botocore.ClientError(response, "GetObject")  # type: ignore[arg-type]
+
+    slow = s3fs_errors.translate_boto_error(client_error("SlowDown", 503, "Please reduce your request rate."))
+    assert isinstance(slow, OSError) and "SlowDown" not in str(slow)
+    assert congestion(slow) == "SlowDown"
+    # A code no text pattern knows, and a 503 under another code.
+    assert congestion(client_error("RequestLimitExceeded", 400, "Request limit exceeded.")) == "RequestLimitExceeded"
+    assert congestion(client_error("InternalError", 503, "We encountered an internal error.")) == "HTTP 503"
+    assert congestion(s3fs_errors.translate_boto_error(client_error("NoSuchKey", 404, "The key does not exist."))) == ""
+    # EBUSY alone is no throttle: s3fs gives it to OperationAborted too.
+    assert congestion(s3fs_errors.translate_boto_error(client_error("OperationAborted", 409, "A conflicting operation."))) == ""
 
 
 def test_a_wait_for_a_slot_that_never_comes_raises_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
