@@ -302,6 +302,13 @@ def make_data(args: argparse.Namespace, work: Path, peers_python: Callable[[], s
     }
 
 
+def error_line(error: str, n: int = 300) -> str:
+    """One line for a run's error: what happened ("exited 1", "timed out after...") and the exception's last line."""
+    lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip()] or [""]
+    head = lines[0].split(":", 1)[0] + ":" if lines[0].startswith("exited ") else lines[0]
+    return (lines[0] if len(lines) == 1 else f"{head} {lines[-1]}")[:n]
+
+
 def _tail(text: str, n: int = 1500) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return "\n".join(lines[-12:])[-n:]
@@ -577,7 +584,7 @@ def evaluate_issue12(res: dict[str, Any]) -> dict[str, Any]:
         if r is None:
             return None, f"{peer} ({mode}) not in this run (--peers / --decode-peers / --modes)"
         e = _ok(r)
-        return e, "" if e is not None else f"{peer} failed: {r.get('error', '').splitlines()[0][:120]}"
+        return e, "" if e is not None else f"{peer} failed: {error_line(r.get('error', ''), 160)}"
 
     links = _issue12_links(res)
     def shares(link: str, peer: str) -> dict[str, Any]:
@@ -778,7 +785,7 @@ def markdown(res: dict[str, Any]) -> str:
                          f"(runs {lk['limit']['runs_mb_s']}, nominal {lk['limit']['nominal_mb_s']})" for lk in res["links"]), "",
         "## Failures", "",
         *([f"- **{r['peer']}** ({r['link']}, {r['mode']}{', run ' + str(r['repeat']) if res.get('repeats', 1) > 1 else ''}): "
-            f"{r['error'].splitlines()[0][:300]}" for r in failures] or ["None."]), "",
+            f"{error_line(r['error'])}" for r in failures] or ["None."]), "",
         "## Notes", "",
         "- samples/s of epoch 1 include the setup a user pays before the first batch (listing, index download, DALI's local "
         "copy, fastload_stage's staging). MB/s = samples/s x the average JPEG size (the dataset's bytes; shard formats add "
@@ -826,7 +833,7 @@ def write_csv(res: dict[str, Any], path: Path) -> None:
         for r in res.get("all_runs") or res["runs"]:
             base = {k: r.get(k) for k in ("link", "peer", "mode", "workers", "repeat", "cache_bytes", "peak_rss_mb")}
             if "epochs" not in r:
-                w.writerow(base | {"error": r.get("error", "").splitlines()[0][:300]})
+                w.writerow(base | {"error": error_line(r.get("error", ""))})
                 continue
             for e in r["epochs"]:
                 w.writerow(base | {"epoch": e["epoch"], "samples": e["samples"], "truncated": bool(e.get("truncated")),
@@ -925,7 +932,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 rounds[(peer, mode)].append(row)
                 res["all_runs"].append(row)
                 if "error" in row:
-                    _log(f"{spec.name:<11} {peer:<19} {mode:<6} FAILED: {row['error'].splitlines()[0][:200]}")
+                    _log(f"{spec.name:<11} {peer:<19} {mode:<6} FAILED: {error_line(row['error'], 200)}")
                 else:
                     e = row["epochs"]
                     _log(f"{spec.name:<11} {peer:<19} {mode:<6} cold {e[0]['samples_per_s']:>8.0f}/s "

@@ -126,3 +126,10 @@ def test_repeats_take_the_median_run_and_show_every_runs_share(bench: ModuleType
     res["targets"] = bench.evaluate(res)
     lines = set(bench.targets_text(res).splitlines())
     assert "- cold_vs_link[1gbit]: 0.88 (median; runs 0.792, 0.968, 0.88, failed) (target >= 0.90) MISSED" in lines
+
+
+def test_a_failed_runs_line_names_the_exception_not_a_traceback_fragment(bench: ModuleType) -> None:
+    error = "exited 1:            ~~~~~~^^^^\n  File \"reader.py\", line 9, in read\nChunkWaitTimeoutError: Timed out after 120s"
+    assert bench.error_line(error) == "exited 1: ChunkWaitTimeoutError: Timed out after 120s"
+    assert bench.error_line("timed out after 420 s; stderr tail:\nKilled") == "timed out after 420 s; stderr tail: Killed"
+    assert bench.error_line("its writer failed: BadScheme") == "its writer failed: BadScheme"
