@@ -151,6 +151,21 @@ def _version_of(info: dict[str, Any]) -> str:
     return ""
 
 
+def _forget_parent_loop(fs: Any) -> None:
+    """In a forked child, mark the parent's fsspec event loop as not running here.
+
+    The copied loop object still says it runs (its thread id is the parent's), so
+    when an inherited HTTP filesystem is collected, fsspec's ``close_session``
+    submits ``session.close`` to a loop no thread runs in this process and waits
+    its 0.1 s timeout, on whichever thread the collection happened: in DataLoader
+    workers that was fsspec's own loop thread, stalling every request of the
+    worker (profile.md, round 4). Not running, it closes the connector directly.
+    """
+    loop = getattr(fs, "_loop", None)
+    if loop is not None and getattr(loop, "_thread_id", None) is not None:
+        loop._thread_id = None
+
+
 class Source:
     """Reads one fsspec location (a prefix, folder or single object).
 
@@ -206,6 +221,7 @@ class Source:
             # one may have been held by a parent thread at fork time).
             # tests/reliability/test_train_kill.py trains over HTTP with 2 workers.
             self._lock = threading.Lock()
+            _forget_parent_loop(self._fs)
             self._fs, self._pid = None, os.getpid()
         if self._fs is None:
             with self._lock:

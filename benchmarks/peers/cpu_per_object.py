@@ -3,13 +3,15 @@
 An nginx on the host loopback (unshaped) serves ``--images`` JPEGs like the
 peers benchmark's; a fresh cache per run. For the cold (read-through) epoch
 and a warm one it prints objects/s, user and sys CPU per object and context
-switches per object (getrusage of this process). This is what the profile in
+switches per object (getrusage of this process, plus its reaped children: with
+``--num-workers`` the workers are not persistent, so each epoch's workers have
+exited and been reaped, and their CPU counts, before the epoch's figures are read). This is what the profile in
 results/profile.md quotes; run it under ``py-spy`` or ``perf record -g`` for
 the breakdown.
 
 Usage::
 
-    python benchmarks/peers/cpu_per_object.py [--images 1500] [--read-threads 2] [--json]
+    python benchmarks/peers/cpu_per_object.py [--images 1500] [--read-threads 2] [--num-workers 2] [--json]
 """
 
 from __future__ import annotations
@@ -34,10 +36,25 @@ def _as_list(batch: list[Any]) -> list[Any]:
     return batch
 
 
+class _Usage:
+    """getrusage of this process plus its reaped children, summed field by field."""
+
+    def __init__(self) -> None:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.ru_utime = me.ru_utime + kids.ru_utime
+        self.ru_stime = me.ru_stime + kids.ru_stime
+        self.ru_nvcsw = me.ru_nvcsw + kids.ru_nvcsw
+        self.ru_nivcsw = me.ru_nivcsw + kids.ru_nivcsw
+
+
 def _epoch(loader: Any) -> dict[str, float]:
-    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    n = sum(len(batch) for batch in loader)
-    r1, dt = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
+    r0, t0 = _Usage(), time.perf_counter()
+    n = 0
+    it = iter(loader)
+    for batch in it:
+        n += len(batch)
+    del it  # non-persistent workers: shut down and reaped here, so their CPU is counted
+    r1, dt = _Usage(), time.perf_counter() - t0
     return {
         "objects": n,
         "objects_per_s": round(n / dt),
@@ -51,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=1500)
     p.add_argument("--read-threads", type=int, default=None, help="DataLoader read_threads (default: fastload's)")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader num_workers (their CPU counts)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if not nginx_available():
@@ -62,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         with NginxServer(work / "www") as server:
             ds = fastload.FileDataset(server.url + "/train/", pattern="**/*.jpg", label="parent",
                                       settings=Settings(cache_dir=work / "cache"))
-            loader = fastload.DataLoader(ds, batch_size=64, collate_fn=_as_list, read_threads=args.read_threads)
-            out = {"cold": _epoch(loader), "warm": _epoch(loader), "read_threads": loader.read_threads}
+            loader = fastload.DataLoader(ds, batch_size=64, collate_fn=_as_list, read_threads=args.read_threads,
+                                         num_workers=args.num_workers)
+            out = {"cold": _epoch(loader), "warm": _epoch(loader), "read_threads": loader.read_threads,
+                   "num_workers": args.num_workers}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
