@@ -123,7 +123,7 @@ def test_corrupt_chunk_of_an_entry_without_stored_checksum_never_reaches_inflate
 ) -> None:
     # nvCOMP would inflate a flipped chunk into wrong bytes without an error, so the
     # cache decodes such (old) entries on the host and refetches a bad one.
-    from fastload.cache import _record
+    from fastload.cache import keys, record
 
     make_uint8_arrays(tmp_path / "arrs", n=4, shape=(64, 64, 3))
     settings = Settings(cache_dir=tmp_path / "c", chunk_bytes=4096)
@@ -133,7 +133,7 @@ def test_corrupt_chunk_of_an_entry_without_stored_checksum_never_reaches_inflate
     key = ds.reader.key(ds.items[1], 0)
     entry = cache.entry(key)
     assert entry is not None and entry.codec == codec.LZ4
-    cache.index.set("e:" + key, (*_record(entry)[:-1], None))  # as written before stored checksums
+    cache.index.set(keys.entry(key), (*record(entry)[:-1], None))  # as written before stored checksums
     path = cache.data_dir / entry.path
     damaged = bytearray(path.read_bytes())
     damaged[-1] ^= 0x01

@@ -16,7 +16,7 @@ from helpers import make_files
 
 import fastload
 from fastload import codec
-from fastload.cache import Cache
+from fastload.cache import Cache, keys
 from fastload.cli import main as cli_main
 from fastload.config import Settings
 
@@ -63,7 +63,7 @@ def flip_sweep(settings: Settings, masks: tuple[int, ...]) -> int:
     for raw in (bytes(rng.getrandbits(8) for _ in range(64)) * 40, os.urandom(300)):
         key = f"sweep{len(raw)}".ljust(40, "0")
         entry = cache.put(key, raw, url=f"memory://sweep/{len(raw)}")
-        record = cache.index.get("e:" + key)
+        record = cache.index.get(keys.entry(key))
         path = cache.data_dir / entry.path
         good = path.read_bytes()
         assert codec.parse_header(good).codec == (codec.LZ4 if len(raw) > 300 else codec.RAW)
@@ -72,13 +72,13 @@ def flip_sweep(settings: Settings, masks: tuple[int, ...]) -> int:
                 bad = bytearray(good)
                 bad[pos] ^= mask
                 path.write_bytes(bytes(bad))
-                cache.index.set("e:" + key, record)  # as if the entry had never been dropped
+                cache.index.set(keys.entry(key), record)  # as if the entry had never been dropped
                 before = cache.corrupt_count()
                 assert cache.get(key) is None, f"flip {mask:#x} at byte {pos} of a {len(good)} B payload went unnoticed"
                 assert cache.corrupt_count() == before + 1
                 flips += 1
         path.write_bytes(good)
-        cache.index.set("e:" + key, record)
+        cache.index.set(keys.entry(key), record)
         assert cache.get(key) == raw
     cache.close()
     return flips

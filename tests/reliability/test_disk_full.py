@@ -14,7 +14,7 @@ from faults import FAULTS
 from helpers import make_noise_files, payload_files
 
 import fastload
-from fastload.cache import Cache
+from fastload.cache import Cache, keys
 from fastload.cli import main as cli_main
 from fastload.config import Settings
 from fastload.errors import CacheFullError
@@ -112,7 +112,7 @@ def _entries(settings: Settings) -> list[tuple[Any, ...]]:
 
     con = sqlite3.connect(f"file:{settings.cache_dir / 'index' / 'cache.db'}?mode=ro", uri=True)
     try:
-        rows = con.execute("SELECT key, value FROM Cache WHERE key LIKE 'e:%'").fetchall()
+        rows = con.execute(f"SELECT key, value FROM Cache WHERE key LIKE '{keys.ENTRY}%'").fetchall()
     finally:
         con.close()
     # Our own index, written by this test's process: diskcache pickles its values.

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import fastload
 from fastload import _servers, codec
-from fastload.cache import Cache
+from fastload.cache import Cache, keys
 from fastload.cli import main as cli_main
 from fastload.config import Settings
 from fastload.errors import (
@@ -112,10 +112,10 @@ def test_fuzzed_payloads_never_crash_overread_or_overallocate(variant: str, tmp_
         path = cache.data_dir / entry.path
         body = path.read_bytes()
         path.write_bytes(body[:at] + junk + body[at + len(junk) :] if splice else junk)
-        rec = cache.index.get("e:" + key)
+        rec = cache.index.get(keys.entry(key))
         got = cache.get(key)
         assert got is None or got == good
-        cache.index.set("e:" + key, rec)
+        cache.index.set(keys.entry(key), rec)
         out = np.zeros(len(good), dtype=np.uint8)
         missed = cache.read_into([(key, [(0, len(good), 0)])], out)
         assert missed == [0] or out.tobytes() == good

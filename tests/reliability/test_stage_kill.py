@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from faults import FAULTS
 
-from fastload.cache import Cache
+from fastload.cache import Cache, keys
 from fastload.config import Settings
 from fastload.reader import Reader
 
@@ -52,7 +52,7 @@ def count_published(cache_dir: Path) -> int:
     try:
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
         try:
-            return int(con.execute("SELECT count(*) FROM Cache WHERE key LIKE 'e:%'").fetchone()[0])
+            return int(con.execute(f"SELECT count(*) FROM Cache WHERE key LIKE '{keys.ENTRY}%'").fetchone()[0])
         finally:
             con.close()
     except sqlite3.OperationalError:  # the stager is creating the index right now

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import fastload
-from fastload.cache import Cache
+from fastload.cache import Cache, keys
 from fastload.config import Settings
 from fastload.errors import CacheLimitError, RemoteChangedError
 from fastload.reader import Reader
@@ -72,7 +72,7 @@ def test_eviction_keeps_volume_under_the_limit_and_prefers_recent(tmp_path: Path
     for i, (k, v) in enumerate(blobs.items()):
         cache.put(k, v, url=f"mem://{k}")
         if i >= 1:
-            cache.index.set("t:k0", 1e18)  # k0 is always the most recently used
+            cache.index.set(keys.last_use("k0"), 1e18)  # k0 is always the most recently used
         assert cache.volume() <= s.cache_limit_bytes
         disk = sum(p.stat().st_size for p in cache.data_dir.glob("*/*.flp"))
         assert disk == cache.volume()
@@ -234,10 +234,10 @@ def test_a_zombie_writer_is_dead(tmp_path: Path) -> None:
             time.sleep(0.01)
         cache = Cache(Settings(cache_dir=tmp_path / "c"))
         with cache.index.transact():
-            cache.index.set(f"r:{pid}:deadbeef", 1234)
+            cache.index.set(keys.reservation(pid, "deadbeef"), 1234)
             cache.index.incr("bytes", 1234)
         assert cache.check()["bytes"] == 0
-        assert not [k for k in cache.index.iterkeys() if str(k).startswith("r:")]
+        assert not [k for k in cache.index.iterkeys() if keys.of(keys.RESERVATION, k) is not None]
         cache.close()
     finally:
         os.waitpid(pid, 0)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fastload import codec
-from fastload.cache import Cache, _record
+from fastload.cache import Cache, keys, record
 from fastload.config import Settings, default_read_threads
 from fastload.errors import CacheLimitError
 
@@ -47,9 +47,9 @@ def test_put_many_refuses_an_item_over_the_limit_and_publishes_nothing(tmp_path:
 def test_get_many_agrees_with_get(settings: Settings) -> None:
     cache = Cache(settings)
     cache.put_many([(f"k{i}", _blob(i), f"mem://{i}", 0) for i in range(700)])  # more than one IN chunk
-    keys = ["e:" + f"k{i}" for i in range(0, 700, 3)] + ["e:missing"]
-    got = cache.index.get_many(keys)
-    assert set(got) == set(keys) - {"e:missing"}
+    names = [keys.entry(f"k{i}") for i in range(0, 700, 3)] + [keys.entry("missing")]
+    got = cache.index.get_many(names)
+    assert set(got) == set(names) - {keys.entry("missing")}
     assert all(got[k] == cache.index.get(k) for k in got)
 
 
@@ -100,7 +100,7 @@ def test_read_payload_decodes_entries_without_a_stored_checksum(settings: Settin
     # catch a flip, and nvCOMP would inflate it silently, so the host decodes them.
     entry = Cache(settings).put("k", _blob(7, 20_000), url="mem://k")
     old = Cache(settings)  # a fresh process: no memo
-    old.index.set("e:k", (*_record(entry)[:-1], None))
+    old.index.set(keys.entry("k"), (*record(entry)[:-1], None))
     path = old.data_dir / entry.path
     assert codec.parse_header(path.read_bytes()).codec == codec.LZ4
     assert old.read_payload("k") == path.read_bytes()  # intact: served as stored
