@@ -111,31 +111,28 @@ class CacheReads(CacheRepair):
 
     def _checked_payload(self, key: str) -> tuple[Entry, bytes, codec.PayloadInfo] | None:
         entry = self.entry(key)
-        payload = None
         for _ in range(2):  # twice: the entry may have been rewritten since this process looked it up
             if entry is None:
                 return None
             try:
-                with open(self.data_dir / entry.path, "rb") as f:
-                    payload = f.read()
-                break
+                payload = gather.read_payload_file(str(self.data_dir / entry.path), entry.stored, entry.offset)
             except FileNotFoundError:
-                entry = self._missing(entry)
-        if entry is None or payload is None:
-            return None
-        try:
-            if len(payload) != entry.stored:
-                raise CodecError(f"payload is {len(payload)} B, index says {entry.stored} B")
-            if entry.stored_checksum is not None and codec.checksum(payload) != entry.stored_checksum:
-                raise CodecError("stored checksum mismatch: the payload file changed on disk")
-            info = codec.parse_header(payload)
-            if info.checksum != entry.checksum or info.raw_size != entry.raw or info.codec != entry.codec:
-                raise CodecError("payload header disagrees with the index")
-        except CodecError as err:
-            self._corrupt(entry, str(err))
-            return None
-        self._touch(key)
-        return entry, payload, info
+                entry = self._recheck(entry, "payload file is missing")
+                continue
+            try:
+                if len(payload) != entry.stored:
+                    raise CodecError(f"payload is {len(payload)} B, index says {entry.stored} B")
+                if entry.stored_checksum is not None and codec.checksum(payload) != entry.stored_checksum:
+                    raise CodecError("stored checksum mismatch: the payload file changed on disk")
+                info = codec.parse_header(payload)
+                if info.checksum != entry.checksum or info.raw_size != entry.raw or info.codec != entry.codec:
+                    raise CodecError("payload header disagrees with the index")
+            except CodecError as err:
+                entry = self._recheck(entry, str(err))
+                continue
+            self._touch(key)
+            return entry, payload, info
+        return None
 
     def read_into(self, requests: Sequence[tuple[str, Sequence[tuple[int, int, int]]]], out: Any) -> list[int]:
         """Copy byte ranges of many entries' raw bytes into ``out``, as one batch.
@@ -170,7 +167,7 @@ class CacheReads(CacheRepair):
                     missed.append(i)
                 else:
                     path = str(self.data_dir / e.path)
-                    jobs.append(gather.Job(path, e.stored, e.raw, e.codec, e.checksum, e.stored_checksum, copies))
+                    jobs.append(gather.Job(path, e.stored, e.raw, e.codec, e.checksum, e.stored_checksum, copies, e.offset))
                     where.append(i)
             todo = []
             for i, res in zip(where, gather.gather(jobs, out)):
@@ -180,10 +177,7 @@ class CacheReads(CacheRepair):
                     hits.append(e.key)
                 elif res[0] == "oserror":
                     raise OSError(res[1], os.strerror(res[1]), str(self.data_dir / e.path))
-                elif res[0] == "corrupt":  # dropped and refetched, as in get()
-                    self._corrupt(e, res[1])
-                    missed.append(i)
-                elif (current := self._missing(e)) is not None:
+                elif (current := self._recheck(e, res[1] if res[0] == "corrupt" else "payload file is missing")) is not None:
                     entries[i] = current
                     todo.append(i)
                 else:
@@ -195,12 +189,14 @@ class CacheReads(CacheRepair):
         return sorted(missed)
 
     def contains(self, key: str) -> bool:
-        """Cheap validity check (index record + file of the right size), no checksum."""
+        """Cheap validity check (index record + file of the right size, or a pack that
+        reaches its end), no checksum."""
         entry = self.entry(key)
         if entry is None:
             return False
         try:
-            return (self.data_dir / entry.path).stat().st_size == entry.stored
+            size = (self.data_dir / entry.path).stat().st_size
+            return size == entry.stored if entry.offset is None else size >= entry.offset + entry.stored
         except FileNotFoundError:
             return False
 
@@ -229,18 +225,20 @@ class CacheReads(CacheRepair):
             if not cannot_write(err):  # LRU order is advisory, as in _touch
                 raise
 
-    def _missing(self, entry: Entry) -> Entry | None:
-        """A payload file that is gone: evicted (a miss), rewritten (returns the new entry
-        to read instead), or deleted under its live entry (dropped and counted)."""
+    def _recheck(self, entry: Entry, why: str) -> Entry | None:
+        """A payload that is gone or failed its checks, looked up again before it is called
+        bad: evicted meanwhile (a miss; a packed one reads as zeros once punched out),
+        rewritten (returns the new entry to read instead), or bad under its live entry
+        (dropped and counted: returns None)."""
         current = self._forget(entry.key)
-        if current is not None and current.path == entry.path:
-            self._corrupt(entry, "payload file is missing")
+        if current is not None and current.location == entry.location:
+            self._corrupt(entry, why)
             return None
         return current
 
     def _corrupt(self, entry: Entry, why: str) -> None:
         try:
-            self.drop(entry.key, path=entry.path)
+            self.drop(entry.key, version=entry)
             self.index.incr(keys.CORRUPT)
         except sqlite3.OperationalError as err:
             # On a full disk the index cannot record the drop; the caller still

@@ -14,13 +14,13 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from fastload.cache import keys
+from fastload.cache import keys, packs
 from fastload.cache.base import IN_FLIGHT, CacheBase
 from fastload.cache.disk import cannot_write, disk_full
-from fastload.cache.entry import Entry
+from fastload.cache.entry import Entry, location
 from fastload.cache.index import FORK_GATE, GatedIndex
 from fastload.config import format_size
 from fastload.errors import CacheFullError
@@ -33,7 +33,6 @@ LOW_WATERMARK = 0.9
 class CacheRepair(CacheBase):
     """Eviction, repair and the byte counter (a part of :class:`fastload.cache.Cache`)."""
 
-
     def entries(self) -> Iterator[Entry]:
         """Every entry in the index (a snapshot scan)."""
         for k in list(self.index.iterkeys()):
@@ -42,21 +41,35 @@ class CacheRepair(CacheBase):
                 if rec is not None:
                     yield Entry.from_record(key, rec)
 
-    def drop(self, key: str, *, path: str | None = None) -> bool:
-        """Delete one entry (index record first, then the file); with ``path``, only that version of it."""
+    def drop(self, key: str, *, version: Entry | None = None) -> bool:
+        """Delete one entry (index record first, then its bytes); with ``version``, only
+        if the index still holds that version of it."""
         self._memo.pop(key, None)
         with self.index.transact():
             rec = self.index.get(keys.entry(key))
-            if rec is not None and path is not None and rec[0] != path:
+            if rec is not None and version is not None and location(rec) != version.location:
                 rec = None  # rewritten since it was read: the new version is not the bad one
             if rec is not None:
+                gone = Entry.from_record(key, rec)
                 self.index.delete(keys.entry(key))
                 self.index.pop(keys.last_use(key), None)
-                self.index.incr(keys.BYTES, -rec[1])
+                self.index.incr(keys.BYTES, -gone.charged)
         if rec is None:
             return False
-        (self.data_dir / rec[0]).unlink(missing_ok=True)
+        self._free(gone)
         return True
+
+    def _free(self, e: Entry) -> None:
+        """Give a dropped entry's bytes back to the disk: unlink its file, or punch its
+        range out of its pack (readers of it then find zeros, and re-check the index)."""
+        if e.offset is None:
+            (self.data_dir / e.path).unlink(missing_ok=True)
+            return
+        try:
+            packs.punch_at(self.data_dir / e.path, [(e.offset, e.charged)])
+        except OSError as err:  # the probe found punching works here; say so if it stopped
+            _log.warning("cache pack %s: could not free %d B at %d (%s); `fastload cache` (check) recounts",
+                         e.path, e.charged, e.offset, err)
 
     def evict(self, to_bytes: int) -> int:
         """Delete least-recently-used entries until at most ``to_bytes`` remain; returns bytes freed.
@@ -81,9 +94,9 @@ class CacheRepair(CacheBase):
                     "or free space there"
                 )
             for e in gone:
-                self.drop(e.key, path=e.path)
+                self.drop(e.key, version=e)
         self.compact()
-        return sum(e.stored for e in gone) + self._evict(to_bytes)
+        return sum(e.charged for e in gone) + self._evict(to_bytes)
 
     def _evict(self, to_bytes: int) -> int:
         with self._flock():
@@ -93,14 +106,63 @@ class CacheRepair(CacheBase):
             freed = self._return_dead_reservations()
             if self.volume() <= to_bytes:
                 return freed
+            closed = self._closed_packs()  # before the scan: no entry lands in them after it
             entries = list(self.entries())
-            atimes = {e.key: self.index.get(keys.last_use(e.key)) or _written(self.data_dir / e.path) for e in entries}
+            atimes = {e.key: self.index.get(keys.last_use(e.key)) or self._written(e) for e in entries}
+            dropped = set()
             for e in sorted(entries, key=lambda e: atimes[e.key]):
                 if self.volume() <= to_bytes:
                     break
-                if self.drop(e.key):
-                    freed += e.stored
+                if self.drop(e.key, version=e):
+                    freed += e.charged
+                    dropped.add(e.key)
+            live = {e.path for e in entries if e.offset is not None and e.key not in dropped}
+            for rel in closed - live:  # a closed pack no entry refers to
+                (self.data_dir / rel).unlink(missing_ok=True)
             return freed
+
+    def _written(self, e: Entry) -> float:
+        """An entry's last use until a read records one (0.0 if its file is gone: evict it first)."""
+        return e.published if e.published is not None else _written(self.data_dir / e.path)
+
+    def _closed_packs(self) -> set[str]:
+        """Packs (relative to data/) that get no more entries: sealed, or their writer is dead."""
+        folder = self.data_dir / packs.FOLDER
+        if not folder.is_dir():
+            return set()
+        return {f"{packs.FOLDER}/{p.name}" for p in folder.glob("*" + packs.SUFFIX)
+                if packs.is_sealed(p) or not _alive(packs.owner(p.name))}
+
+    def _repair_packs(self, closed: set[str], entries: Sequence[Entry]) -> tuple[int, int]:
+        """Closed packs: unlink those no entry refers to; punch out the unreferenced ranges of
+        the rest and cut their unreferenced tail (a SIGKILL mid-append leaves one).
+        Returns (packs removed, bytes reclaimed)."""
+        live: dict[str, list[tuple[int, int]]] = {}
+        for e in entries:
+            if e.offset is not None and e.path in closed:
+                live.setdefault(e.path, []).append((e.offset, e.charged))
+        removed = reclaimed = 0
+        for rel in closed:
+            path = self.data_dir / rel
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                continue
+            if rel not in live:
+                path.unlink(missing_ok=True)
+                removed += 1
+                reclaimed += size
+                continue
+            holes, end = packs.gaps(size, live[rel])
+            try:
+                packs.punch_at(path, holes)
+                if end < size:
+                    os.truncate(path, end)
+            except OSError as err:
+                _log.info("cache pack %s not repaired: %s", rel, err)
+                continue
+            reclaimed += sum(n for _, n in holes) + max(0, size - end)
+        return removed, reclaimed
 
     def compact(self) -> None:
         """Give the index's write-ahead log back to the disk (best effort).
@@ -118,13 +180,13 @@ class CacheRepair(CacheBase):
     def _unlink_lru(self, to_bytes: int) -> list[Entry]:
         """Delete least-recently-used payload files (not their records) until ``to_bytes`` remain."""
         entries = list(self.entries())
-        atimes = {e.key: self.index.get(keys.last_use(e.key)) or _written(self.data_dir / e.path) for e in entries}
-        left, gone = sum(e.stored for e in entries), []
+        atimes = {e.key: self.index.get(keys.last_use(e.key)) or self._written(e) for e in entries}
+        left, gone = sum(e.charged for e in entries), []
         for e in sorted(entries, key=lambda e: atimes[e.key]):
             if left <= to_bytes:
                 break
-            (self.data_dir / e.path).unlink(missing_ok=True)
-            left -= e.stored
+            self._free(e)
+            left -= e.charged
             gone.append(e)
         return gone
 
@@ -158,14 +220,18 @@ class CacheRepair(CacheBase):
         return int(self.index.get(keys.CORRUPT, 0))
 
     def check(self, max_tmp_age_s: float = 3600.0) -> dict[str, int]:
-        """Repair after crashes: remove orphan payloads and stale temp files, recount bytes.
+        """Repair after crashes: remove orphan payloads and stale temp files, reclaim the
+        unreferenced bytes of closed packs (and packs with no entry), recount bytes.
 
         A cache that cannot be written (read-only, or a full disk) is left as it is.
         """
         if self.unwritable is not None:
-            return {"orphans": 0, "stale_tmp": 0, "bytes": self.volume()}
+            return {"orphans": 0, "stale_tmp": 0, "packs_removed": 0, "pack_bytes_reclaimed": 0, "bytes": self.volume()}
         with self._flock():
-            known = {e.path for e in self.entries()}
+            closed = self._closed_packs()  # before the scan, as in _evict
+            entries = list(self.entries())
+            removed, reclaimed = self._repair_packs(closed, entries)
+            known = {e.path for e in entries}
             orphans = 0
             cutoff = time.time() - 60
             # Files come and go under other processes while we scan: a vanished
@@ -185,9 +251,10 @@ class CacheRepair(CacheBase):
             # One transaction, so no write publishes or reserves between the two sums;
             # live reservations stay counted (their writes are still coming).
             with self.index.transact():
-                total = sum(e.stored for e in self.entries()) + sum(n for _, n in self._reservations())
+                total = sum(e.charged for e in self.entries()) + sum(n for _, n in self._reservations())
                 self.index.set(keys.BYTES, total)
-        return {"orphans": orphans, "stale_tmp": stale, "bytes": total}
+        return {"orphans": orphans, "stale_tmp": stale, "packs_removed": removed, "pack_bytes_reclaimed": reclaimed,
+                "bytes": total}
 
     def clear(self) -> None:
         """Delete every entry, manifest and payload file.
@@ -201,7 +268,7 @@ class CacheRepair(CacheBase):
         except sqlite3.OperationalError as err:
             if not cannot_write(err):
                 raise
-            for path in [*self.data_dir.glob("*/*.flp"), *self.temp_files()]:
+            for path in self._payload_files():
                 path.unlink(missing_ok=True)
             if self.unwritable is not None and not self._reopen_writable():
                 raise CacheFullError(f"disk under {self.root} is still full after deleting every cached payload; "
@@ -213,10 +280,12 @@ class CacheRepair(CacheBase):
         with self._flock():
             self._memo.clear()
             self.index.clear()
-            for path in self.data_dir.glob("*/*.flp"):
+            for path in self._payload_files():
                 path.unlink(missing_ok=True)
-            for path in self.temp_files():
-                path.unlink(missing_ok=True)
+
+    def _payload_files(self) -> list[Path]:
+        """Every file that holds payload bytes: whole payloads, packs, writes in progress."""
+        return [*self.data_dir.glob("*/*.flp"), *self.data_dir.glob(f"{packs.FOLDER}/*{packs.SUFFIX}"), *self.temp_files()]
 
     def temp_files(self) -> list[Path]:
         """Files being written (``<pid>-<nonce>.part``, next to the payloads and in ``tmp/``)."""

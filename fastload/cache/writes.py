@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastload import codec
-from fastload.cache import keys
+from fastload.cache import keys, packs
 from fastload.cache.base import IN_FLIGHT
 from fastload.cache.disk import cannot_write, reserve_bytes, room
-from fastload.cache.entry import Entry, record
+from fastload.cache.entry import Entry, aligned, record
 from fastload.cache.reads import CacheReads
 from fastload.cache.repair import LOW_WATERMARK
 from fastload.config import format_size
@@ -92,55 +92,101 @@ class CacheWrites(CacheReads):
         return [e for e in out if e is not None]
 
     def _publish(self, batch: list[tuple[tuple[str, bytes, str, int], bytes]]) -> list[Entry]:
-        """Reserve, write and index payloads of distinct keys; the first writer of a key wins."""
-        total = sum(len(payload) for _, payload in batch)
-        token = self._reserve(total, batch[0][0][2])
-        written: list[str] = []
+        """Reserve, write and index payloads of distinct keys; the first writer of a key wins.
+
+        Payloads of at most ``pack_max_bytes`` are appended to this process's pack
+        (:mod:`fastload.cache.packs`), the rest written as files of their own.
+        """
+        url0 = batch[0][0][2]
+        pack = self._pack_writer(url0)
+        small = [pack is not None and len(payload) <= self.settings.pack_max_bytes for _, payload in batch]
+        total = sum(aligned(len(payload)) if k else len(payload) for k, (_, payload) in zip(small, batch))
+        token = self._reserve(total, url0)
+        appended: list[tuple[str, int]] = []  # pack locations this call wrote
+        files: list[str] = []  # whole files this call wrote
         entries: list[Entry] = []
-        won: set[int] = set()
+        won: set[tuple[str, int | None]] = set()
         committed = False
         lost = 0
         try:
-            for (key, raw, url, block), payload in batch:
-                rel = f"{key[:2]}/{key}-{uuid.uuid4().hex[:12]}.flp"
-                self._write_file(rel, payload, url)
-                written.append(rel)
-                info = codec.parse_header(payload)
-                entries.append(Entry(key, rel, len(payload), len(raw), info.codec, info.checksum, url, block,
-                                     codec.checksum(payload)))
+            if pack is not None and any(small):
+                try:
+                    locations = pack.append([payload for k, (_, payload) in zip(small, batch) if k])
+                except OSError as err:
+                    raise self._write_error(err, url0) from err
+                if locations is None:  # packs turned out unusable here: whole files
+                    small = [False] * len(batch)
+                appended = locations or []
+            where = iter(appended)
             now = time.time()
+            for k, ((key, raw, url, block), payload) in zip(small, batch):
+                offset: int | None = None
+                if k:
+                    rel, offset = next(where)
+                else:
+                    rel = f"{key[:2]}/{key}-{uuid.uuid4().hex[:12]}.flp"
+                    self._write_file(rel, payload, url)
+                    files.append(rel)
+                info = codec.parse_header(payload)
+                # A packed entry records when it was written: its pack's mtime is not its own.
+                entries.append(Entry(key, rel, len(payload), len(raw), info.codec, info.checksum, url, block,
+                                     codec.checksum(payload), offset, now if k else None))
             with self.index.transact():
-                for i, e in enumerate(entries):
-                    # No last-use record (keys.LAST_USE) record yet: until its first touch an entry's
-                    # file mtime is its last use (evict), one index write less per put.
+                for e in entries:
+                    # No last-use record (keys.LAST_USE) yet: until its first touch an entry's
+                    # write time is its last use (evict), one index write less per put.
                     if self.index.add(keys.entry(e.key), record(e)):
-                        won.add(i)
+                        won.add(e.location)
                     else:
-                        lost += e.stored
-                if lost:  # the losers' files are still on the disk: their bytes stay reserved until unlinked
+                        lost += e.charged
+                # Reserved as packed but written whole (packs unusable): the difference goes back.
+                excess = total - sum(e.charged for e in entries)
+                if excess:
+                    self.index.incr(keys.BYTES, -excess)
+                if lost:  # the losers' bytes are still on the disk: they stay reserved until freed
                     self.index.set(token, lost)
                 else:
                     self.index.delete(token)  # the reserved bytes are now the entries'
             committed = True  # only once COMMIT succeeded (it fails on a full disk)
         finally:
-            # Files first, then the reservation: disk use never exceeds the counter
+            # Bytes first, then the reservation: disk use never exceeds the counter
             # (tests/reliability/test_concurrency.py: four processes racing for the same keys).
-            for i, rel in enumerate(written):
-                if not committed or i not in won:
+            for rel in files:
+                if (rel, None) not in won:
                     (self.data_dir / rel).unlink(missing_ok=True)
+            if pack is not None and appended:
+                unpublished = [(loc, len(p)) for loc, p in zip(appended, [p for k, (_, p) in zip(small, batch) if k])
+                               if loc not in won]
+                pack.give_back([loc for loc, _ in unpublished], [n for _, n in unpublished])
+                pack.done([loc for loc in appended if loc in won])
             IN_FLIGHT.pop(token, None)
             if not committed:
                 self._release(token, total)
             elif lost:
                 self._release(token, lost)
         out = []
-        for i, e in enumerate(entries):
-            if i in won:
+        for e in entries:
+            if e.location in won:
                 self._touched[e.key] = now
                 out.append(self._remember(e))
             else:  # another writer published it first: serve theirs
                 out.append(self._forget(e.key) or e)
         return out
+
+    def _pack_writer(self, url: str) -> packs.PackWriter | None:
+        """This process's pack writer, or None when payloads get files of their own."""
+        if self.settings.pack_max_bytes <= 0:
+            return None
+        writer = packs.writer(self.data_dir / packs.FOLDER)
+        try:
+            return writer if writer.ready() else None
+        except OSError as err:
+            raise self._write_error(err, url) from err
+
+    def _write_error(self, err: OSError, url: str) -> CacheError:
+        if cannot_write(err):
+            return self.unwritable_error(err, f"caching {url!r}")
+        return CacheError(f"cannot write cache entry for {url!r} under {self.root}: {err}")
 
     def _write_file(self, rel: str, payload: bytes, url: str) -> None:
         final = self.data_dir / rel

@@ -33,7 +33,7 @@ def test_put_many_stores_each_block_and_serves_existing_ones(settings: Settings)
     assert cache.get("k1") == b"old"
     for k in ("k2", "k3", "k4", "k5"):
         assert cache.get(k) == blobs[k]
-    assert cache.volume() == sum(e.stored for e in cache.entries())  # bytes counted once each
+    assert cache.volume() == sum(e.charged for e in cache.entries())  # bytes counted once each
     assert not cache.temp_files()
 
 
