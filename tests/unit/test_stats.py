@@ -308,7 +308,8 @@ def test_sampled_collate_split_and_exact_items() -> None:
     assert s.stage("collate").items == s.stage("read").items == 203
     per_item = nbytes(next(iter(DataLoader(TensorDS(1), batch_size=1))))
     assert s.stage("collate").bytes == pytest.approx(203 * per_item, rel=0.01)
-    assert 0 < s.stage("collate").seconds < s.wait_seconds
+    # Timed (a sampled estimate, so not compared with other clocks: that would test timing).
+    assert s.stage("collate").seconds > 0
     custom = DataLoader(TensorDS(10), batch_sampler=[[0, 1, 2], [3], [4, 5, 6, 7, 8, 9]])
     list(custom)
     assert custom.stats().stage("collate").items == 10
