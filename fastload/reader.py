@@ -226,8 +226,13 @@ class Reader:
         """Record each item's size and version, so a read needs no request to learn them."""
         index = self.cache.index
         with index.transact():
-            for item in items:
-                index.set(keys.pin(item.url), (item.size, item.version))
+            for name, value in self.pins_of(items).items():
+                index.set(name, value)
+
+    @staticmethod
+    def pins_of(items: builtins.list[RemoteItem]) -> dict[str, tuple[int, str]]:
+        """The index rows that pin ``items`` (for :meth:`pin`, or a publishing transaction)."""
+        return {keys.pin(item.url): (item.size, item.version) for item in items}
 
     def manifests(self) -> builtins.list[dict[str, Any]]:
         """Every recorded manifest: root, pattern, created, items."""

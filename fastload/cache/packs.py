@@ -138,7 +138,7 @@ class PackWriter:
     def ready(self) -> bool:
         """Whether payloads can be packed here (makes the first pack, probing hole punching)."""
         with self._lock:
-            if self.usable is None:
+            if self.usable is None or (self.usable and self._rel is None):
                 self._start_pack()
             return bool(self.usable)
 
@@ -154,7 +154,8 @@ class PackWriter:
         for attempt in (1, 2):
             with self._lock:
                 total = sum(aligned(len(p)) for p in payloads)
-                if self.usable is None or (self._rel is not None and self._tail and self._tail + total > self.rotate_bytes):
+                # A new pack: the first, after one failed to start (ENOSPC), or at the rotation size.
+                if self.usable is None or self._rel is None or (self._tail and self._tail + total > self.rotate_bytes):
                     self._start_pack()
                 if not self.usable or self._rel is None:
                     return None

@@ -20,7 +20,7 @@ import os
 import sqlite3
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastload import codec
@@ -46,7 +46,8 @@ class CacheWrites(CacheReads):
         """
         return self.put_many([(key, raw, url, block)], meta=meta)[0]
 
-    def put_many(self, items: Sequence[tuple[str, bytes, str, int]], *, meta: dict[str, Any] | None = None) -> list[Entry]:
+    def put_many(self, items: Sequence[tuple[str, bytes, str, int]], *, meta: dict[str, Any] | None = None,
+                 rows: Mapping[str, Any] | None = None) -> list[Entry]:
         """Store many ``(key, raw, url, block)`` blocks; returns each one's (possibly pre-existing) entry.
 
         Each payload is published atomically as :meth:`put` does, but the batch costs
@@ -54,6 +55,11 @@ class CacheWrites(CacheReads):
         per-entry transactions were most of a cold miss's CPU (benchmarks/peers).
         A batch larger than half the limit is stored one block at a time, so it
         never has to evict its own entries to fit.
+
+        Args:
+            rows: Other index rows (the pins of the batch's objects) to set in the
+                first publishing transaction, or in one of their own when every
+                block is cached already: one transaction less per batch.
 
         Raises:
             CacheLimitError: One payload alone is larger than the cache limit.
@@ -75,11 +81,15 @@ class CacheWrites(CacheReads):
             payloads[i] = payload
         try:
             if len(todo) > 1 and sum(len(payloads[i]) for i in todo) > self.limit_bytes() // 2:
-                for i in todo:
-                    out[i] = self._publish([(items[i], payloads[i])])[0]
+                for k, i in enumerate(todo):
+                    out[i] = self._publish([(items[i], payloads[i])], rows if k == 0 else None)[0]
             elif todo:
-                for i, entry in zip(todo, self._publish([(items[i], payloads[i]) for i in todo])):
+                for i, entry in zip(todo, self._publish([(items[i], payloads[i]) for i in todo], rows)):
                     out[i] = entry
+            elif rows:
+                with self.index.transact():
+                    for name, value in rows.items():
+                        self.index.set(name, value)
         except sqlite3.OperationalError as err:
             # SQLite reports ENOSPC as "database or disk is full"; it used to escape
             # as a crash mid-epoch (tests/reliability/test_disk_full.py).
@@ -91,7 +101,8 @@ class CacheWrites(CacheReads):
                 out[i] = self.entry(items[i][0])
         return [e for e in out if e is not None]
 
-    def _publish(self, batch: list[tuple[tuple[str, bytes, str, int], bytes]]) -> list[Entry]:
+    def _publish(self, batch: list[tuple[tuple[str, bytes, str, int], bytes]],
+                 rows: Mapping[str, Any] | None = None) -> list[Entry]:
         """Reserve, write and index payloads of distinct keys; the first writer of a key wins.
 
         Payloads of at most ``pack_max_bytes`` are appended to this process's pack
@@ -132,6 +143,8 @@ class CacheWrites(CacheReads):
                 entries.append(Entry(key, rel, len(payload), len(raw), info.codec, info.checksum, url, block,
                                      codec.checksum(payload), offset, now if k else None))
             with self.index.transact():
+                for name, value in (rows or {}).items():
+                    self.index.set(name, value)
                 for e in entries:
                     # No last-use record (keys.LAST_USE) yet: until its first touch an entry's
                     # write time is its last use (evict), one index write less per put.

@@ -109,3 +109,21 @@ def test_read_payload_decodes_entries_without_a_stored_checksum(settings: Settin
     path.write_bytes(bytes(damaged))
     assert Cache(settings).read_payload("k") is None
     assert old.corrupt_count() == 1
+
+
+def test_put_many_sets_other_rows_in_its_publishing_transaction(settings: Settings) -> None:
+    cache = Cache(settings)
+    transactions = []
+    inner = cache.index.transact
+
+    def counting(retry: bool = False):  # type: ignore[no-untyped-def]
+        transactions.append(1)
+        return inner(retry)
+
+    cache.index.transact = counting  # type: ignore[method-assign]
+    cache.put_many([("k1", _blob(1), "mem://1", 0), ("k2", _blob(2), "mem://2", 0)], rows={keys.pin("mem://1"): (5000, "v1")})
+    assert cache.index.get(keys.pin("mem://1")) == (5000, "v1")
+    published = len(transactions)
+    cache.put_many([("k1", _blob(1), "mem://1", 0)], rows={keys.pin("mem://1"): (5000, "v2")})  # cached already
+    assert cache.index.get(keys.pin("mem://1")) == (5000, "v2")
+    assert published == 2 and len(transactions) == 3  # reserve + publish (pins in it); then the pins alone
