@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def test_read_payload_decodes_entries_without_a_stored_checksum(settings: Settin
     # catch a flip, and nvCOMP would inflate it silently, so the host decodes them.
     entry = Cache(settings).put("k", _blob(7, 20_000), url="mem://k")
     old = Cache(settings)  # a fresh process: no memo
-    old.index.set(keys.entry("k"), (*record(entry)[:-1], None))
+    old.index.set(keys.entry("k"), record(dataclasses.replace(entry, stored_checksum=None)))
     path = old.data_dir / entry.path
     assert codec.parse_header(path.read_bytes()).codec == codec.LZ4
     assert old.read_payload("k") == path.read_bytes()  # intact: served as stored
