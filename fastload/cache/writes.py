@@ -73,10 +73,12 @@ class CacheWrites(CacheReads):
         for i in todo:  # only blocks not cached yet: an LZ4 attempt costs ~30 us per 100 KB
             _, raw, url, block = items[i]
             payload = codec.encode(raw, chunk_bytes=s.chunk_bytes, level=s.lz4_level, min_saving=s.min_saving, meta=meta)
-            if len(payload) > limit:
+            # A packed payload counts its aligned range (it may be a little over its length).
+            need = aligned(len(payload)) if len(payload) <= s.pack_max_bytes else len(payload)
+            if need > limit:
                 raise CacheLimitError(
                     f"cache limit {format_size(limit)} is smaller than item {url!r} block {block} "
-                    f"({format_size(len(payload))}); fix: raise --cache-limit / FASTLOAD_CACHE_LIMIT, or lower FASTLOAD_BLOCK_SIZE"
+                    f"({format_size(need)}); fix: raise --cache-limit / FASTLOAD_CACHE_LIMIT, or lower FASTLOAD_BLOCK_SIZE"
                 )
             payloads[i] = payload
         try:

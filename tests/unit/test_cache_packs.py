@@ -16,6 +16,7 @@ from fastload import codec, gather
 from fastload.cache import Cache, packs
 from fastload.cache.entry import PACK_ALIGN, Entry, aligned
 from fastload.config import Settings
+from fastload.errors import CacheLimitError
 
 NATIVE = gather.backend() == "native"
 SMALL, LARGE = 30_000, 300_000
@@ -230,3 +231,10 @@ def test_clear_deletes_packs_and_a_writer_starts_a_new_one(settings: Settings) -
     assert not list(cache.data_dir.glob("packs/*.pack")) and cache.volume() == 0
     again = cache.put("k1", blob(1), url="mem://k1")
     assert again.path != first and cache.get("k1") == blob(1)
+
+
+def test_a_limit_below_a_packed_payloads_aligned_size_is_a_clear_error(tmp_path: Path) -> None:
+    cache = Cache(Settings(cache_dir=tmp_path / "c", cache_limit_bytes=5000, pack_max_bytes=100_000))
+    with pytest.raises(CacheLimitError, match=r"cache limit .* is smaller than item 'mem://k'"):
+        cache.put("k", os.urandom(4500), url="mem://k")  # 4.5 KB stored, 8 KiB counted in a pack
+    assert cache.volume() == 0 and cache.entry("k") is None
