@@ -30,14 +30,19 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
+from fastload import hostlimit
 from fastload._worker_pack import BufferRef, SharedBuffers, activate, pack, pickled_bytes, unpack
 from fastload.stats import StatsCollector, default_collector, nbytes
 
 __all__ = ["Delta", "Unwrap", "WorkerBatch", "WorkerCollate"]
 
-#: ``((stage, items, bytes, seconds), ...), ((counter, n), ...)``: recorded since the
-#: worker's previous batch (None: nothing).
-Delta = tuple[tuple[tuple[str, int, int, float], ...], tuple[tuple[str, int], ...]] | None
+#: ``((stage, items, bytes, seconds), ...), ((counter, n), ...), limits``: recorded since
+#: the worker's previous batch (None: nothing). ``limits`` is ``(process, {host: state})``:
+#: the worker's host limits (:func:`fastload.hostlimit.settled`) when they changed since
+#: the worker's previous batch, else None. Each worker process has its own limits
+#: (a host's cap holds per process), so the parent reports them per process.
+Limits = tuple[str, dict[str, dict[str, Any]]] | None
+Delta = tuple[tuple[tuple[str, int, int, float], ...], tuple[tuple[str, int], ...], Limits] | None
 
 
 class WorkerBatch:
@@ -86,6 +91,7 @@ class WorkerCollate:
         # Other threads' totals at the previous batch (they may be writing: diffed, not
         # detached). Per worker process: each gets its own copy, by fork or pickle.
         self._seen: tuple[dict[str, list[Any]], dict[str, int]] = ({}, {})
+        self._limits: dict[str, dict[str, Any]] = {}  # the host limits last shipped
 
     def __call__(self, data: Any) -> WorkerBatch:
         t0 = perf_counter()
@@ -121,7 +127,16 @@ class WorkerCollate:
             for name, k in others.counters.items():
                 if k != old_counters.get(name, 0):
                     dc.append((name, k - old_counters.get(name, 0)))
-        return tuple(ds), tuple(dc)
+        return tuple(ds), tuple(dc), self._limits_delta()
+
+    def _limits_delta(self) -> Limits:
+        """This worker's host limits, when they changed since its previous batch (a few small dicts)."""
+        limits = hostlimit.settled()  # this process's own: reset in each forked worker
+        if limits == self._limits:
+            return None
+        self._limits = limits
+        info = get_worker_info()
+        return f"worker {0 if info is None else info.id}", limits
 
 
 class Unwrap:
@@ -155,9 +170,11 @@ class Unwrap:
 
     def _merge(self, out: WorkerBatch) -> None:
         if out.delta is not None and self.collector is not None:
-            stages, counters = out.delta
+            stages, counters, limits = out.delta
             col = self.collector
             for name, items, size, seconds in stages:
                 col.add(name, items=items, bytes=size, seconds=seconds)
             for name, n in counters:
                 col.count(name, n)
+            if limits is not None:
+                col.set_limits(*limits)

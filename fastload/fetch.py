@@ -10,8 +10,9 @@ Words, one meaning each across fastload:
 
 One :class:`Fetcher` per :class:`~fastload.reader.Reader`. It holds the one table
 of fetches in flight, keyed by (URL, block): a block is fetched once however many
-threads (or fetches ahead) want it. Its callers are the Reader's misses (datasets,
-``fastload.open``, the pipelines' payloads) and staging. It stores what it fetched
+threads (or fetches ahead) want it, and a sizeless item is completed once (key
+(URL, COMPLETING)) however many threads complete it at once. Its callers are the
+Reader's misses (datasets, ``fastload.open``, the pipelines' payloads) and staging. It stores what it fetched
 with one :meth:`~fastload.cache.Cache.put_many` per call and returns those bytes,
 so a cold read never goes back to disk for them. How many requests are in flight
 is not decided here: every request holds a slot of its host's limit
@@ -33,7 +34,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError
+from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError, StoppedError
 from fastload.source import RemoteItem
 
 if TYPE_CHECKING:
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
 
 AHEAD_ITEMS = 512  # first blocks fetched ahead per Fetcher, at most (memory bound)
 AHEAD_ITEM_BYTES = 1 << 20  # larger objects are not fetched ahead: their transfer, not latency, dominates
+STREAM_BATCH_BYTES = 2 << 20  # blocks of a streamed whole object stored together (memory bound: _fetch_whole)
+
+COMPLETING = -1  # the in-flight table's "block" of a sizeless item being completed (its first GET)
 
 Block = tuple[RemoteItem, int]
 Gate = Callable[[Callable[[], Any]], Any]  # runs a cache write, or refuses it (staging's stop)
@@ -100,10 +104,14 @@ class Fetcher:
         size) are fetched ahead, at most ``AHEAD_ITEMS`` at a time, so memory stays bounded.
         """
         reader, limit = self.reader, self.ahead_bytes
+        if reader.stop.is_set():
+            return 0  # stopping: no request starts (staging's Ctrl-C)
         with self._lock:
             table = self._table()
             room = AHEAD_ITEMS - sum(1 for f in table.values() if f.ahead)
-            todo = [i for i in items if (i.url, 0) not in table and i.size <= limit][: max(0, room)]
+            # Not one being completed either: that GET brings its first block.
+            todo = [i for i in items if (i.url, 0) not in table and (i.url, COMPLETING) not in table
+                    and i.size <= limit][: max(0, room)]
         known = reader.cache.known
         todo = [i for i in todo if i.size < 0 or reader.key(i, 0) not in known]  # cached here already
         sized = [i for i in todo if i.size >= 0]
@@ -113,7 +121,10 @@ class Fetcher:
             todo = [i for i in todo if i.url not in cached]
         started = 0
         for item in todo:
-            future = reader.source(item.url).start_first(item, limit)
+            try:
+                future = reader.source(item.url).start_first(item, limit)
+            except StoppedError:
+                break  # stopped meanwhile
             if future is None:
                 break  # this store has no event loop: reads fetch as they go
             with self._lock:
@@ -174,8 +185,25 @@ class Fetcher:
         rest = [k for k in todo if out[k].size < 0]
         if not rest:
             return out, {}
+        # The one table covers completions too: an item another thread is completing is
+        # waited for, not requested again (tests/integration/test_fetch.py counts the GETs).
+        waits: dict[int, Future[Any]] = {}
+        with self._lock:
+            table = self._table()
+            for k in rest:
+                flight = table.get((items[k].url, COMPLETING))
+                if flight is None:
+                    table[(items[k].url, COMPLETING)] = _Flight(items[k], Future(), False)
+                else:
+                    waits[k] = flight.future
+        rest = [k for k in rest if k not in waits]
         t0 = time.perf_counter()
-        got = self._first_blocks([items[k] for k in rest])
+        try:
+            got = self._first_blocks([items[k] for k in rest])
+        except BaseException as err:
+            self._land([((items[k].url, COMPLETING), None) for k in rest], err)
+            raise
+        self._land([((items[k].url, COMPLETING), pair) for k, pair in zip(rest, got)], None)
         reader.record("fetch", len(got), sum(len(d) for _, d in got), t0)
         # The pins land in the transaction that publishes the blocks (one transaction, not
         # two: 7% of a cold epoch's CPU), so no cached block is ever left without its pin,
@@ -185,7 +213,16 @@ class Fetcher:
         for k, (item, data) in zip(rest, got):
             out[k] = item
             fresh[reader.key(item, 0)] = data
+        for k, future in waits.items():
+            item, data = future.result(timeout=self._wait_s())  # the completing thread's error, if it failed
+            out[k] = item
+            fresh[reader.key(item, 0)] = data
         return out, fresh
+
+    def _wait_s(self) -> float:
+        """How long a thread waits for another's fetch: its request's timeout, retries and backoff."""
+        settings = self.reader.settings
+        return settings.request_timeout_s * settings.retries + settings.backoff_max_s
 
     def _first_blocks(self, items: list[RemoteItem]) -> list[tuple[RemoteItem, bytes]]:
         """Source.read_first of each, from fetches started ahead where there are some."""
@@ -252,27 +289,28 @@ class Fetcher:
                 out[k] = reader.cache.get(reader.key(*blocks[k]))
             self._fetch_mine(blocks, [k for k in mine if out[k] is None], ahead, out, strict, gate)
         except BaseException as err:
-            self._land(blocks, mine, out, err)
+            self._land([((blocks[k][0].url, blocks[k][1]), out[k]) for k in mine], err)
             raise
-        self._land(blocks, mine, out, None)
-        timeout = reader.settings.request_timeout_s * reader.settings.retries + reader.settings.backoff_max_s
+        self._land([((blocks[k][0].url, blocks[k][1]), out[k]) for k in mine], None)
         for k, future in waits.items():
-            out[k] = future.result(timeout=timeout)  # the fetching thread's error, if it failed
+            out[k] = future.result(timeout=self._wait_s())  # the fetching thread's error, if it failed
         return [d if d is not None else reader.read_block(*blocks[k]) for k, d in enumerate(out)]
 
-    def _land(self, blocks: Sequence[Block], mine: list[int], out: list[bytes | None], err: BaseException | None) -> None:
-        """Resolve this caller's flights: their bytes for the threads waiting on them, or ``err``."""
+    def _land(self, flights: Sequence[tuple[tuple[str, int], Any]], err: BaseException | None) -> None:
+        """Resolve this caller's flights (table key, result or None): the result for the threads
+        waiting on them, else ``err``."""
         with self._lock:
             table = self._table()
-            for k in mine:
-                item, block = blocks[k]
-                flight = table.pop((item.url, block), None)
+            for key, result in flights:
+                flight = table.pop(key, None)
                 if flight is None or flight.future.done():
                     continue
-                if out[k] is not None:
-                    flight.future.set_result(out[k])
+                if result is not None:
+                    flight.future.set_result(result)
                 else:
-                    flight.future.set_exception(err or RemoteChangedError(f"{item.url}: block {block} was not fetched"))
+                    url, block = key
+                    what = "not completed" if block == COMPLETING else f"block {block} was not fetched"
+                    flight.future.set_exception(err or RemoteChangedError(f"{url}: {what}"))
                     flight.future.exception()  # retrieved: a waiter may never come
 
     def _fetch_mine(self, blocks: Sequence[Block], mine: list[int], ahead: dict[int, Future[Any]],
@@ -283,6 +321,7 @@ class Fetcher:
         t0 = time.perf_counter()
         spans = {k: reader.block_span(*blocks[k]) for k in mine}
         fetched: dict[int, bytes | Exception] = {}
+        streamed: set[int] = set()
         for k, future in ahead.items():
             item = blocks[k][0]
             try:
@@ -293,14 +332,29 @@ class Fetcher:
         if rest:
             src = reader.source(blocks[rest[0]][0].url)
             ranges: dict[tuple[str, int, int | None], list[int]] = {}
+            wholes: dict[RemoteItem, list[int]] = {}  # objects of several blocks from a host that ignores Range
             for k in rest:
                 item = blocks[k][0]
                 start, end = spans[k]
-                entire = (start == 0 and end == item.size) or src.ignores_ranges(item.url)  # one GET of it all, not one per block
-                ranges.setdefault((item.url, 0, None) if entire else (item.url, start, end), []).append(k)
-            for ks, data in zip(ranges.values(), src.read_many(list(ranges))):
-                for k in ks:
-                    fetched[k] = data
+                if end - start != item.size and src.ignores_ranges(item.url):
+                    wholes.setdefault(item, []).append(k)
+                    continue
+                ranges.setdefault((item.url, 0, None) if start == 0 and end == item.size else (item.url, start, end), []).append(k)
+            if ranges:
+                for ks, data in zip(ranges.values(), src.read_many(list(ranges))):
+                    for k in ks:
+                        fetched[k] = data
+            for item, ks in wholes.items():
+                try:
+                    got = self._fetch_whole(item, {blocks[k][1] for k in ks}, strict, gate)
+                except Exception as err:
+                    got = None
+                    for k in ks:
+                        fetched[k] = err
+                if got is not None:
+                    for k in ks:
+                        fetched[k] = got[blocks[k][1]]
+                        streamed.add(k)
         stored: list[tuple[Block, bytes]] = []
         seen: set[Block] = set()  # blocks already taken from a whole object
         for k in mine:
@@ -312,10 +366,14 @@ class Fetcher:
                 ) from data
             if isinstance(data, Exception):
                 raise data
+            if k in streamed:  # stored as it arrived (_fetch_whole)
+                out[k] = data
+                continue
             if len(data) == item.size != end - start:
                 # The whole object, for one block: the server ignores Range headers (Python's
-                # http.server does), or it was asked for all of it. Every block is kept, so the
-                # object is fetched once (tests/integration/test_hostlimit_server.py).
+                # http.server does), found out by this request. Every block is kept, so the
+                # object is fetched once (tests/integration/test_hostlimit_server.py); from
+                # now on this host's objects are streamed (_fetch_whole).
                 whole, out[k] = data, data[start:end]
                 reader.source(item.url).note_ignores_ranges(item.url)
                 if (item, block) not in seen:
@@ -331,6 +389,61 @@ class Fetcher:
             stored.append(((item, block), data))
         reader.record("fetch", len(mine), sum(len(out[k] or b"") for k in mine), t0)
         self._store(stored, strict, gate)
+
+    def _fetch_whole(self, item: RemoteItem, wanted: set[int], strict: bool, gate: Gate | None) -> dict[int, bytes]:
+        """The ``wanted`` blocks of ``item``, from one GET of all of it (a host that ignores Range).
+
+        Every block is stored as it arrives, a few blocks per put_many (STREAM_BATCH_BYTES),
+        so memory holds those and the wanted ones, not the object; the object is fetched
+        once (tests/integration/test_fetch.py measures the memory and counts the GETs).
+        Blocks nobody else is fetching are entered in the table for this GET, and their
+        waiters get each as soon as it is stored.
+        """
+        reader = self.reader
+        with self._lock:
+            table = self._table()
+            claimed = {b for b in reader.blocks(item) if b not in wanted and (item.url, b) not in table}
+            for b in claimed:
+                table[(item.url, b)] = _Flight(item, Future(), False)
+        got: dict[int, bytes] = {}
+        seen: set[int] = set()
+        batch: list[tuple[Block, bytes]] = []
+        held = [0]  # bytes in batch
+        landed: set[int] = set()  # claimed blocks whose waiters have their bytes
+        known = reader.cache.known
+
+        def land(pairs: list[tuple[int, bytes]]) -> None:
+            pairs = [(b, data) for b, data in pairs if b in claimed]
+            self._land([((item.url, b), data) for b, data in pairs], None)
+            landed.update(b for b, _ in pairs)
+
+        def flush() -> None:
+            self._store(batch, strict, gate)
+            land([(b, data) for (_, b), data in batch])
+            batch.clear()
+            held[0] = 0
+
+        def sink(block: int, data: bytes) -> None:
+            if block in seen:  # the request was retried from its start
+                return
+            seen.add(block)
+            if block in wanted:
+                got[block] = data
+            if reader.key(item, block) in known:
+                land([(block, data)])
+                return
+            batch.append(((item, block), data))
+            held[0] += len(data)
+            if held[0] >= STREAM_BATCH_BYTES:
+                flush()
+
+        try:
+            reader.source(item.url).read_whole(item, reader.settings.block_bytes, sink)
+            flush()
+        except BaseException as err:
+            self._land([((item.url, b), None) for b in claimed - landed], err)
+            raise
+        return got
 
     def _store(self, fetched: list[tuple[Block, bytes]], strict: bool, gate: Gate | None,
                pins: dict[str, Any] | None = None) -> None:

@@ -9,11 +9,13 @@ in fastload bounds requests, so this is the one home of that number.
   alike (tests/integration/test_hostlimit_server.py counts connections at the server).
 * **Limit.** Under the cap, an AIMD controller chooses how many may run. It
   starts at :data:`START`, grows while the host's throughput rises and its
-  requests' latency does not (doubling while each step pays, then by one while
-  each step pays, taking back a step that made throughput fall, and trying one
-  more now and then), and halves on a congestion
-  signal: a connect timeout, a reset or refused connection, HTTP 429 or 503,
-  S3 ``SlowDown``, a TCP connect slower than :data:`SLOW_CONNECT_S` (a server
+  requests' latency does not (slow start: one more per answer that did not
+  queue while requests wait, so doubling each round trip, until a window's
+  throughput stops rising; then by one per window while each step pays, taking
+  back a step that made throughput fall, and trying one more now and then),
+  and halves on a congestion
+  signal (:func:`congestion`): a connect timeout, a reset or refused connection,
+  HTTP 429 or 503, S3 ``SlowDown``, a TCP connect slower than :data:`SLOW_CONNECT_S` (a server
   whose listen backlog overflows drops SYNs, which TCP retries only after a
   second). Throughput alone never cuts: on a shared machine it dips for reasons
   of its own (an unshaped loopback cut itself three times an epoch). A server that closes each connection
@@ -34,8 +36,8 @@ import functools
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -74,7 +76,7 @@ class HostLimit:
         self.in_flight = 0
         self.peak = 0  # most requests ever in flight at once
         self.cuts = 0  # congestion signals that cut the limit
-        self.last_cut = ""  # what the last one was: an error's type, or "slow connect"
+        self.last_cut = ""  # what the last one was (congestion(): "SlowDown", "HTTP 503", an error's type), or "slow connect"
         self.closing = False  # the host closes each connection after its answer (CLOSING_MAX)
         self._lock = threading.Lock()
         self._waiters: collections.deque[Callable[[], bool]] = collections.deque()
@@ -84,6 +86,7 @@ class HostLimit:
         self._best = 0.0
         self._prev = 0.0
         self._base = 0.0  # the lowest mean request latency of a window: latency without queueing
+        self._fastest = 0.0  # the lowest latency of one request (slow start's yardstick)
         self._grew = False  # the last window's verdict was "one more"
         self._held = 0  # windows judged without a change
         self._new_window(time.monotonic())
@@ -131,24 +134,28 @@ class HostLimit:
         with self._holding() as outcome:
             yield outcome
 
-    @asynccontextmanager
-    async def aslot(self) -> AsyncIterator[_Outcome]:
-        """Hold a slot in a coroutine on an event loop for the ``async with`` body."""
-        future: asyncio.Future[None] | None = None
+    def aslot(self) -> _AsyncSlot:
+        """A slot for a coroutine on an event loop, held for the ``async with`` body."""
+        return _AsyncSlot(self)
+
+    async def _acquire(self) -> None:
+        """Wait on the running loop until this coroutine holds a slot (FIFO with threads)."""
         with self._lock:
             if self._free():
                 self._take()
-            else:
-                loop = asyncio.get_running_loop()
-                future = loop.create_future()
-                self._waiters.append(_async_waker(loop, future, self._give_back))
-        if future is not None:
-            try:  # cancelled while waiting: the slot, once handed over, is given back (_async_waker)
-                await asyncio.wait_for(future, SLOT_WAIT_S)
-            except asyncio.TimeoutError as err:
-                raise self._starved() from err
-        with self._holding() as outcome:
-            yield outcome
+                return
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            self._waiters.append(_async_waker(loop, future, self._give_back))
+        # One timer, not asyncio.wait_for (a wrapper future and callbacks per waiter): slots
+        # cost ~30 us per request that way, on fsspec's loop thread (benchmarks/peers/results/profile.md).
+        timer = loop.call_later(SLOT_WAIT_S, _expire, future)
+        try:  # cancelled while waiting: the slot, once handed over, is given back (_async_waker)
+            await future
+        except _SlotExpired as err:
+            raise self._starved() from err
+        finally:
+            timer.cancel()
 
     @contextmanager
     def _holding(self) -> Iterator[_Outcome]:
@@ -196,15 +203,24 @@ class HostLimit:
 
     def _release(self, outcome: _Outcome) -> None:
         now = time.monotonic()
+        why = congestion(outcome.error) if outcome.error is not None else ""
         with self._lock:
             self.in_flight -= 1
             self._done += 1
-            if outcome.error is not None and is_congestion(outcome.error):
-                self._cut(now, type(outcome.error).__name__)
+            if why:
+                self._cut(now, why)
             elif outcome.error is None:
+                latency = now - outcome.t0
                 self._window_bytes += outcome.nbytes
                 self._window_done += 1
-                self._window_latency += now - outcome.t0
+                self._window_latency += latency
+                self._fastest = min(self._fastest or latency, latency)
+                if self._slow_start and self._waiters and latency <= self._fastest * QUEUED:
+                    # One more per answer that did not queue while others wait: the limit
+                    # doubles each round trip, as TCP's slow start does. Doubling once per
+                    # window (>= 50 ms) took ~0.25 s to reach 32 with 20 ms to first byte,
+                    # ~8% of a 3 s cold epoch at 1 Gbit (benchmarks/peers).
+                    self._step(1.0)
                 self._judge(now)
             wake = self._hand_over()
         for fn in wake:
@@ -254,10 +270,11 @@ class HostLimit:
             self._base = min(self._base or latency, latency)
             queued = latency > self._base * QUEUED
             paid = (not self._prev or rate >= self._prev * RISE) and not queued
-            if self._slow_start and not paid:
-                self._slow_start = False  # that step did not pay: one at a time from here
+            # In slow start the limit grows per answer (_release): 20 ms to first byte needs
+            # ~30 in flight at 1 Gbit. A window whose growth did not pay ends it: one at a time from here.
+            self._slow_start = self._slow_start and paid
             if self._slow_start:
-                self._step(self.limit)  # doubles: 20 ms to first byte needs ~30 in flight at 1 Gbit
+                pass
             elif self._grew and rate < self._prev * FALL:
                 self._step(-1.0)  # one more made it worse
             elif paid or self._held >= PROBE_EVERY:
@@ -289,6 +306,34 @@ def _waited(event: threading.Event, stop: threading.Event | None) -> bool:
         if stop.is_set() or time.monotonic() > deadline:
             return False
     return True
+
+
+class _AsyncSlot:
+    """``async with limit.aslot() as outcome``: a class, not a generator (this runs once per request)."""
+
+    __slots__ = ("_limit", "_outcome")
+
+    def __init__(self, limit: HostLimit) -> None:
+        self._limit = limit
+
+    async def __aenter__(self) -> _Outcome:
+        await self._limit._acquire()
+        self._outcome = _Outcome()
+        return self._outcome
+
+    async def __aexit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> None:
+        if err is not None:
+            self._outcome.error = err
+        self._limit._release(self._outcome)
+
+
+class _SlotExpired(Exception):
+    """No slot came free within SLOT_WAIT_S (set on a waiting coroutine's future)."""
+
+
+def _expire(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_exception(_SlotExpired())
 
 
 class _Outcome:
@@ -338,23 +383,61 @@ _CONGESTION_NAMES = {
 }
 
 
-def is_congestion(err: BaseException) -> bool:
-    """Whether ``err`` says the host is overloaded: 429, 503, SlowDown, a connect timeout or reset."""
-    seen = 0
+# Error codes of throttling answers (S3 and other AWS APIs, as botocore reports them).
+_THROTTLE_CODES = {
+    "SlowDown",
+    "ServiceUnavailable",
+    "Throttling",
+    "ThrottlingException",
+    "RequestThrottled",
+    "RequestThrottledException",
+    "TooManyRequestsException",
+    "RequestLimitExceeded",
+    "BandwidthLimitExceeded",
+}
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
     e: BaseException | None = err
-    while e is not None and seen < 6:
+    for _ in range(6):
+        if e is None:
+            return
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def congestion(err: BaseException) -> str:
+    """What in ``err`` says the host is overloaded ("" if nothing): 429, 503, SlowDown, a connect timeout or reset.
+
+    The structure of the error and its causes decides first: botocore's
+    ``response["Error"]["Code"]`` (s3fs raises ``OSError(EBUSY)`` from it, whose text
+    says only "Please reduce your request rate."), an HTTP status, the exception's
+    class. Message text is the fallback for errors that carry no structure.
+
+    >>> congestion(TimeoutError()), congestion(ValueError("bad range"))
+    ('TimeoutError', '')
+    """
+    for e in _chain(err):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):  # botocore's ClientError
+            code = (response.get("Error") or {}).get("Code")
+            if code in _THROTTLE_CODES:
+                return str(code)
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if status in (429, 503):
+                return f"HTTP {status}"
         status = getattr(e, "status", None) or getattr(e, "code", None)
         if status in (429, 503):
-            return True
+            return f"HTTP {status}"
         if isinstance(e, (ConnectionResetError, ConnectionRefusedError, ConnectionAbortedError, TimeoutError, asyncio.TimeoutError)):
-            return True
+            return type(e).__name__
         if type(e).__name__ in _CONGESTION_NAMES:
-            return True
+            return type(e).__name__
+    for e in _chain(err):
         text = str(e)
         if any(s in text for s in ("SlowDown", "Throttl", "429", "503", "Too Many Requests", "Service Unavailable")):
-            return True
-        e, seen = e.__cause__ or e.__context__, seen + 1
-    return False
+            return type(e).__name__
+    return ""
 
 
 _LIMITS: dict[str, HostLimit] = {}
@@ -385,44 +468,52 @@ def limit_for(host: str, cap: int) -> HostLimit:
     return limit
 
 
-@functools.cache  # one object: fsspec caches filesystems by their options, a new one each time would defeat it
-def aiohttp_trace() -> Any:
-    """An aiohttp ``TraceConfig`` that reports slow TCP connects, and servers that close
-    each connection, to their host's limit.
+async def aiohttp_client(**kwargs: Any) -> Any:
+    """fsspec's ``get_client`` for HTTP: an aiohttp session that reports slow TCP connects,
+    and servers that close each connection, to their host's limit.
 
     A server whose listen backlog is full drops the SYN; TCP sends it again after
     a second, then two, and the request just looks slow. Only the connect's own
-    duration tells (tests/integration/test_hostlimit_server.py).
+    duration tells (tests/integration/test_hostlimit_server.py). Both are seen in
+    the session's connector and response classes, not through an aiohttp
+    ``TraceConfig``: a trace sends five signals per request, ~25 us of the ~200 us
+    each GET costs on fsspec's loop (benchmarks/peers/results/profile.md). A
+    ``connector`` or ``response_class`` of the user's own is kept, without that report.
     """
     import aiohttp
 
-    trace = aiohttp.TraceConfig()
+    response_class, connector_class = _aiohttp_classes()
+    kwargs.setdefault("response_class", response_class)
+    if kwargs.get("connector") is None:
+        kwargs["connector"] = connector_class()  # on fsspec's loop, as set_session calls this
+    return aiohttp.ClientSession(**kwargs)
 
-    async def on_request_start(session: Any, ctx: Any, params: Any) -> None:
-        ctx.url = str(params.url)
 
-    async def on_connect_start(session: Any, ctx: Any, params: Any) -> None:
-        ctx.connect_t0 = time.monotonic()
+@functools.cache
+def _aiohttp_classes() -> tuple[type[Any], type[Any]]:
+    import aiohttp
 
-    async def on_connect_end(session: Any, ctx: Any, params: Any) -> None:
-        t0, url = getattr(ctx, "connect_t0", None), getattr(ctx, "url", None)
-        if t0 is not None and url is not None and time.monotonic() - t0 > SLOW_CONNECT_S:
-            limit = _LIMITS.get(host_of(url))
-            if limit is not None:
-                limit.signal("slow connect")
+    class _Response(aiohttp.ClientResponse):
+        async def start(self, connection: Any) -> Any:
+            started = await super().start(connection)
+            old = self.version is not None and self.version < (1, 1)
+            if old or self.headers.get("Connection", "").lower() == "close":
+                limit = _LIMITS.get(host_of(str(self.url)))
+                if limit is not None:
+                    limit.closes_connections()
+            return started
 
-    async def on_request_end(session: Any, ctx: Any, params: Any) -> None:
-        response = params.response
-        if response.version < (1, 1) or response.headers.get("Connection", "").lower() == "close":
-            limit = _LIMITS.get(host_of(str(params.url)))
-            if limit is not None:
-                limit.closes_connections()
+    class _Connector(aiohttp.TCPConnector):
+        async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:
+            t0 = time.monotonic()
+            proto = await super()._create_connection(req, traces, timeout)
+            if time.monotonic() - t0 > SLOW_CONNECT_S:
+                limit = _LIMITS.get(host_of(str(req.url)))
+                if limit is not None:
+                    limit.signal("slow connect")
+            return proto
 
-    trace.on_request_start.append(on_request_start)
-    trace.on_request_end.append(on_request_end)
-    trace.on_connection_create_start.append(on_connect_start)
-    trace.on_connection_create_end.append(on_connect_end)
-    return trace
+    return _Response, _Connector
 
 
 def settled() -> dict[str, dict[str, Any]]:

@@ -56,6 +56,7 @@ __all__ = [
     "LoaderStats",
     "StageStats",
     "StatsCollector",
+    "combine_limits",
     "current_collector",
     "default_collector",
     "nbytes",
@@ -109,9 +110,13 @@ class LoaderStats:
             them and scaled: fastload._loader_iter).
         wall_seconds: Seconds from the start of each epoch's iteration to the most recent
             batch, summed over epochs: the training loop's wall time.
-        concurrency: Host -> requests in flight it settled on in this process
-            (``limit``), the cap (``workers``), the ``peak`` in flight and the ``cuts``
-            (congestion signals); see :mod:`fastload.hostlimit`.
+        concurrency: Host -> its request limits (:mod:`fastload.hostlimit`), over this
+            process and the loader's worker processes, each of which has its own:
+            ``limit`` (requests in flight the controllers settled on, summed over the
+            processes), ``cap`` (``workers``: a cap *per process*), ``peak`` (the most
+            in flight at once in one process), ``cuts`` (congestion signals, summed),
+            ``last_cut``, and ``processes``: ``{"main" | "worker N": {limit, cap, peak,
+            cuts, last_cut}}``, each process's own (:func:`combine_limits`).
     """
 
     stages: Mapping[str, StageStats] = field(default_factory=dict)
@@ -194,7 +199,13 @@ class LoaderStats:
         for name in sorted(self.counters):
             lines.append(f"{name}: {self.counters[name]}")
         for host, c in sorted(self.concurrency.items()):
-            lines.append(f"requests in flight to {host}: settled at {c['limit']} (cap {c['cap']}, peak {c['peak']}, cuts {c['cuts']})")
+            procs = c.get("processes") or {}
+            where = ""
+            if len(procs) > 1:
+                each = ", ".join(f"{name} {p['limit']}" for name, p in procs.items())
+                where = f" over {len(procs)} processes ({each})"
+            lines.append(f"requests in flight to {host}: settled at {c['limit']}{where} "
+                         f"(cap {c['cap']} per process, peak {c['peak']}, cuts {c['cuts']})")
         return "\n".join(lines)
 
 
@@ -248,6 +259,8 @@ class StatsCollector:
         # Shards of finished threads are folded in here so the list stays short
         # when thread pools come and go each epoch.
         self._retired = _Shard(None)
+        # Worker processes' host limits, as each last shipped them ("worker N" -> host -> state).
+        self._limits: dict[str, dict[str, dict[str, Any]]] = {}
 
     def _shard(self) -> _Shard:
         try:
@@ -314,6 +327,16 @@ class StatsCollector:
         shard.wait += wait_seconds
         shard.wall += wall_seconds
 
+    def set_limits(self, process: str, limits: dict[str, dict[str, Any]]) -> None:
+        """Record another process's host limits (a DataLoader worker's, fastload._worker_stats).
+
+        State, not a count: the latest replaces the previous, and :meth:`reset` keeps it,
+        as it keeps this process's own limits.
+        """
+        if self.enabled:
+            with self._lock:
+                self._limits[process] = limits
+
     def _merged(self, skip: _Shard | None = None) -> _Shard:
         total = _Shard(None)
         with self._lock:
@@ -342,8 +365,13 @@ class StatsCollector:
             wait_seconds=total.wait,
             wall_seconds=total.wall,
             # Process-wide, like the limits themselves; a disabled collector reports nothing.
-            concurrency=MappingProxyType(hostlimit.settled() if self.enabled else {}),
+            concurrency=MappingProxyType(self._concurrency() if self.enabled else {}),
         )
+
+    def _concurrency(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            workers = dict(self._limits)
+        return combine_limits({"main": hostlimit.settled(), **workers})
 
     def _take_mine(self) -> tuple[dict[str, list[Any]], dict[str, int], _Shard]:
         """Detach the calling thread's records: ``({stage: [items, bytes, seconds]}, {counter: n})``.
@@ -372,6 +400,37 @@ class StatsCollector:
             self._local = threading.local()
             self._shards = []
             self._retired = _Shard(None)
+
+
+def combine_limits(per_process: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Host -> its limits over several processes (``process -> host -> HostLimit.as_dict()``).
+
+    Each process has its own limit and cap for a host (fastload.hostlimit), so the host
+    may see the sum of their limits at once: ``limit`` and ``cuts`` are summed, ``peak``
+    is the largest of one process, ``cap`` is the (per-process) cap, and ``processes``
+    keeps each process's own.
+
+    >>> c = combine_limits({"main": {"h": {"limit": 4, "cap": 8, "peak": 4, "cuts": 0, "last_cut": ""}},
+    ...                     "worker 0": {"h": {"limit": 2, "cap": 8, "peak": 6, "cuts": 1, "last_cut": "503"}}})
+    >>> {k: c["h"][k] for k in ("limit", "cap", "peak", "cuts", "last_cut")}
+    {'limit': 6, 'cap': 8, 'peak': 6, 'cuts': 1, 'last_cut': '503'}
+    """
+    hosts: dict[str, dict[str, Mapping[str, Any]]] = {}
+    for process, limits in per_process.items():
+        for host, state in limits.items():
+            hosts.setdefault(host, {})[process] = state
+    out = {}
+    for host, procs in hosts.items():
+        states = list(procs.values())
+        out[host] = {
+            "limit": sum(int(s["limit"]) for s in states),
+            "cap": max(int(s["cap"]) for s in states),
+            "peak": max(int(s["peak"]) for s in states),
+            "cuts": sum(int(s["cuts"]) for s in states),
+            "last_cut": next((s["last_cut"] for s in reversed(states) if s.get("last_cut")), ""),
+            "processes": {p: dict(s) for p, s in procs.items()},
+        }
+    return out
 
 
 def nbytes(obj: Any) -> int:

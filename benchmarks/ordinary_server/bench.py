@@ -8,10 +8,12 @@ server and clients both run inside it. Reported, from one run:
 * ``link``: one 20 MB GET with urllib, the link's own limit here;
 * ``plain``: a one-at-a-time urllib loop over the same files;
 * ``fastload``: ``fastload cache URL --json`` (defaults, or each ``--workers``),
-  as MB/s and as a fraction of the link, with the request limit it settled on.
+  as MB/s and as a fraction of the link, with the request limit it settled on;
+* ``target``: issue 12's done-when, the median fraction of the default runs
+  against 0.85 ("met"/"MISSED"; not measured when only ``--workers`` ran).
 
 Without root (or with ``--no-shaping``) it runs over plain loopback and says so.
-Run: ``python benchmarks/ordinary_server/bench.py [--files 300 --kb 110 --rate 200mbit]``.
+Run: ``python benchmarks/ordinary_server/bench.py [--files 300 --kb 110 --rate 200mbit] [--out FILE.json]``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pythonpath", default=str(ROOT), help="the fastload checkout the clients import (before/after runs)")
     p.add_argument("--timeout-s", type=float, default=300, help="limit per client run")
     p.add_argument("--repeats", type=int, default=1, help="fastload runs per --workers value")
+    p.add_argument("--out", type=Path, help="also write the JSON to this file")
     args = p.parse_args(argv)
     args.workers = [int(w) for w in args.workers.split(",") if w]
     return args
@@ -130,8 +134,26 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 server.wait(timeout=10)
     return {"link": description, "files": args.files, "kb": args.kb, "link_mb_per_s": round(link_bps / 1e6, 2),
             "plain_loop_mb_per_s": round(plain_bps / 1e6, 2), "plain_link_fraction": round(plain_bps / link_bps, 3),
-            "fastload": runs}
+            "fastload": runs, "target": target(runs)}
+
+
+def target(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 12: `fastload cache` (defaults) at least 0.85 of the link; the median of the default runs."""
+    shares = [r["link_fraction"] for r in runs if r["workers"] == "default"]
+    value = statistics.median(shares) if shares else None
+    met = value is not None and value >= 0.85
+    return {"what": "fastload cache (default workers) fetched bytes / seconds over the link's own GET, median of the runs",
+            "target": ">= 0.85", "value": value, "runs": shares, "pass": met,
+            "verdict": "met" if met else ("MISSED" if shares else "NOT MEASURED (no default-workers run)")}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(parse_args()), indent=2))
+    parsed = parse_args()
+    result = main(parsed)
+    text = json.dumps(result, indent=2)
+    if parsed.out is not None:
+        parsed.out.write_text(text + "\n")
+    print(text)
+    t = result["target"]
+    print(f"issue 12: fastload cache from http.server: {t['value']} of the link (runs {t['runs']}; target "
+          f"{t['target']}) {t['verdict']}", file=sys.stderr)

@@ -3,8 +3,9 @@
 ``python peers.py run SPEC_JSON`` builds one loader (a peer's recommended setup
 for 2 cores, batch 64), iterates it for ``epochs`` epochs (the first on an empty
 cache: cold; the rest warm) and prints one JSON line: per epoch the seconds,
-samples and delivered bytes, with epoch 1 also carrying the setup time (listing,
-index download, local copy) that the user pays before the first batch.
+samples, delivered bytes and CPU seconds of the process tree (:func:`cpu_seconds`),
+with epoch 1 also carrying the setup (listing, index download, local copy) that the
+user pays before the first batch.
 
 ``python peers.py write SPEC_JSON`` writes a peer's own format with that peer's
 own writer (WebDataset ``ShardWriter``, Streaming ``MDSWriter``, LitData
@@ -241,7 +242,12 @@ def _fastload_settings(spec: dict[str, Any]) -> Any:
 
 
 def peer_fastload(spec: dict[str, Any]) -> Callable[[int], Iterable[Any]]:
-    """fastload.DataLoader over fastload.FileDataset, defaults (read_batch threads), cache read-through."""
+    """fastload.DataLoader over fastload.FileDataset, cache read-through.
+
+    ``workers`` 0 (the ``fastload`` peer) is the default: one process, the
+    read_batch threads (one per CPU) read and run the transform. ``fastload_w2``
+    passes ``num_workers=2``: torch worker processes call ``__getitem__``.
+    """
     import fastload
 
     decode = spec["mode"] == "decode"
@@ -251,7 +257,7 @@ def peer_fastload(spec: dict[str, Any]) -> Callable[[int], Iterable[Any]]:
         fastload.stage(url, pattern="**/*.jpg", settings=settings, progress=False)
     ds = fastload.FileDataset(url, pattern="**/*.jpg", label="parent", settings=settings,
                               transform=decode_224 if decode else None)
-    loader = fastload.DataLoader(ds, batch_size=BATCH, collate_fn=_collate)
+    loader = fastload.DataLoader(ds, batch_size=BATCH, collate_fn=_collate, num_workers=spec["workers"])
     return lambda epoch: loader
 
 
@@ -282,6 +288,7 @@ PEERS: dict[str, Callable[[dict[str, Any]], Callable[[int], Iterable[Any]]]] = {
     "litdata": peer_litdata,
     "dali": peer_dali,
     "fastload": peer_fastload,
+    "fastload_w2": peer_fastload,
     "fastload_stage": peer_fastload,
     "fastload_uint8": peer_fastload_uint8,
 }
@@ -290,8 +297,34 @@ PEERS: dict[str, Callable[[dict[str, Any]], Callable[[int], Iterable[Any]]]] = {
 # Imported before the clock starts: interpreter and library start-up is not data loading.
 _IMPORTS = {
     "webdataset": ["webdataset"], "streaming": ["streaming"], "litdata": ["litdata"], "dali": ["nvidia.dali"],
-    "fastload": ["fastload"], "fastload_stage": ["fastload"], "fastload_uint8": ["fastload"],
+    "fastload": ["fastload"], "fastload_w2": ["fastload"], "fastload_stage": ["fastload"], "fastload_uint8": ["fastload"],
 }
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its descendants, live or exited.
+
+    A live process counts its own time plus that of its children it has reaped
+    (``children_user``/``children_system``, getrusage's RUSAGE_CHILDREN); a
+    reaped worker's time is then in its parent's figures, never twice. So the
+    workers of ``num_workers=2`` and any helper process a loader starts count.
+    """
+    try:
+        import psutil
+    except ImportError:  # the reaped children only
+        import resource
+
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    root = psutil.Process()
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:  # exited between the listing and the read
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -299,9 +332,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     for name in ["numpy", "PIL.Image", "torch", "fsspec", *_IMPORTS.get(spec["peer"], [])]:
         importlib.import_module(name)
-    t0 = time.perf_counter()
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
     epoch_iter = PEERS[spec["peer"]](spec)
-    setup_s = time.perf_counter() - t0
+    setup_s, setup_cpu_s = time.perf_counter() - t0, cpu_seconds() - cpu0
     epochs: list[dict[str, Any]] = []
     budget = spec.get("epoch_budget_s") or math.inf
     limit: float = math.inf  # samples; a time-boxed cold epoch bounds the warm ones to what it cached
@@ -319,9 +352,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 break
         if e == 0 and truncated:
             limit = samples
+        cpu1 = cpu_seconds()
         epochs.append({"epoch": e + 1, "seconds": time.perf_counter() - t1, "samples": samples,
-                       "delivered_bytes": nbytes, "batches": batches, "truncated": truncated})
-    epochs[0]["setup_s"] = setup_s
+                       "delivered_bytes": nbytes, "batches": batches, "truncated": truncated,
+                       "cpu_s": round(cpu1 - cpu0, 4)})  # epoch 1's includes the setup, as its seconds do
+        cpu0 = cpu1
+    epochs[0]["setup_s"], epochs[0]["setup_cpu_s"] = setup_s, round(setup_cpu_s, 4)
     out: dict[str, Any] = {"peer": spec["peer"], "mode": spec["mode"], "epochs": epochs}
     limits = sys.modules.get("fastload.hostlimit")
     if limits is not None:  # the request limit fastload settled on (fastload peers only)

@@ -22,3 +22,14 @@ def test_tiny_unshaped_run_reports_every_figure(load_script: Callable[[str], Mod
     (run,) = result["fastload"]
     assert run["workers"] == 2 and run["mb_per_s"] > 0 and isinstance(run["link_fraction"], float)
     assert run["concurrency"]["cap"] == 2 and 1 <= run["concurrency"]["peak"] <= 2
+    # The issue-12 target is about the defaults: only --workers 2 ran, so it is not measured, and not met.
+    assert result["target"]["value"] is None and result["target"]["verdict"].startswith("NOT MEASURED")
+    assert not result["target"]["pass"]
+
+
+def test_target_is_the_median_of_the_default_runs(load_script: Callable[[str], ModuleType]) -> None:
+    bench = load_script("benchmarks/ordinary_server/bench.py")
+    runs = [{"workers": "default", "link_fraction": f} for f in (0.80, 0.88, 0.90)] + [{"workers": 4, "link_fraction": 0.1}]
+    got = bench.target(runs)
+    assert got["value"] == 0.88 and got["pass"] and got["verdict"] == "met" and got["runs"] == [0.80, 0.88, 0.90]
+    assert bench.target(runs[:1])["verdict"] == "MISSED"

@@ -97,3 +97,14 @@ def test_cpu_per_object_reports_both_epochs(
         r = out[epoch]
         assert r["objects"] == 30 and r["objects_per_s"] > 0
         assert r["user_ms_per_object"] >= 0 and r["sys_ms_per_object"] >= 0
+
+
+def test_transfer_clients_reports_cpu_per_get_for_each_client(
+    load_script: Callable[[str], ModuleType], capsys: pytest.CaptureFixture[str], nginx_server: Any
+) -> None:
+    script = load_script("benchmarks/peers/transfer_clients.py")
+    assert script.main(script.parse_args(["--images", "6", "--repeats", "1", "--clients", "fsspec,aiohttp,fastload", "--json"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"fsspec", "aiohttp", "fastload"}
+    for runs in out.values():
+        assert len(runs) == 1 and runs[0]["gets_per_s"] > 0 and runs[0]["user_ms"] + runs[0]["sys_ms"] >= 0

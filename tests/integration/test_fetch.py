@@ -1,4 +1,8 @@
-"""The fetch stage (fastload.fetch) against real servers: honest hit rates, servers without Range."""
+"""The fetch stage (fastload.fetch) against real servers.
+
+Honest hit rates, servers without Range (one GET per object, streamed), stops, and
+one request per block or completion however many threads want it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import http.server
 import json
 import os
 import threading
+import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,8 +22,10 @@ import pytest
 import fastload
 from fastload.cli import main
 from fastload.config import Settings
+from fastload.errors import StoppedError
 from fastload.reader import Reader
 from fastload.samples import make_image_folder
+from fastload.source import RemoteItem
 
 pytestmark = pytest.mark.integration
 
@@ -106,3 +114,177 @@ def test_a_server_without_range_support_serves_a_random_read_from_one_whole_fetc
     assert reader.read_range(item, 2 * 1024**2 + 5, 2 * 1024**2 + 100) == data[2 * 1024**2 + 5 : 2 * 1024**2 + 100]
     assert reader.read(item) == data  # every block was kept from that one answer
     assert gets["/big/large.bin"] == 1
+
+
+class _HoldingServer:
+    """A ThreadingHTTPServer that counts file GETs and holds each answer until ``release`` is set."""
+
+    def __init__(self, root: Path) -> None:
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.gets = 0
+        self.held = 0
+        server = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                with server.lock:
+                    server.gets += 1
+                    server.held += 1
+                server.release.wait(timeout=120)
+                with server.lock:
+                    server.held -= 1
+                super().do_GET()
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+                pass
+
+        class Quiet(http.server.ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a cancelled request's client hung up: expected here
+
+        self.httpd = Quiet(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=10)
+
+
+def _until(cond: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_stop_starts_no_fetch_ahead_and_ends_the_wait_for_one(tmp_path: Path) -> None:
+    # Staging's Ctrl-C (Reader.stop): Fetcher.ahead once started requests after it, fetches
+    # ahead queued for a slot went out when one came free, and finishing one waited for its
+    # answer (up to twice the request timeout) instead of ending.
+    (tmp_path / "www").mkdir()
+    for k in range(8):
+        (tmp_path / "www" / f"f{k}.bin").write_bytes(os.urandom(1000))
+    server = _HoldingServer(tmp_path / "www")
+    try:
+        reader = Reader(Settings(cache_dir=tmp_path / "cache", workers=1, request_timeout_s=60, retries=1))
+        items = [RemoteItem(f"{server.url}/f{k}.bin", -1, "") for k in range(8)]
+        assert reader.fetcher.ahead(items[:5]) == 5  # one request in flight (the cap), four queued for its slot
+        _until(lambda: server.held == 1, "the first fetch ahead never reached the server")
+        reader.stop.set()
+        assert reader.fetcher.ahead(items[5:]) == 0
+        errors: list[BaseException] = []
+
+        def complete() -> None:
+            try:
+                reader.fetcher.complete(items[:1])
+            except BaseException as err:
+                errors.append(err)
+
+        thread = threading.Thread(target=complete, daemon=True)
+        thread.start()
+        thread.join(timeout=20)  # the server still holds its answer
+        assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], StoppedError), errors
+        server.release.set()
+        limit = reader.source(items[0].url).host_limit
+        assert limit is not None
+        _until(lambda: limit.in_flight == 0 and not limit._waiters, "slots were not given back")
+        assert server.gets == 1  # none of the queued fetches ahead went out once stopped
+    finally:
+        server.close()
+
+
+def test_two_threads_completing_one_sizeless_item_send_one_request(tmp_path: Path) -> None:
+    # Fetcher.complete had no in-flight entry: two threads completing the same sizeless
+    # item at once (two staging chunks, or a read and a stage) each sent its first GET.
+    (tmp_path / "www").mkdir()
+    data = os.urandom(3000)
+    (tmp_path / "www" / "a.bin").write_bytes(data)
+    server = _HoldingServer(tmp_path / "www")
+    try:
+        reader = Reader(Settings(cache_dir=tmp_path / "cache", request_timeout_s=60, retries=1))
+        item = RemoteItem(f"{server.url}/a.bin", -1, "")
+        results: list[tuple[list[RemoteItem], dict[str, bytes]]] = []
+        threads = [threading.Thread(target=lambda: results.append(reader.fetcher.complete([item])), daemon=True)
+                   for _ in range(2)]
+        threads[0].start()
+        _until(lambda: server.held == 1, "the first completion never reached the server")
+        assert reader.fetcher.ahead([item]) == 0  # nor is it fetched ahead: that GET brings its first block
+        threads[1].start()
+        time.sleep(0.5)  # time for the second thread's own GET to reach the server, if it sends one
+        server.release.set()
+        for t in threads:
+            t.join(timeout=30)
+        assert len(results) == 2
+        assert server.gets == 1
+        for done, fresh in results:
+            assert done[0].size == len(data) and list(fresh.values()) == [data]
+        assert results[0][0] == results[1][0]
+        assert reader.misses == 1  # counted once, by the thread that fetched it
+    finally:
+        server.close()
+
+
+def test_a_server_without_range_support_streams_a_large_object_into_the_cache(
+    tmp_path: Path, rangeless_server: tuple[str, dict[str, int]]
+) -> None:
+    # Its whole-object answer was held in memory and then split (64 MB for a 64 MB object,
+    # and more for the copies); now each block is stored as it arrives.
+    base, gets = rangeless_server
+    mb = 1024**2
+    path = tmp_path / "www" / "big" / "huge.bin"
+    with path.open("wb") as f:
+        for _ in range(64):
+            f.write(os.urandom(mb))
+    reader = Reader(Settings(cache_dir=tmp_path / "cache", block_bytes=mb, retries=2, backoff_s=0.01))
+    (item,), fresh = reader.fetcher.complete([RemoteItem(base + "/big/huge.bin", -1, "")])  # finds Range ignored
+    assert item.size == 64 * mb and len(fresh) == 1
+    tracemalloc.start()
+    try:
+        block = reader.read_block(item, 40)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * mb, f"{peak / mb:.1f} MB held while fetching a 64 MB object"
+    assert gets["/big/huge.bin"] == 2  # the first GET (cut after block 0), then the whole object once
+    with path.open("rb") as f:
+        f.seek(40 * mb)
+        assert block == f.read(mb)
+        f.seek(0)
+        for b in reader.blocks(item):  # every block was stored from that one answer
+            assert reader.cache.get(reader.key(item, b)) == f.read(mb), b
+    assert gets["/big/huge.bin"] == 2
+
+
+def test_a_block_wanted_while_its_object_streams_waits_for_that_stream(tmp_path: Path) -> None:
+    # The stream of a whole object (a server without Range) enters every block in the
+    # in-flight table: a second thread reading another block of it waits for that GET
+    # instead of sending a whole-object GET of its own.
+    (tmp_path / "www").mkdir()
+    mb = 1024**2
+    data = os.urandom(3 * mb)
+    (tmp_path / "www" / "a.bin").write_bytes(data)
+    server = _HoldingServer(tmp_path / "www")
+    try:
+        reader = Reader(Settings(cache_dir=tmp_path / "cache", block_bytes=mb, request_timeout_s=60, retries=1))
+        server.release.set()
+        (item,), _ = reader.fetcher.complete([RemoteItem(f"{server.url}/a.bin", -1, "")])  # finds Range ignored
+        server.release.clear()
+        got: dict[int, bytes] = {}
+        first = threading.Thread(target=lambda: got.update({1: reader.read_block(item, 1)}), daemon=True)
+        first.start()
+        _until(lambda: server.held == 1, "the whole-object GET never reached the server")
+        second = threading.Thread(target=lambda: got.update({2: reader.read_block(item, 2)}), daemon=True)
+        second.start()
+        time.sleep(0.5)  # time for the second thread's own GET to reach the server, if it sends one
+        server.release.set()
+        first.join(timeout=30)
+        second.join(timeout=30)
+        assert got == {1: data[mb : 2 * mb], 2: data[2 * mb :]}
+        assert server.gets == 2  # the first block's GET, then the whole object once
+    finally:
+        server.close()

@@ -147,6 +147,27 @@ def test_training_reads_respect_the_cap_too(tmp_path: Path, counting_server: Cal
     assert loader.stats().concurrency[server.url]["cap"] == 3
 
 
+def test_worker_processes_report_their_own_limits_to_the_parent(
+    tmp_path: Path, counting_server: Callable[..., CountingServer]
+) -> None:
+    # Each DataLoader worker process has its own host limits (a cap per process): the
+    # parent's stats once showed only its own (from listing), never the workers' fetches.
+    make_files(tmp_path / "www", 120, 20_000)
+    server = counting_server(tmp_path / "www", delay_s=0.005)
+    ds = fastload.FileDataset(server.url + "/data/", pattern="**/*.bin", settings=settings_for(tmp_path, workers=3))
+    loader = fastload.DataLoader(ds, batch_size=8, num_workers=2, collate_fn=lambda b: b)
+    assert sum(len(b) for b in loader) == 120
+    state = loader.stats().concurrency[server.url]
+    procs = state["processes"]
+    assert {"worker 0", "worker 1"} <= set(procs), procs
+    assert all(procs[w]["cap"] == 3 and 1 <= procs[w]["peak"] <= 3 for w in ("worker 0", "worker 1")), procs
+    assert state["cap"] == 3 and state["limit"] == sum(p["limit"] for p in procs.values())
+    assert server.peak <= 3 * len(procs)  # a cap per process: the host sees at most their sum
+    text = str(loader.stats())
+    assert f"requests in flight to {server.url}: settled at {state['limit']} over {len(procs)} processes" in text
+    assert "cap 3 per process" in text
+
+
 def test_a_standard_library_server_is_not_flooded(tmp_path: Path, counting_server: Callable[..., CountingServer]) -> None:
     # Defaults, as a new user runs it: 300 objects, each requested once (no request
     # failed and was retried), and never more than the cap at once; before the cap,
@@ -196,3 +217,75 @@ def test_diagnose_reports_the_limit_it_settled_on_and_advises_with_it(
     text = "\n".join(verdict.lines())
     assert f"settled at {settled['limit']} in flight (cap --workers 3, cut" in text
     assert f"fastload cache {server.url} --workers 8" in text  # storage saturates above the cap
+
+
+def test_a_server_that_closes_each_connection_is_held_to_closing_max(
+    tmp_path: Path, counting_server: Callable[..., CountingServer]
+) -> None:
+    # http.server answers HTTP/1.0 and closes: every request passes its 5-deep listen
+    # queue. The session's response class sees that; slow start would grow past 4 otherwise.
+    make_files(tmp_path / "www", 120, 5_000)
+    server = counting_server(tmp_path / "www", delay_s=0.01)
+    report = fastload.stage(server.url + "/data/", settings=settings_for(tmp_path, workers=64), progress=False)
+    assert report.fetched_blocks == 120
+    assert hostlimit.limit_for(server.url, 64).closing
+    assert server.peak <= hostlimit.CLOSING_MAX
+
+
+def test_a_connect_that_tcp_had_to_retry_cuts_the_limit(tmp_path: Path) -> None:
+    # A listen queue that is full drops the SYN; TCP resends it a second later. The
+    # session's connector times its connects and reports that one as congestion.
+    import asyncio
+    import contextlib
+    import socket
+
+    from fastload.source import Source
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    while len(fillers) < 4:  # fill the accept queue (its depth depends on the kernel)
+        try:
+            fillers.append(socket.create_connection(("127.0.0.1", port), timeout=0.3))
+        except OSError:
+            break
+
+    def serve() -> None:
+        time.sleep(1.5)  # past the client's first SYN retry
+        listener.settimeout(0.2)
+        conns = []
+        with contextlib.suppress(OSError):
+            while True:  # the fillers
+                conns.append(listener.accept()[0])
+        listener.settimeout(10)
+        conn = listener.accept()[0]  # the client, on its next SYN retry
+        conns.append(conn)
+        conn.settimeout(10)
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        time.sleep(0.5)
+        for c in conns:
+            c.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    source = Source(url + "/x", settings=settings_for(tmp_path, retries=1))
+
+    async def get() -> bytes:
+        session = await source.fs.set_session()
+        async with session.get(url + "/x") as r:
+            return await r.read()
+
+    try:
+        hostlimit.limit_for(url, 64)
+        body = asyncio.run_coroutine_threadsafe(get(), source.fs.loop).result(timeout=20)
+    finally:
+        thread.join(timeout=15)
+        for s in fillers:
+            s.close()
+        listener.close()
+    state = hostlimit.settled()[url]
+    assert body == b"ok" and state["cuts"] == 1 and state["last_cut"] == "slow connect"

@@ -11,7 +11,7 @@ import pytest
 
 import fastload.errors
 from fastload import hostlimit
-from fastload.hostlimit import HostLimit, is_congestion
+from fastload.hostlimit import HostLimit, congestion
 
 
 def test_threads_and_coroutines_share_one_cap() -> None:
@@ -96,7 +96,7 @@ def test_busy_answers_halve_the_limit_once_per_window_and_closing_hosts_stay_sma
     ],
 )
 def test_what_counts_as_congestion(err: BaseException, congested: bool) -> None:
-    assert is_congestion(err) is congested
+    assert bool(congestion(err)) is congested
 
 
 def test_http_status_on_the_error_or_beneath_it() -> None:
@@ -106,7 +106,28 @@ def test_http_status_on_the_error_or_beneath_it() -> None:
         err = aiohttp.ClientResponseError(info, (), status=status)
         wrapped = FileNotFoundError("http://h/x")
         wrapped.__cause__ = err
-        assert is_congestion(err) is congested and is_congestion(wrapped) is congested
+        assert bool(congestion(err)) is congested and bool(congestion(wrapped)) is congested
+
+
+def test_s3_throttling_is_read_from_botocores_error_code_not_its_text() -> None:
+    # s3fs turns S3's SlowDown into OSError(EBUSY, "Please reduce your request rate."),
+    # raised from botocore's ClientError: the code there decides, whatever the texts say.
+    botocore = pytest.importorskip("botocore.exceptions")
+    s3fs_errors = pytest.importorskip("s3fs.errors")
+
+    def client_error(code: str, status: int, message: str) -> BaseException:
+        response = {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}
+        return botocore.ClientError(response, "GetObject")  # type: ignore[arg-type]
+
+    slow = s3fs_errors.translate_boto_error(client_error("SlowDown", 503, "Please reduce your request rate."))
+    assert isinstance(slow, OSError) and "SlowDown" not in str(slow)
+    assert congestion(slow) == "SlowDown"
+    # A code no text pattern knows, and a 503 under another code.
+    assert congestion(client_error("RequestLimitExceeded", 400, "Request limit exceeded.")) == "RequestLimitExceeded"
+    assert congestion(client_error("InternalError", 503, "We encountered an internal error.")) == "HTTP 503"
+    assert congestion(s3fs_errors.translate_boto_error(client_error("NoSuchKey", 404, "The key does not exist."))) == ""
+    # EBUSY alone is no throttle: s3fs gives it to OperationAborted too.
+    assert congestion(s3fs_errors.translate_boto_error(client_error("OperationAborted", 409, "A conflicting operation."))) == ""
 
 
 def test_a_wait_for_a_slot_that_never_comes_raises_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,3 +189,49 @@ def test_a_stopped_source_starts_no_request(tmp_path: Path) -> None:
     with pytest.raises(fastload.errors.StoppedError):
         src._call(lambda: calls.append(1), str(tmp_path / "a.bin"))
     assert calls == []
+
+
+def _rounds(monkeypatch: pytest.MonkeyPatch, latencies: list[float], requests: int = 200) -> list[int]:
+    """Run ``requests`` coroutines through a fresh limit, answering all those in flight once per
+    round after that round's latency (a fake clock); the limit after each round."""
+    clock = [1000.0]
+    monkeypatch.setattr(hostlimit, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    limit = HostLimit("http://h", cap=64)
+    gates: list[asyncio.Future[None]] = []
+
+    async def request() -> None:
+        async with limit.aslot() as outcome:
+            outcome.nbytes = 100_000
+            gate = asyncio.get_running_loop().create_future()
+            gates.append(gate)
+            await gate
+
+    async def main() -> list[int]:
+        tasks = [asyncio.ensure_future(request()) for _ in range(requests)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        seen = []
+        for latency in latencies:
+            clock[0] += latency
+            answered, gates[:] = list(gates), []
+            for gate in answered:
+                gate.set_result(None)
+            for _ in range(10):  # the answers release their slots; the waiters handed one start
+                await asyncio.sleep(0)
+            seen.append(int(limit.limit))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return seen
+
+    return asyncio.run(main())
+
+
+def test_slow_start_doubles_the_limit_each_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 20 ms to first byte: a limit doubled once per window (>= 50 ms) needed ~3 round trips a step.
+    assert _rounds(monkeypatch, [0.02] * 5) == [8, 16, 32, 64, 64]
+
+
+def test_slow_start_grows_only_on_answers_that_did_not_queue_and_only_under_demand(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _rounds(monkeypatch, [0.02, 0.05, 0.05]) == [8, 8, 8]  # answers now take 2.5x the fastest: queueing
+    assert _rounds(monkeypatch, [0.02, 0.02], requests=3) == [4, 4]  # nobody waits: nothing to grow for

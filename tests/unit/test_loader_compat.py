@@ -389,6 +389,6 @@ def test_workers_leave_collate_fn_alone_and_batches_pin_through() -> None:
     assert loader.collate_fn is _collate_sum  # swapped only while torch builds its iterator
     # torch's pin_memory thread calls pin_memory() on what a worker sent: the wrapper
     # must survive it, with the batch inside pinned by torch's own rules.
-    wb = pin_memory(WorkerBatch({"x": [1, 2], "s": "a"}, ((("fetch", 1, 2, 0.5),), ())))
+    wb = pin_memory(WorkerBatch({"x": [1, 2], "s": "a"}, ((("fetch", 1, 2, 0.5),), (), None)))
     assert type(wb) is WorkerBatch and wb.batch == {"x": [1, 2], "s": "a"}
-    assert wb.delta == ((("fetch", 1, 2, 0.5),), ())
+    assert wb.delta == ((("fetch", 1, 2, 0.5),), (), None)
