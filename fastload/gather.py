@@ -320,6 +320,9 @@ def _load() -> None:
             partial, _STATE["lz4_partial"] = 0, "not exported: wanted chunks are decoded in full"
         _native.bind(lz4_addr, xxh_addr, partial)
         _selftest(_native)
+    except TypeError as err:  # an extension built before jobs carried a pack offset
+        _STATE["reason"] = f"the built extension is older than this fastload ({err}); rebuild it: pip install -e ."
+        return
     except (OSError, RuntimeError, ValueError, CodecError) as err:
         _STATE["reason"] = f"LZ4/xxh3 could not be bound: {err}"
         return
