@@ -35,7 +35,7 @@ lint: $(STAMP)
 # The second run forces the pure-Python fallback of fastload._native on the tests that use it.
 test: test-deps lint
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
-	FASTLOAD_PURE_PYTHON=1 FASTLOAD_REQUIRE_NATIVE=0 $(BIN)/python -m pytest -m "not slow" -p no:cacheprovider tests/unit/test_gather.py tests/unit/test_cache.py tests/unit/test_dataset.py tests/unit/test_loader_datasets.py tests/unit/test_bench_native_smoke.py $(PYTEST_ARGS)
+	FASTLOAD_PURE_PYTHON=1 FASTLOAD_REQUIRE_NATIVE=0 $(BIN)/python -m pytest -m "not slow" -p no:cacheprovider tests/unit/test_gather.py tests/unit/test_cache.py tests/unit/test_cache_packs.py tests/unit/test_dataset.py tests/unit/test_loader_datasets.py tests/unit/test_bench_native_smoke.py $(PYTEST_ARGS)
 
 # test-all also runs the `slow` tests: among them the reliability suite's full
 # counts (20 SIGKILLs of `fastload cache`, 30 soak epochs, 3000 fuzz examples...;

@@ -182,7 +182,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    from fastload.reader import Reader, manifest_key
+    from fastload.cache import keys
+    from fastload.reader import Reader
     from fastload.source import RemoteItem
 
     reader = Reader(_settings(args))
@@ -199,8 +200,8 @@ def cmd_clear(args: argparse.Namespace) -> int:
         for row in m["items"]:
             item = RemoteItem.from_json(row)
             dropped += sum(reader.cache.drop(reader.key(item, b)) for b in reader.blocks(item))
-            reader.cache.index.pop("u:" + item.url, None)
-        reader.cache.index.pop(manifest_key(m["root"], m["pattern"]), None)
+            reader.cache.index.pop(keys.pin(item.url), None)
+        reader.cache.index.pop(keys.manifest(m["root"], m["pattern"]), None)
     if not found:
         raise ConfigError(f"no staged dataset {root!r} in {reader.settings.cache_dir}; `fastload info` lists them")
     _emit(args, {"cleared": root, "entries": dropped}, f"cleared {root}: {dropped} entries")

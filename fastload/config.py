@@ -99,6 +99,9 @@ class Settings:
             said to work best near 64 KiB chunks; 1 MiB stays the default until a
             GPU measures it (``make gpu-check``'s inflate case compares 64 KiB,
             256 KiB and 1 MiB; none has run yet).
+        pack_max_bytes: Payloads of at most this many stored bytes are appended to a
+            pack file of the writing process instead of a file each (no temp file,
+            rename or inode per object; fastload.cache.packs); 0 = a file each.
         lz4_level: 0 = fast LZ4 block; 1..12 = LZ4-HC at that level (pre-staging only).
         min_saving: Store LZ4 only if it saves at least this fraction, else store raw.
         workers: The most requests in flight to one host from one process (staging
@@ -115,6 +118,7 @@ class Settings:
     disk_reserve_bytes: int | None = None
     block_bytes: int = 8 * 1024**2
     chunk_bytes: int = 1024**2
+    pack_max_bytes: int = 1024**2
     lz4_level: int = 0
     min_saving: float = 0.05
     workers: int = 64
@@ -134,6 +138,8 @@ class Settings:
             raise ConfigError(f"block size {self.block_bytes} B is below 4 KiB; use e.g. '8MiB'")
         if not 4096 <= self.chunk_bytes <= 2**31 - 1:
             raise ConfigError(f"chunk size {self.chunk_bytes} B must be between 4 KiB and 2 GiB")
+        if self.pack_max_bytes < 0:
+            raise ConfigError(f"pack size {self.pack_max_bytes} B is negative; use e.g. '1MiB', or 0 for a file per payload")
         if not 0 <= self.lz4_level <= 12:
             raise ConfigError(f"LZ4 level {self.lz4_level} must be 0 (fast) or 1..12 (HC)")
         if self.workers < 1:
@@ -143,7 +149,7 @@ class Settings:
 
     def replace(self, **changes: Any) -> Settings:
         """Return a copy with ``changes`` applied (sizes may be human strings)."""
-        for key in ("cache_limit_bytes", "disk_reserve_bytes", "block_bytes", "chunk_bytes"):
+        for key in ("cache_limit_bytes", "disk_reserve_bytes", "block_bytes", "chunk_bytes", "pack_max_bytes"):
             if key in changes and changes[key] is not None:
                 changes[key] = parse_size(changes[key])
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -153,7 +159,7 @@ class Settings:
         """Build settings from ``FASTLOAD_*`` variables, then apply ``overrides``.
 
         Recognised: FASTLOAD_CACHE_DIR, FASTLOAD_CACHE_LIMIT, FASTLOAD_DISK_RESERVE, FASTLOAD_BLOCK_SIZE,
-        FASTLOAD_CHUNK_SIZE, FASTLOAD_LZ4_LEVEL, FASTLOAD_WORKERS, FASTLOAD_RETRIES,
+        FASTLOAD_CHUNK_SIZE, FASTLOAD_PACK_MAX, FASTLOAD_LZ4_LEVEL, FASTLOAD_WORKERS, FASTLOAD_RETRIES,
         FASTLOAD_BACKOFF_S, FASTLOAD_BACKOFF_MAX_S, FASTLOAD_TIMEOUT_S.
         """
         env = dict(os.environ if env is None else env)
@@ -164,6 +170,7 @@ class Settings:
             "FASTLOAD_DISK_RESERVE": ("disk_reserve_bytes", parse_size),
             "FASTLOAD_BLOCK_SIZE": ("block_bytes", parse_size),
             "FASTLOAD_CHUNK_SIZE": ("chunk_bytes", parse_size),
+            "FASTLOAD_PACK_MAX": ("pack_max_bytes", parse_size),
             "FASTLOAD_LZ4_LEVEL": ("lz4_level", int),
             "FASTLOAD_WORKERS": ("workers", int),
             "FASTLOAD_RETRIES": ("retries", int),

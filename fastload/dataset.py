@@ -32,7 +32,7 @@ import torch.utils.data
 from torch.utils.data import get_worker_info
 
 from fastload._worker_pack import Span, read_buffer
-from fastload.cache import cannot_write
+from fastload.cache import cannot_write, keys
 from fastload.config import Settings
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
 from fastload.reader import Reader
@@ -419,7 +419,7 @@ class TarDataset(_CachedDataset):
                 self.samples.append((shard, key, members))
 
     def _index(self, item: RemoteItem) -> list[tuple[str, list[tuple[str, int, int]]]]:
-        cache_key = f"x:{item.url}\x1f{item.size}\x1f{item.version}"
+        cache_key = keys.tar_index(item.url, item.size, item.version)
         cached = self.reader.cache.index.get(cache_key)
         if cached is not None:
             return cached

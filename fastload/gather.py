@@ -4,7 +4,7 @@ A dataset's ``read_batch`` turns its samples into *jobs*, one per cache payload
 (block) the batch touches, each with the ranges of that payload's raw bytes it
 needs and where they go in one writable output buffer. :func:`gather` then does,
 for every job, what :meth:`fastload.cache.Cache.get` does for one key (read the
-file, check its size, its stored checksum, its header against the index, decode
+file, or its range of a pack file, check its size, its stored checksum, its header against the index, decode
 LZ4, verify) and copies the ranges into place. A block that serves several
 samples is read and decoded once.
 
@@ -47,7 +47,7 @@ import lz4.block
 from fastload import codec
 from fastload.errors import CodecError
 
-__all__ = ["Job", "backend", "gather", "gather_native", "gather_python", "info", "use_backend"]
+__all__ = ["Job", "backend", "gather", "gather_native", "gather_python", "info", "read_payload_file", "use_backend"]
 
 Result = tuple[str, Any] | None
 _INT_MAX = 2**31 - 1
@@ -66,6 +66,9 @@ class Job(NamedTuple):
             written before it was recorded.
         copies: ``(src, length, dst)``: ``raw[src:src+length]`` goes to
             ``out[dst:dst+length]`` (byte offsets).
+        offset: Where the payload starts in ``path`` when it is one of many in a
+            pack file (exactly ``stored`` bytes are read there); None when the
+            payload is the whole file.
     """
 
     path: str
@@ -75,6 +78,7 @@ class Job(NamedTuple):
     checksum: int
     stored_checksum: int | None
     copies: Sequence[tuple[int, int, int]]
+    offset: int | None = None
 
 
 # -- the pure-Python fallback ---------------------------------------------------------
@@ -87,8 +91,7 @@ def gather_python(jobs: Sequence[Job], out: Any, threads: int | None = None) -> 
     results: list[Result] = []
     for job in jobs:
         try:
-            with open(job.path, "rb") as f:
-                payload = f.read()
+            payload = read_payload_file(job.path, job.stored, job.offset)
         except FileNotFoundError:
             results.append(("missing", "payload file is missing"))
             continue
@@ -102,6 +105,26 @@ def gather_python(jobs: Sequence[Job], out: Any, threads: int | None = None) -> 
             continue
         results.append(None)
     return results
+
+
+def read_payload_file(path: str, stored: int, offset: int | None) -> bytes:
+    """A payload's bytes: the whole file, or ``stored`` bytes at ``offset`` of a pack
+    (fewer at its end: a size mismatch, caught by the checks)."""
+    if offset is None:
+        with open(path, "rb") as f:
+            return f.read()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parts, got = [], 0
+        while got < stored:
+            part = os.pread(fd, stored - got, offset + got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+    finally:
+        os.close(fd)
 
 
 def _output(out: Any) -> memoryview:
@@ -297,6 +320,9 @@ def _load() -> None:
             partial, _STATE["lz4_partial"] = 0, "not exported: wanted chunks are decoded in full"
         _native.bind(lz4_addr, xxh_addr, partial)
         _selftest(_native)
+    except TypeError as err:  # an extension built before jobs carried a pack offset
+        _STATE["reason"] = f"the built extension is older than this fastload ({err}); rebuild it: pip install -e ."
+        return
     except (OSError, RuntimeError, ValueError, CodecError) as err:
         _STATE["reason"] = f"LZ4/xxh3 could not be bound: {err}"
         return

@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fastload.cache import Cache, entry_key
+from fastload.cache import Cache, entry_key, keys
 from fastload.config import Settings, format_size
 from fastload.errors import (
     ConfigError,
@@ -59,11 +59,6 @@ def _checked_urls(urls: Sequence[str]) -> builtins.list[str]:
             raise ConfigError(f"URL list entry {k} is {shown} ({type(u).__name__}), not a URL string; "
                               "fix: pass strings such as 's3://bucket/key.jpg'")
     return out
-
-
-def manifest_key(root: str, pattern: str | None) -> str:
-    """Index key of a dataset's manifest (string keys: tuples cost a pickle per lookup)."""
-    return f"m:{root}\x1f{pattern or ''}"
 
 
 class Reader:
@@ -122,7 +117,7 @@ class Reader:
         """Size and version of ``url``: from a manifest if one covers it, else from the remote."""
         url = self.canonical(url)
         if not refresh:
-            pinned = self.cache.index.get("u:" + url)
+            pinned = self.cache.index.get(keys.pin(url))
             if pinned is not None:
                 return RemoteItem(url, int(pinned[0]), str(pinned[1]))
         return self.source(url).info(url)
@@ -153,7 +148,7 @@ class Reader:
             return self._list_urls(url, refresh=refresh, complete=complete)
         src = self.source(url)
         root = src.canonical(url).rstrip("/")
-        key = manifest_key(root, pattern)
+        key = keys.manifest(root, pattern)
         if not refresh:
             manifest = self.cache.index.get(key)
             if manifest is not None:
@@ -174,7 +169,7 @@ class Reader:
         parts = (path if sep else scheme).split("/")
         for depth in range(len(parts), 0, -1):
             above = "/".join(parts[:depth])
-            manifest = self.cache.index.get(manifest_key(f"{scheme}://{above}" if sep else above, None))
+            manifest = self.cache.index.get(keys.manifest(f"{scheme}://{above}" if sep else above, None))
             if manifest is None:
                 continue
             rels: dict[str, RemoteItem] = {}
@@ -199,7 +194,7 @@ class Reader:
         checked = _checked_urls(urls)
         root = self.manifest_root(checked)
         if not refresh:
-            manifest = self.cache.index.get(manifest_key(root, None))
+            manifest = self.cache.index.get(keys.manifest(root, None))
             if manifest is not None:
                 return [RemoteItem.from_json(r) for r in manifest["items"]]
         items = [RemoteItem(self.canonical(u), -1, "") for u in checked]
@@ -224,36 +219,41 @@ class Reader:
         """Record a listing and pin each item's fingerprint."""
         index = self.cache.index
         with index.transact():
-            index.set(manifest_key(root, pattern), {"created": time.time(), "items": [i.to_json() for i in items]})
+            index.set(keys.manifest(root, pattern), {"created": time.time(), "items": [i.to_json() for i in items]})
             self.pin(items)
 
     def pin(self, items: builtins.list[RemoteItem]) -> None:
         """Record each item's size and version, so a read needs no request to learn them."""
         index = self.cache.index
         with index.transact():
-            for item in items:
-                index.set("u:" + item.url, (item.size, item.version))
+            for name, value in self.pins_of(items).items():
+                index.set(name, value)
+
+    @staticmethod
+    def pins_of(items: builtins.list[RemoteItem]) -> dict[str, tuple[int, str]]:
+        """The index rows that pin ``items`` (for :meth:`pin`, or a publishing transaction)."""
+        return {keys.pin(item.url): (item.size, item.version) for item in items}
 
     def manifests(self) -> builtins.list[dict[str, Any]]:
         """Every recorded manifest: root, pattern, created, items."""
         out = []
         for k in list(self.cache.index.iterkeys()):
-            if isinstance(k, str) and k.startswith("m:"):
+            if keys.of(keys.MANIFEST, k) is not None:
                 rec = self.cache.index.get(k)
                 if rec is not None:
-                    root, _, pattern = k[2:].partition("\x1f")
-                    out.append({"root": root, "pattern": pattern or None, **rec})
+                    root, pattern = keys.manifest_parts(k)
+                    out.append({"root": root, "pattern": pattern, **rec})
         return out
 
     def pinned(self, items: builtins.list[RemoteItem]) -> builtins.list[RemoteItem]:
         """``items``, those without a size filled in from their pins where pinned (one index query)."""
-        need = ["u:" + i.url for i in items if i.size < 0]
+        need = [keys.pin(i.url) for i in items if i.size < 0]
         if not need:
             return items
         pins = self.cache.index.get_many(need)
         out = []
         for item in items:
-            pin = pins.get("u:" + item.url) if item.size < 0 else None
+            pin = pins.get(keys.pin(item.url)) if item.size < 0 else None
             out.append(item if pin is None else RemoteItem(item.url, int(pin[0]), str(pin[1])))
         return out
 

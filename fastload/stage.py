@@ -20,9 +20,10 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
+from fastload.cache import keys
 from fastload.config import Settings, format_size
 from fastload.errors import CacheFullError, StoppedError
-from fastload.reader import Reader, manifest_key
+from fastload.reader import Reader
 from fastload.source import RemoteItem
 
 T = TypeVar("T")
@@ -140,7 +141,7 @@ def stage(
     # inside the fetch workers, so HEADs overlap with transfers.
     items = reader.list(url, pattern, refresh=refresh, complete=dry_run)
     root = reader.manifest_root(url)
-    # The limit in force: --cache-limit, capped so the disk keeps its reserve free (cache.py).
+    # The limit in force: --cache-limit, capped so the disk keeps its reserve free (fastload/cache/writes.py).
     limit = reader.cache.limit_bytes()
     report = StageReport(url=root, items=len(items), cache_limit_bytes=limit)
     known = [i for i in items if i.size >= 0]
@@ -159,7 +160,7 @@ def stage(
     # An interrupted stage leaves this marker behind. Its rerun (and a refresh) completes
     # sizeless items with a HEAD each, so blocks already cached are skipped; a fresh
     # stage has nothing cached to skip and fetches them with one GET each (_fetch_all).
-    marker = "p:" + manifest_key(root, pattern)
+    marker = keys.staging(root, pattern)
     fresh = not refresh and reader.cache.index.get(marker) is None
     if writable:
         reader.cache.index.set(marker, time.time())

@@ -72,6 +72,8 @@ typedef struct {
     const uint8_t *mem;
     uint64_t mem_len;
     uint64_t stored, raw, checksum;
+    uint64_t offset;         /* where the payload starts in its file */
+    int packed;              /* one of many payloads in a pack file: read exactly `stored` at `offset` */
     uint64_t stored_checksum;
     int has_stored_checksum; /* the index records an xxh3_64 of the whole payload */
     int codec;               /* the index's codec; the header must agree */
@@ -411,8 +413,8 @@ static void run_job(Job *job, uint8_t *out, Scratch *s) {
         /* Read one byte more than the index promises: a longer file shows as a size
            mismatch without an fstat per job. Above 1 MiB an fstat costs nothing in
            comparison, and a wrong size in the index then never sizes an allocation. */
-        uint64_t got = 0, want = job->stored + 1;
-        if (job->stored > ((uint64_t)1 << 20)) {
+        uint64_t got = 0, want = job->stored + (job->packed ? 0 : 1);
+        if (!job->packed && job->stored > ((uint64_t)1 << 20)) {
             struct stat st;
             if (fstat(fd, &st) != 0) {
                 job->err = errno;
@@ -437,7 +439,7 @@ static void run_job(Job *job, uint8_t *out, Scratch *s) {
         int rc = 0;
         ssize_t r;
         do {
-            r = pread(fd, s->comp, (size_t)want, 0);
+            r = pread(fd, s->comp, (size_t)want, (off_t)job->offset);
         } while (r < 0 && errno == EINTR);
         if (r < 0) {
             rc = -1;
@@ -445,12 +447,12 @@ static void run_job(Job *job, uint8_t *out, Scratch *s) {
             got = (uint64_t)r;
             if (got < job->stored && got > 0) {
                 uint64_t more = 0;
-                rc = read_full(fd, s->comp + got, want - got, got, &more);
+                rc = read_full(fd, s->comp + got, want - got, job->offset + got, &more);
                 got += more;
             }
         }
         int saved = errno;
-        if (rc == 0 && got > job->stored) {
+        if (rc == 0 && !job->packed && got > job->stored) {
             struct stat st;
             if (fstat(fd, &st) == 0) got = (uint64_t)st.st_size;
         }
@@ -641,7 +643,7 @@ static void parsed_free(Parsed *p) {
     PyMem_Free(p->copies);
 }
 
-/* jobs: sequence of (source, stored, raw, codec, checksum, stored_checksum, copies); copies: sequence
+/* jobs: sequence of (source, stored, raw, codec, checksum, stored_checksum, copies[, offset]); copies: sequence
  * of (src, length, dst). Every copy is checked against raw and the output here. */
 static int parse_jobs(PyObject *seq, int in_memory, uint64_t out_len, Parsed *p) {
     memset(p, 0, sizeof *p);
@@ -650,9 +652,9 @@ static int parse_jobs(PyObject *seq, int in_memory, uint64_t out_len, Parsed *p)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), ncopies = 0;
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!PyTuple_Check(items[i]) || PyTuple_GET_SIZE(items[i]) != 7) {
-            PyErr_SetString(PyExc_TypeError,
-                            "each job must be a 7-tuple (source, stored, raw, codec, checksum, stored_checksum, copies)");
+        if (!PyTuple_Check(items[i]) || PyTuple_GET_SIZE(items[i]) < 7 || PyTuple_GET_SIZE(items[i]) > 8) {
+            PyErr_SetString(PyExc_TypeError, "each job must be a 7- or 8-tuple (source, stored, raw, codec, checksum, "
+                                             "stored_checksum, copies[, offset or None])");
             goto error;
         }
         Py_ssize_t k = PyObject_Length(PyTuple_GET_ITEM(items[i], 6));
@@ -690,6 +692,14 @@ static int parse_jobs(PyObject *seq, int in_memory, uint64_t out_len, Parsed *p)
             get_u64(PyTuple_GET_ITEM(t, 4), &job->checksum, "checksum") < 0)
             goto error;
         job->codec = codec > 255 ? 256 : (int)codec; /* out of range never matches a header */
+        if (PyTuple_GET_SIZE(t) == 8 && PyTuple_GET_ITEM(t, 7) != Py_None) {
+            if (in_memory) {
+                PyErr_SetString(PyExc_ValueError, "an in-memory payload has no offset");
+                goto error;
+            }
+            if (get_u64(PyTuple_GET_ITEM(t, 7), &job->offset, "offset") < 0) goto error;
+            job->packed = 1;
+        }
         PyObject *sc = PyTuple_GET_ITEM(t, 5);
         if (sc != Py_None) {
             if (get_u64(sc, &job->stored_checksum, "stored_checksum") < 0) goto error;
@@ -849,7 +859,8 @@ static PyMethodDef methods[] = {
      "gather(jobs, out, threads=1) -> list\n\n"
      "Read, check, decode and verify cache payload files and copy byte ranges of their raw\n"
      "bytes into the writable buffer `out`, with the GIL released, on up to `threads` threads.\n"
-     "jobs: sequence of (path, stored, raw, codec, checksum, stored_checksum or None, copies),\n"
+     "jobs: sequence of (path, stored, raw, codec, checksum, stored_checksum or None, copies[, offset]),\n"
+     "offset: where the payload starts in a pack file (exactly `stored` bytes are read), or None for a whole file;\n"
      "copies: sequence of (src, length, dst). Returns one result per job: None when done, else a tuple\n"
      "('missing'|'corrupt'|'nomem', message), ('oserror', errno) or ('meta', bytes) when the\n"
      "job succeeded but its metadata is not '{}' and must be checked as JSON by the caller."},

@@ -63,6 +63,7 @@ import numpy as np
 
 import fastload
 from fastload import _servers, codec
+from fastload.cache import Cache
 from fastload.config import Settings
 from fastload.reader import Reader
 from fastload.samples import make_image_folder, make_token_file, make_uint8_arrays
@@ -392,6 +393,14 @@ def _read_all(paths: list[Path], buf: memoryview) -> int:
     return total
 
 
+def _count_entries(cache_dir: Path) -> int:
+    cache = Cache(Settings(cache_dir=cache_dir))
+    try:
+        return sum(1 for _ in cache.entries())
+    finally:
+        cache.close()
+
+
 def measure_disk(cache_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     paths = _payload_files(cache_dir)
     buf = memoryview(bytearray(16 * 1024**2))
@@ -409,8 +418,9 @@ def measure_disk(cache_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         _read_all(paths, buf)
         cold.append(_mb(nbytes, time.perf_counter() - t0))
     return {
-        "what": "the cache's payload files read raw (open + readinto, 1 thread), no decoding or checks",
+        "what": "the cache's payload files and packs read raw (open + readinto, 1 thread), no decoding or checks",
         "files": len(paths),
+        "payloads": _count_entries(cache_dir),
         "bytes": nbytes,
         "page_cache_hot_mb_s": round(statistics.median(hot), 1),
         "page_cache_cold_mb_s": round(statistics.median(cold), 1),
@@ -466,7 +476,9 @@ def measure_codec(args: argparse.Namespace, work: Path, images: Path) -> dict[st
     for name, (src, what) in kinds.items():
         settings = Settings(cache_dir=work / f"cache-codec-{name}")
         report = fastload.stage(str(src), settings=settings, progress=False)
-        payloads = [p.read_bytes() for p in _payload_files(settings.cache_dir)]
+        cache = Cache(settings)  # each stored payload, whether a file of its own or in a pack
+        payloads = [p for p in (cache.read_payload(e.key) for e in cache.entries()) if p is not None]
+        cache.close()
         infos = [codec.parse_header(p) for p in payloads]
         raw_bytes = sum(i.raw_size for i in infos)
         stored = sum(map(len, payloads))

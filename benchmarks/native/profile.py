@@ -31,7 +31,7 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 IDLE = ("pthread_cond_wait", "pthread_cond_timedwait", "PyThread_acquire_lock_timed", "sem_clockwait", "do_futex")
-KEEP = ("fastload/", "gather", "cache.py", "reader.py", "dataset.py", "codec.py", "_native.c", "collate", "core.py")
+KEEP = ("fastload/", "gather", "cache/", "reader.py", "dataset.py", "codec.py", "_native.c", "collate", "core.py")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -141,13 +141,14 @@ def cache_state(settings: Settings, url: str | None = None, storage_options: dic
                   url_cached_fraction=0.0 if url else None,
                   hit_rate=None, hit_rate_note="the cache keeps no hit counter across processes; "
                   "loader.stats().cache_hit_rate reports a running loader's")
+    from fastload.cache import keys
     from fastload.reader import Reader
     from fastload.source import RemoteItem
 
     reader = Reader(settings, storage_options)
     try:
         cache = reader.cache
-        entries = sum(1 for k in cache.index.iterkeys() if isinstance(k, str) and k.startswith("e:"))
+        entries = sum(1 for k in cache.index.iterkeys() if keys.of(keys.ENTRY, k) is not None)
         manifests = reader.manifests()
         fraction = None
         url_items = None

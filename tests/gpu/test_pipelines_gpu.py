@@ -7,6 +7,7 @@ DALI or an importable torchvision.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,7 @@ def test_corrupt_chunk_of_an_entry_without_stored_checksum_never_reaches_inflate
 ) -> None:
     # nvCOMP would inflate a flipped chunk into wrong bytes without an error, so the
     # cache decodes such (old) entries on the host and refetches a bad one.
-    from fastload.cache import _record
+    from fastload.cache import keys, record
 
     make_uint8_arrays(tmp_path / "arrs", n=4, shape=(64, 64, 3))
     settings = Settings(cache_dir=tmp_path / "c", chunk_bytes=4096)
@@ -133,11 +134,12 @@ def test_corrupt_chunk_of_an_entry_without_stored_checksum_never_reaches_inflate
     key = ds.reader.key(ds.items[1], 0)
     entry = cache.entry(key)
     assert entry is not None and entry.codec == codec.LZ4
-    cache.index.set("e:" + key, (*_record(entry)[:-1], None))  # as written before stored checksums
-    path = cache.data_dir / entry.path
-    damaged = bytearray(path.read_bytes())
-    damaged[-1] ^= 0x01
-    path.write_bytes(bytes(damaged))
+    cache.index.set(keys.entry(key), record(dataclasses.replace(entry, stored_checksum=None)))  # as written before stored checksums
+    with open(cache.data_dir / entry.path, "r+b") as f:  # its last byte, in its file or its pack
+        f.seek((entry.offset or 0) + entry.stored - 1)
+        last = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([last ^ 0x01]))
     fresh = CompressedArrayDataset(str(tmp_path / "arrs"), settings=settings)
     out = ArrayPipeline(device="cuda", backend="dali")([fresh[i] for i in range(len(fresh))])
     want = np.stack([np.load(tmp_path / "arrs" / f"{i + 1:05d}.npy") for i in range(4)])

@@ -18,9 +18,10 @@ import pytest
 
 import fastload
 from fastload._servers import NginxServer
+from fastload.cache import keys
 from fastload.config import Settings
 from fastload.errors import RemoteNotFoundError
-from fastload.reader import Reader, manifest_key
+from fastload.reader import Reader
 from fastload.source import RemoteItem, Source
 
 pytestmark = pytest.mark.integration
@@ -84,17 +85,17 @@ def test_interrupted_stage_reruns_with_heads_and_skips_what_is_cached(
     root = reader.manifest_root(url)
     # Make it look interrupted: blocks cached, no manifest or pins, the marker left behind.
     index = reader.cache.index
-    index.delete(manifest_key(root, "**/*.bin"))
-    for key in [k for k in index.iterkeys() if isinstance(k, str) and k.startswith("u:")]:
+    index.delete(keys.manifest(root, "**/*.bin"))
+    for key in [k for k in index.iterkeys() if keys.of(keys.PIN, k) is not None]:
         index.delete(key)
-    index.set("p:" + manifest_key(root, "**/*.bin"), time.time())
+    index.set(keys.staging(root, "**/*.bin"), time.time())
     gets = _requests(server, "GET")
 
     report = fastload.stage(url, pattern="**/*.bin", settings=settings, progress=False)
     assert (report.fetched_blocks, report.skipped_blocks) == (0, len(files) + 3)
     assert _requests(server, "HEAD") == len(files)
     assert _requests(server, "GET") == gets  # nothing refetched
-    assert index.get("p:" + manifest_key(root, "**/*.bin")) is None  # done: marker gone
+    assert index.get(keys.staging(root, "**/*.bin")) is None  # done: marker gone
 
 
 def test_misses_of_one_batch_are_fetched_concurrently(tmp_path: Path, settings: Settings) -> None:

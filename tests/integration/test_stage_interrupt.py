@@ -6,6 +6,7 @@ import functools
 import http.server
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 import fastload
-from fastload.cache import Cache
+from fastload.cache import Cache, keys
 from fastload.config import Settings
 from fastload.reader import Reader
 
@@ -69,6 +70,21 @@ def _serve(tmp_path: Path) -> tuple[Any, Any, threading.Thread, str, dict[str, b
     return handler, httpd, thread, f"http://127.0.0.1:{httpd.server_address[1]}/", files
 
 
+def _published(cache_dir: Path) -> int:
+    """Entries published in the index, read without writing (0 before it exists)."""
+    db = cache_dir / "index" / "cache.db"
+    if not db.exists():
+        return 0
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            return int(con.execute(f"SELECT count(*) FROM Cache WHERE key LIKE '{keys.ENTRY}%'").fetchone()[0])
+        finally:
+            con.close()
+    except sqlite3.OperationalError:  # being created right now
+        return 0
+
+
 def _interrupt_mid_run(cmd: list[str], cache_dir: Path, handler: Any) -> tuple[int, str, str]:
     """Run ``cmd``, SIGINT it once some entries are cached and the server holds its next
     requests, and return (exit code, stdout, stderr). Held requests would answer only after
@@ -78,7 +94,7 @@ def _interrupt_mid_run(cmd: list[str], cache_dir: Path, handler: Any) -> tuple[i
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not (any(cache_dir.glob("data/*/*.flp")) and handler.counts["held"] > 0):
+        while not (_published(cache_dir) and handler.counts["held"] > 0):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, f"staging never reached the held requests: {handler.counts}"
             time.sleep(0.05)

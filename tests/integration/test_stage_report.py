@@ -69,11 +69,12 @@ def test_verify_says_all_is_well_and_refetched_entries_add_up(
     assert f"verify      {entries} entries checked, 0 bad" in out, out
 
     cache = Cache(Settings(cache_dir=tmp_path / "c"))
-    for entry in list(cache.entries())[:2]:  # bit rot in two payloads
-        path = cache.data_dir / entry.path
-        raw = bytearray(path.read_bytes())
-        raw[-1] ^= 0xFF
-        path.write_bytes(bytes(raw))
+    for entry in list(cache.entries())[:2]:  # bit rot in two payloads: the last byte of each, in its file or pack
+        with open(cache.data_dir / entry.path, "r+b") as f:
+            f.seek((entry.offset or 0) + entry.stored - 1)
+            last = f.read(1)[0]
+            f.seek(-1, 1)
+            f.write(bytes([last ^ 0xFF]))
     cache.close()
     assert cli_main([*argv, "--verify"]) == 0
     out = capsys.readouterr().out

@@ -16,7 +16,7 @@ from helpers import make_files
 
 import fastload
 from fastload import codec
-from fastload.cache import Cache
+from fastload.cache import Cache, Entry, keys, packs
 from fastload.cli import main as cli_main
 from fastload.config import Settings
 
@@ -30,16 +30,41 @@ def gets(server: Any) -> int:
     return sum(1 for line in log.read_text().splitlines() if '"GET /class_' in line)
 
 
-def rot(path: Path, kind: str, rng: random.Random) -> None:
-    data = bytearray(path.read_bytes())
+def stored_bytes(cache: Cache, e: Entry) -> bytes:
+    """An entry's payload where it lies: its file, or its range of a pack."""
+    with open(cache.data_dir / e.path, "rb") as f:
+        f.seek(e.offset or 0)
+        return f.read(e.stored if e.offset is not None else -1)
+
+
+def write_stored(cache: Cache, e: Entry, data: bytes) -> None:
+    if e.offset is None:
+        (cache.data_dir / e.path).write_bytes(data)
+        return
+    with open(cache.data_dir / e.path, "r+b") as f:
+        f.seek(e.offset)
+        f.write(data)
+
+
+def rot(cache: Cache, e: Entry, kind: str, rng: random.Random) -> None:
+    """Rot one payload: flip bytes, cut it short, or lose it. In a pack, where its
+    neighbours must survive: a torn tail is zeros, and a lost one has its blocks punched out."""
+    path = cache.data_dir / e.path
+    data = bytearray(stored_bytes(cache, e))
     if kind == "flip":
         for _ in range(rng.randint(1, 4)):
             data[rng.randrange(len(data))] ^= rng.randint(1, 255)
-        path.write_bytes(bytes(data))
+        write_stored(cache, e, bytes(data))
     elif kind == "truncate":
-        os.truncate(path, rng.randrange(len(data)))
-    else:
+        cut = rng.randrange(len(data))
+        if e.offset is None:
+            os.truncate(path, cut)
+        else:
+            write_stored(cache, e, bytes(data[:cut]) + bytes(len(data) - cut))
+    elif e.offset is None:
         path.unlink()
+    else:
+        packs.punch_at(path, [(e.offset, e.charged)])
 
 
 def epoch(url: str, settings: Settings, files: dict[str, bytes]) -> fastload.LoaderStats:
@@ -63,22 +88,21 @@ def flip_sweep(settings: Settings, masks: tuple[int, ...]) -> int:
     for raw in (bytes(rng.getrandbits(8) for _ in range(64)) * 40, os.urandom(300)):
         key = f"sweep{len(raw)}".ljust(40, "0")
         entry = cache.put(key, raw, url=f"memory://sweep/{len(raw)}")
-        record = cache.index.get("e:" + key)
-        path = cache.data_dir / entry.path
-        good = path.read_bytes()
+        record = cache.index.get(keys.entry(key))
+        good = stored_bytes(cache, entry)
         assert codec.parse_header(good).codec == (codec.LZ4 if len(raw) > 300 else codec.RAW)
         for pos in range(len(good)):
             for mask in masks:
                 bad = bytearray(good)
                 bad[pos] ^= mask
-                path.write_bytes(bytes(bad))
-                cache.index.set("e:" + key, record)  # as if the entry had never been dropped
+                write_stored(cache, entry, bytes(bad))
+                cache.index.set(keys.entry(key), record)  # as if the entry had never been dropped
                 before = cache.corrupt_count()
                 assert cache.get(key) is None, f"flip {mask:#x} at byte {pos} of a {len(good)} B payload went unnoticed"
                 assert cache.corrupt_count() == before + 1
                 flips += 1
-        path.write_bytes(good)
-        cache.index.set("e:" + key, record)
+        write_stored(cache, entry, good)
+        cache.index.set(keys.entry(key), record)
         assert cache.get(key) == raw
     cache.close()
     return flips
@@ -106,7 +130,7 @@ def test_rotten_payloads_are_detected_refetched_and_counted(
         victims = {kind: entries[i * per_kind : (i + 1) * per_kind] for i, kind in enumerate(KINDS)}
         for kind, group in victims.items():
             for e in group:
-                rot(cache.data_dir / e.path, kind, rng)
+                rot(cache, e, kind, rng)
         corrupt_before, fetched_before = cache.corrupt_count(), gets(server)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="fastload"):

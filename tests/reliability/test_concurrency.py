@@ -108,7 +108,7 @@ def test_four_processes_with_two_workers_share_a_small_cache(
         peaks.append(monitor.peak)
         assert monitor.peak <= bound, f"payload bytes peaked at {monitor.peak}, limit {LIMIT} + one block {BLOCK}: {bound}"
         cache = Cache(Settings(cache_dir=cache_dir, cache_limit_bytes=LIMIT))
-        assert cache.volume() == sum(e.stored for e in cache.entries()) <= LIMIT
+        assert cache.volume() == sum(e.charged for e in cache.entries()) <= LIMIT
         cache.close()
     record(
         "concurrency", trials,

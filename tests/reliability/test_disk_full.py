@@ -14,7 +14,7 @@ from faults import FAULTS
 from helpers import make_noise_files, payload_files
 
 import fastload
-from fastload.cache import Cache
+from fastload.cache import Cache, Entry, keys
 from fastload.cli import main as cli_main
 from fastload.config import Settings
 from fastload.errors import CacheFullError
@@ -62,17 +62,18 @@ def test_full_disk_streams_training_and_fails_staging_clearly(
 
         entries = _entries(settings)  # read-only: the disk is full
         assert 0 < len(entries) < N  # it cached what fit, and streamed the rest
-        assert {p.name for p in payload_files(settings.cache_dir)} == {Path(e[0]).name for e in entries}  # no orphan
+        assert {p.name for p in payload_files(settings.cache_dir)} == {Path(e.path).name for e in entries}  # no orphan
         assert not list(settings.cache_dir.glob("**/*.part"))  # no half-written file
-        for rel, stored, *_ in entries:  # no corrupt entry
-            assert (settings.cache_dir / "data" / rel).stat().st_size == stored
+        for e in entries:  # no corrupt entry: a file of its size, or a pack that holds it
+            size = (settings.cache_dir / "data" / e.path).stat().st_size
+            assert size == e.stored if e.offset is None else size >= e.offset + e.stored
         cached.append(len(entries))
 
         # A new cache on the full disk opens (read-only where the index cannot even be
         # opened for writing): it serves what it holds, and a new entry is a CacheFullError.
         full = Cache(settings)
         assert full.unwritable in (None, "full")
-        assert all(full.get(e[0].rsplit("/", 1)[1].split("-")[0]) is not None for e in entries[:5])
+        assert all(full.get(e.key) is not None for e in entries[:5])
         with pytest.raises(CacheFullError, match=r"disk under .* is full while (indexing|caching) 'x' .*fix:"):
             full.put("k" * 40, os.urandom(1_000_000), url="x")
         full.close()
@@ -81,7 +82,7 @@ def test_full_disk_streams_training_and_fails_staging_clearly(
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
         cache = Cache(settings)
         assert all(cache.get(e.key) is not None for e in cache.entries()) and cache.corrupt_count() == 0
-        assert cache.check()["bytes"] == sum(e.stored for e in cache.entries())
+        assert cache.check()["bytes"] == sum(e.charged for e in cache.entries())
         cache.close()
 
         # Staging onto a full disk fails loudly instead of "succeeding" with nothing staged.
@@ -105,18 +106,19 @@ def test_full_disk_streams_training_and_fails_staging_clearly(
     )  # fmt: skip
 
 
-def _entries(settings: Settings) -> list[tuple[Any, ...]]:
+def _entries(settings: Settings) -> list[Entry]:
     """Index records, read with sqlite3 directly (diskcache's open writes, and the disk is full)."""
     import pickle
     import sqlite3
 
     con = sqlite3.connect(f"file:{settings.cache_dir / 'index' / 'cache.db'}?mode=ro", uri=True)
     try:
-        rows = con.execute("SELECT key, value FROM Cache WHERE key LIKE 'e:%'").fetchall()
+        rows = con.execute(f"SELECT key, value FROM Cache WHERE key LIKE '{keys.ENTRY}%'").fetchall()
     finally:
         con.close()
     # Our own index, written by this test's process: diskcache pickles its values.
-    return [tuple(pickle.loads(v)) if isinstance(v, bytes) else tuple(v) for _, v in rows]
+    return [Entry.from_record(k[len(keys.ENTRY) :], tuple(pickle.loads(v)) if isinstance(v, bytes) else tuple(v))
+            for k, v in rows]
 
 
 def _cli(cache_dir: Path, *argv: str) -> subprocess.CompletedProcess[str]:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import fastload
 from fastload import _servers, codec
-from fastload.cache import Cache
+from fastload.cache import Cache, keys
 from fastload.cli import main as cli_main
 from fastload.config import Settings
 from fastload.errors import (
@@ -110,12 +110,20 @@ def test_fuzzed_payloads_never_crash_overread_or_overallocate(variant: str, tmp_
         cache.drop(key)
         entry = cache.put(key, good, url="memory://fuzz/x")
         path = cache.data_dir / entry.path
-        body = path.read_bytes()
-        path.write_bytes(body[:at] + junk + body[at + len(junk) :] if splice else junk)
-        rec = cache.index.get("e:" + key)
+        if entry.offset is None:
+            body = path.read_bytes()
+            path.write_bytes(body[:at] + junk + body[at + len(junk) :] if splice else junk)
+        else:  # in a pack: the junk goes over its range only (a short one reads as zeros after it)
+            with open(path, "r+b") as f:
+                f.seek(entry.offset)
+                body = f.read(entry.stored)
+                new = body[:at] + junk + body[at + len(junk) :] if splice else junk
+                f.seek(entry.offset)
+                f.write(new[: entry.stored].ljust(entry.stored, b"\0"))
+        rec = cache.index.get(keys.entry(key))
         got = cache.get(key)
         assert got is None or got == good
-        cache.index.set("e:" + key, rec)
+        cache.index.set(keys.entry(key), rec)
         out = np.zeros(len(good), dtype=np.uint8)
         missed = cache.read_into([(key, [(0, len(good), 0)])], out)
         assert missed == [0] or out.tobytes() == good
@@ -186,8 +194,9 @@ def test_hostile_tar_members_and_remote_names_never_reach_a_path(tmp_path: Path,
     new = _tree(tmp_path) - before
     pattern = re.compile(r"^cache(/(index|tmp|data|evict\.lock)(/.*)?)?$")
     assert all(pattern.match(p) for p in new), sorted(p for p in new if not pattern.match(p))
-    flp = [p for p in new if p.startswith("cache/data/") and p.endswith(".flp")]
-    assert flp and all(re.fullmatch(r"cache/data/[0-9a-f]{2}/[0-9a-f]{40}-[0-9a-f]{12}\.flp", p) for p in flp), flp
+    stored = [p for p in new if p.startswith("cache/data/") and p.endswith((".flp", ".pack"))]
+    layout = re.compile(r"cache/data/([0-9a-f]{2}/[0-9a-f]{40}-[0-9a-f]{12}\.flp|packs/[0-9]+-[0-9a-f]{16}\.pack)")
+    assert stored and all(layout.fullmatch(p) for p in stored), stored
     record(
         "hostile-names", len(HOSTILE_MEMBERS) + 3 + len(names),
         f"pass: {len(HOSTILE_MEMBERS)} hostile tar members read bit-exact as plain keys, 3 link/device members "

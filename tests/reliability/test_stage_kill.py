@@ -10,7 +10,6 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from faults import FAULTS
+from helpers import count_published, unreferenced_tails
 
 from fastload.cache import Cache
 from fastload.config import Settings
@@ -36,27 +36,6 @@ def make_dataset(root: Path, n: int, size: int) -> dict[str, bytes]:
         (root / f"{i:04d}.bin").write_bytes(data)
         files[f"{i:04d}.bin"] = data
     return files
-
-
-def count_payloads(cache_dir: Path) -> int:
-    return (
-        sum(1 for _ in (cache_dir / "data").glob("*/*.flp")) if (cache_dir / "data").exists() else 0
-    )
-
-
-def count_published(cache_dir: Path) -> int:
-    """Entries published in the index (read-only; 0 before the index exists)."""
-    db = cache_dir / "index" / "cache.db"
-    if not db.exists():
-        return 0
-    try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
-        try:
-            return int(con.execute("SELECT count(*) FROM Cache WHERE key LIKE 'e:%'").fetchone()[0])
-        finally:
-            con.close()
-    except sqlite3.OperationalError:  # the stager is creating the index right now
-        return 0
 
 
 def cli(*args: str, cache_dir: Path) -> list[str]:
@@ -90,8 +69,11 @@ def assert_complete(cache_dir: Path, root: Path, files: dict[str, bytes]) -> Non
     cache = Cache(Settings(cache_dir=cache_dir))
     entries = list(cache.entries())
     assert len(entries) == len(files)  # no duplicates from racing or resumed writers
-    assert cache.volume() == sum(e.stored for e in entries)
+    assert cache.volume() == sum(e.charged for e in entries)
     assert not cache.temp_files()
+    assert all(e.offset is not None for e in entries)  # every payload here is packed
+    cache.check()  # every writer has exited: their unpublished pack bytes go
+    assert not unreferenced_tails(cache)
 
 
 @pytest.mark.parametrize(
@@ -170,3 +152,47 @@ def test_four_processes_staging_the_same_dataset_agree(tmp_path: Path) -> None:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err.decode()
     assert_complete(cache_dir, root, files)
+
+
+APPENDER = """
+import sys
+from fastload.cache import Cache
+from fastload.config import Settings
+from helpers import content
+cache = Cache(Settings(cache_dir=sys.argv[1], pack_max_bytes=1 << 20))
+run, i = sys.argv[2], 0
+print("ready", flush=True)
+while True:  # batches of 16 x 200 KB: each append is one pwrite burst of ~3 MB, then one COMMIT
+    batch = [(f"{run}-{i + k}", content(f"{run}-{i + k}", 200_000), f"mem://{run}/{i + k}", 0) for k in range(16)]
+    cache.put_many(batch)
+    i += 16
+"""
+
+
+def test_sigkill_mid_append_never_serves_a_half_packed_entry(tmp_path: Path) -> None:
+    """A writer killed between (or inside) its pack appends and their COMMIT leaves only
+    unreferenced bytes: every published entry reads back exact, none counts as corrupt,
+    and check() reclaims what the killed writers appended."""
+    from helpers import ROOT, child_env, content
+
+    cache_dir = tmp_path / "cache"
+    rng = random.Random(5)
+    for run in range(5):
+        proc = subprocess.Popen([sys.executable, "-c", APPENDER, str(cache_dir), f"r{run}"], env=child_env(
+            PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)])), stdout=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        time.sleep(rng.uniform(0.05, 0.4))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        cache = Cache(Settings(cache_dir=cache_dir))
+        entries = list(cache.entries())
+        assert entries and all(e.offset is not None for e in entries)
+        for e in entries:
+            assert cache.get(e.key) == content(e.key, 200_000), e
+        assert cache.corrupt_count() == 0
+        cache.close()
+    cache = Cache(Settings(cache_dir=cache_dir))
+    report = cache.check()
+    assert not unreferenced_tails(cache), report
+    assert cache.volume() == sum(e.charged for e in cache.entries())
+    assert all(cache.get(e.key) == content(e.key, 200_000) for e in cache.entries())

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from faults import FAULTS
-from helpers import PYTHON, child_env, make_files, payload_files
+from helpers import PYTHON, child_env, count_published, make_files, unreferenced_tails
 
 from fastload.cache import Cache
 from fastload.config import Settings
@@ -63,7 +63,7 @@ def test_sigkilled_training_leaves_a_cache_the_next_run_reuses(
         target = rng.randint(N // 10, N * 2 // 3)
         first = train(server.url + "/", cache_dir)
         deadline = time.monotonic() + 120
-        while first.poll() is None and len(payload_files(cache_dir)) < target and time.monotonic() < deadline:
+        while first.poll() is None and count_published(cache_dir) < target and time.monotonic() < deadline:
             time.sleep(0.005)
         assert first.poll() is None, f"the first run ended before the kill: {first.communicate()[1][-2000:]}"
         os.killpg(first.pid, signal.SIGKILL)
@@ -103,7 +103,10 @@ def test_sigkilled_training_leaves_a_cache_the_next_run_reuses(
         assert {p.name for p in cache.temp_files()} <= set(leftover_tmp)
         repaired = cache.check()
         assert not cache.temp_files()
-        assert repaired["bytes"] == sum(e.stored for e in cache.entries())
+        assert repaired["bytes"] == sum(e.charged for e in cache.entries())
+        # The killed workers' packs: what they appended but never published is reclaimed.
+        assert any(e.offset is not None for e in cache.entries())  # small payloads were packed
+        assert not unreferenced_tails(cache)
         cache.close()
         rows.append({"killed_at_payloads": target, "valid_reused": valid, "refetched": refetched,
                      "tmp_left": len(leftover_tmp), "rerun_s": round(took, 1)})  # fmt: skip

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import fastload
-from fastload.cache import Cache
+from fastload.cache import Cache, keys
 from fastload.config import Settings
 from fastload.errors import CacheLimitError, RemoteChangedError
 from fastload.reader import Reader
@@ -45,6 +45,7 @@ def test_staged_reads_survive_the_remote_disappearing(tmp_path: Path, settings: 
 
 
 def test_corrupt_truncated_and_missing_payloads_are_dropped_refetched_and_counted(tmp_path: Path, settings: Settings) -> None:
+    settings = settings.replace(pack_max_bytes=0)  # a file per payload; packs: tests/unit/test_cache_packs.py
     files = make_files(tmp_path / "remote", n=6)
     fastload.stage(str(tmp_path / "remote"), settings=settings, progress=False)
     cache = Cache(settings)
@@ -66,13 +67,13 @@ def test_corrupt_truncated_and_missing_payloads_are_dropped_refetched_and_counte
 
 
 def test_eviction_keeps_volume_under_the_limit_and_prefers_recent(tmp_path: Path) -> None:
-    s = Settings(cache_dir=tmp_path / "c", cache_limit_bytes=200_000, block_bytes=64 * 1024)
+    s = Settings(cache_dir=tmp_path / "c", cache_limit_bytes=200_000, block_bytes=64 * 1024, pack_max_bytes=0)
     cache = Cache(s)
     blobs = {f"k{i}": os.urandom(30_000) for i in range(20)}
     for i, (k, v) in enumerate(blobs.items()):
         cache.put(k, v, url=f"mem://{k}")
         if i >= 1:
-            cache.index.set("t:k0", 1e18)  # k0 is always the most recently used
+            cache.index.set(keys.last_use("k0"), 1e18)  # k0 is always the most recently used
         assert cache.volume() <= s.cache_limit_bytes
         disk = sum(p.stat().st_size for p in cache.data_dir.glob("*/*.flp"))
         assert disk == cache.volume()
@@ -89,14 +90,15 @@ def test_limit_below_one_item_is_a_clear_error(tmp_path: Path) -> None:
         Reader(s).read(str(tmp_path / "remote" / "big.bin"))
 
 
-def test_remote_names_never_become_local_paths(tmp_path: Path, settings: Settings) -> None:
-    cache = Cache(settings)
+@pytest.mark.parametrize("pack_max", [0, 1 << 20], ids=["files", "packs"])
+def test_remote_names_never_become_local_paths(tmp_path: Path, settings: Settings, pack_max: int) -> None:
+    cache = Cache(settings.replace(pack_max_bytes=pack_max))
     for url in ["../../etc/passwd", "/abs/path", "a\x00b", "x" * 5000, "s3://b/../../../root"]:
         cache.put(Reader(settings).key(fastload.RemoteItem(url, 3, ""), 0), b"abc", url=url)
     for path in cache.root.rglob("*"):
         assert path.resolve().is_relative_to(cache.root.resolve())
-    names = [p.name for p in cache.data_dir.glob("*/*.flp")]
-    assert len(names) == 5 and all(len(n) < 80 and n.replace("-", "").replace(".flp", "").isalnum() for n in names)
+    names = [p.name for p in cache.data_dir.glob("*/*.flp")] if not pack_max else [e.path for e in cache.entries()]
+    assert len(names) == 5 and all(len(n) < 80 and n.replace("-", "").replace(".flp", "").replace(".pack", "").replace("packs/", "").isalnum() for n in names)
 
 
 def test_changed_remote_is_not_served_stale(tmp_path: Path, settings: Settings) -> None:
@@ -234,10 +236,10 @@ def test_a_zombie_writer_is_dead(tmp_path: Path) -> None:
             time.sleep(0.01)
         cache = Cache(Settings(cache_dir=tmp_path / "c"))
         with cache.index.transact():
-            cache.index.set(f"r:{pid}:deadbeef", 1234)
+            cache.index.set(keys.reservation(pid, "deadbeef"), 1234)
             cache.index.incr("bytes", 1234)
         assert cache.check()["bytes"] == 0
-        assert not [k for k in cache.index.iterkeys() if str(k).startswith("r:")]
+        assert not [k for k in cache.index.iterkeys() if keys.of(keys.RESERVATION, k) is not None]
         cache.close()
     finally:
         os.waitpid(pid, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from fastload import codec
-from fastload.cache import Cache, _record
+from fastload.cache import Cache, keys, record
 from fastload.config import Settings, default_read_threads
 from fastload.errors import CacheLimitError
 
@@ -33,7 +34,7 @@ def test_put_many_stores_each_block_and_serves_existing_ones(settings: Settings)
     assert cache.get("k1") == b"old"
     for k in ("k2", "k3", "k4", "k5"):
         assert cache.get(k) == blobs[k]
-    assert cache.volume() == sum(e.stored for e in cache.entries())  # bytes counted once each
+    assert cache.volume() == sum(e.charged for e in cache.entries())  # bytes counted once each
     assert not cache.temp_files()
 
 
@@ -47,9 +48,9 @@ def test_put_many_refuses_an_item_over_the_limit_and_publishes_nothing(tmp_path:
 def test_get_many_agrees_with_get(settings: Settings) -> None:
     cache = Cache(settings)
     cache.put_many([(f"k{i}", _blob(i), f"mem://{i}", 0) for i in range(700)])  # more than one IN chunk
-    keys = ["e:" + f"k{i}" for i in range(0, 700, 3)] + ["e:missing"]
-    got = cache.index.get_many(keys)
-    assert set(got) == set(keys) - {"e:missing"}
+    names = [keys.entry(f"k{i}") for i in range(0, 700, 3)] + [keys.entry("missing")]
+    got = cache.index.get_many(names)
+    assert set(got) == set(names) - {keys.entry("missing")}
     assert all(got[k] == cache.index.get(k) for k in got)
 
 
@@ -100,7 +101,7 @@ def test_read_payload_decodes_entries_without_a_stored_checksum(settings: Settin
     # catch a flip, and nvCOMP would inflate it silently, so the host decodes them.
     entry = Cache(settings).put("k", _blob(7, 20_000), url="mem://k")
     old = Cache(settings)  # a fresh process: no memo
-    old.index.set("e:k", (*_record(entry)[:-1], None))
+    old.index.set(keys.entry("k"), record(dataclasses.replace(entry, stored_checksum=None)))
     path = old.data_dir / entry.path
     assert codec.parse_header(path.read_bytes()).codec == codec.LZ4
     assert old.read_payload("k") == path.read_bytes()  # intact: served as stored
@@ -109,3 +110,21 @@ def test_read_payload_decodes_entries_without_a_stored_checksum(settings: Settin
     path.write_bytes(bytes(damaged))
     assert Cache(settings).read_payload("k") is None
     assert old.corrupt_count() == 1
+
+
+def test_put_many_sets_other_rows_in_its_publishing_transaction(settings: Settings) -> None:
+    cache = Cache(settings)
+    transactions = []
+    inner = cache.index.transact
+
+    def counting(retry: bool = False):  # type: ignore[no-untyped-def]
+        transactions.append(1)
+        return inner(retry)
+
+    cache.index.transact = counting  # type: ignore[method-assign]
+    cache.put_many([("k1", _blob(1), "mem://1", 0), ("k2", _blob(2), "mem://2", 0)], rows={keys.pin("mem://1"): (5000, "v1")})
+    assert cache.index.get(keys.pin("mem://1")) == (5000, "v1")
+    published = len(transactions)
+    cache.put_many([("k1", _blob(1), "mem://1", 0)], rows={keys.pin("mem://1"): (5000, "v2")})  # cached already
+    assert cache.index.get(keys.pin("mem://1")) == (5000, "v2")
+    assert published == 2 and len(transactions) == 3  # reserve + publish (pins in it); then the pins alone

@@ -278,6 +278,7 @@ def small_blocks(tmp_path: Path) -> Settings:
 
 
 def test_read_into_drops_refetches_and_counts_bad_entries(tmp_path: Path, backend: str, small_blocks: Settings) -> None:
+    small_blocks = small_blocks.replace(pack_max_bytes=0)  # a file per payload; packs: tests/unit/test_cache_packs.py
     remote = tmp_path / "remote"
     remote.mkdir()
     files = {f"f{i}.bin": text(100_000 + i, seed=i) for i in range(5)}

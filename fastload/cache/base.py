@@ -1,0 +1,114 @@
+"""What every part of the cache shares: its folders, its index (opened read-write, or
+read-only when the disk refuses writes), and the errors for a disk that refuses them."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from typing import Any
+
+import diskcache
+
+from fastload.cache.disk import KIND_WORDS, ReadOnlyIndex, unwritable_kind
+from fastload.cache.entry import Entry
+from fastload.cache.index import FileLock, GatedIndex
+from fastload.config import Settings
+from fastload.errors import CacheError, CacheFullError, CacheReadOnlyError
+
+# Reservations this process holds for writes in flight (token -> bytes); any other
+# reservation under our PID was left behind by a failed release (a full disk) and is stale.
+# Their bytes are not on the disk yet, so the disk's free space does not show them: the
+# reserve check takes them off (tests/reliability/test_disk_full.py::test_default_limit_keeps_a_free_margin).
+IN_FLIGHT: dict[str, int] = {}
+
+
+class CacheBase:
+    """The cache's folders and index; :class:`fastload.cache.Cache` adds its jobs."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings.from_env()
+        self.root = self.settings.cache_dir
+        self.data_dir = self.root / "data"
+        self.tmp_dir = self.root / "tmp"
+        self.index: GatedIndex | ReadOnlyIndex
+        # Why this cache cannot store (None: it can): "read-only" or "full". It then
+        # serves what it holds from a read-only index (disk.py), and callers stream.
+        self.unwritable: str | None = None
+        try:
+            for folder in (self.root, self.data_dir, self.tmp_dir):
+                folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if self.root.stat().st_mode & 0o777 != 0o700:
+                os.chmod(self.root, 0o700)  # mkdir's mode is filtered by the umask
+            self._open_index()
+        except (OSError, sqlite3.Error) as err:
+            kind = unwritable_kind(err, self.root)
+            try:
+                if kind is None:
+                    raise
+                self.index = ReadOnlyIndex(self.root / "index", KIND_WORDS[kind])
+                self.unwritable = kind
+            except (OSError, sqlite3.Error):
+                error = CacheReadOnlyError if kind == "read-only" else CacheFullError if kind == "full" else CacheError
+                fix = "remount it read-write" if kind == "read-only" else "free space there"
+                raise error(f"cache dir {self.root} cannot be created or opened ({err}); fix: {fix}, or set "
+                            "FASTLOAD_CACHE_DIR to a writable folder") from err
+        self._lock_path = self.root / "evict.lock"
+        self._touched: dict[str, float] = {}
+        # Entries this process has looked up or written. Safe to reuse: a payload's
+        # name carries a nonce and every read checks its bytes, so a memo gone stale
+        # (evicted, refetched elsewhere) finds its file missing and is looked up again.
+        self._memo: dict[str, Entry] = {}
+        self._dirs: set[str] = set()  # data/ fan-out folders known to exist
+        self.corrupt_seen = 0
+
+    def _open_index(self) -> None:
+        # SQLite checkpoints its write-ahead log only once it holds 1,000 pages (4 MB), and
+        # never shrinks it: on a 3 MB disk the log took 2.9 MB and the payloads were evicted
+        # for it. On a small disk the log is checkpointed (and truncated) at 1% of the disk.
+        try:
+            st = os.statvfs(self.root)
+            pages = max(16, min(1000, st.f_blocks * st.f_frsize // 100 // 4096))
+        except OSError:
+            pages = 1000
+        self._diskcache = diskcache.Cache(str(self.root / "index"), eviction_policy="none", size_limit=2**62, timeout=60,
+                                          sqlite_wal_autocheckpoint=pages, sqlite_journal_size_limit=pages * 4096)
+        self.index = GatedIndex(self._diskcache)
+        self.unwritable = None
+
+    def _reopen_writable(self) -> bool:
+        """Open the index read-write again (space was freed); False if it still cannot be."""
+        try:
+            self._open_index()
+        except (OSError, sqlite3.Error) as err:
+            if unwritable_kind(err, self.root) is None:
+                raise
+            return False
+        return True
+
+    def unwritable_error(self, err: BaseException, what: str) -> CacheFullError:
+        """The error for a write that failed because the disk is full or read-only."""
+        if self.unwritable == "read-only" or unwritable_kind(err, self.root) == "read-only":
+            return CacheReadOnlyError(
+                f"cache dir {self.root} is read-only ({err}) while {what}; it serves what it holds and does not store "
+                "more; fix: remount it read-write, or set FASTLOAD_CACHE_DIR to a writable folder for new data"
+            )
+        return CacheFullError(
+            f"disk under {self.root} is full while {what} ({err}); fix: free space, lower "
+            "--cache-limit below the free space, or move FASTLOAD_CACHE_DIR"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"settings": self.settings}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["settings"])  # type: ignore[misc]
+
+    def close(self) -> None:
+        self.index.close()
+
+    def _flock(self) -> FileLock:
+        return FileLock(self._lock_path, self.settings.lock_timeout_s)
+
+    def _refuse_if_read_only(self, what: str) -> None:
+        if self.unwritable == "read-only":
+            raise CacheReadOnlyError(f"cache dir {self.root} is read-only; cannot {what}; fix: remount it read-write")

@@ -1,0 +1,83 @@
+"""An entry of the cache: the index record of one stored payload (``e:<key>``).
+
+A payload is a whole file (``path`` = ``ab/<key>-<nonce>.flp``, ``offset`` None) or a
+range of a pack file (``path`` = ``packs/<pid>-<nonce>.pack``, ``offset`` = where it
+starts, aligned to :data:`PACK_ALIGN`; :mod:`fastload.cache.packs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Packed payloads start on a file-system block, so punching one out frees exactly its
+# blocks and no neighbour's (4 KiB: ext4, XFS and tmpfs pages).
+PACK_ALIGN = 4096
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to :data:`PACK_ALIGN`."""
+    return -(-n // PACK_ALIGN) * PACK_ALIGN
+
+
+@dataclass(frozen=True)
+class Entry:
+    """An index record: where a payload lives and what it must decode to.
+
+    Attributes:
+        key: The cache key.
+        path: Payload file (or pack), relative to ``data/``.
+        stored: Payload size (its length in a pack).
+        raw: Decoded size.
+        codec: ``codec.RAW`` or ``codec.LZ4``.
+        checksum: xxh3_64 of the raw bytes.
+        url: The remote URL (for listings and messages; never a path).
+        block: Block index within the remote object.
+        stored_checksum: xxh3_64 of the whole stored payload; None for entries
+            written before it was recorded (they are checked as before).
+        offset: Where the payload starts in its pack; None for a whole file.
+        published: When a packed entry was written (its last use until a read
+            records one; a whole file's mtime is that); None for a whole file.
+    """
+
+    key: str
+    path: str
+    stored: int
+    raw: int
+    codec: int
+    checksum: int
+    url: str
+    block: int
+    # The raw checksum alone missed flips that leave the decoded bytes intact: the
+    # header's reserved and chunk-size fields, and LZ4 match offsets that point at
+    # equal bytes (tests/reliability/test_bit_rot.py flips every byte).
+    stored_checksum: int | None = None
+    offset: int | None = None
+    published: float | None = None
+
+    @property
+    def location(self) -> tuple[str, int | None]:
+        """Where its bytes are: (path, offset). A rewritten entry has a new one."""
+        return self.path, self.offset
+
+    @property
+    def charged(self) -> int:
+        """Bytes counted against the limit: the payload, or in a pack its aligned range."""
+        return self.stored if self.offset is None else aligned(self.stored)
+
+
+    @classmethod
+    def from_record(cls, key: str, rec: tuple[Any, ...]) -> Entry:
+        """The entry of cache key ``key`` from its index record."""
+        return cls(key, *rec)
+
+
+def record(entry: Entry) -> tuple[Any, ...]:
+    """An entry as its index record (the fields after the key)."""
+    rec = (entry.path, entry.stored, entry.raw, entry.codec, entry.checksum, entry.url, entry.block, entry.stored_checksum)
+    return rec if entry.offset is None else (*rec, entry.offset, entry.published)  # whole files keep the old shape
+
+
+def location(rec: tuple[Any, ...]) -> tuple[str, int | None]:
+    """:attr:`Entry.location` of an index record."""
+    return rec[0], (rec[8] if len(rec) > 8 else None)

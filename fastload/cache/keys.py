@@ -1,0 +1,97 @@
+"""The cache's keys: the key of a cached block, and the index's key namespaces.
+
+This module is the one owner of the index's key names; every other module builds
+and parses them through it. The index (diskcache, SQLite) holds str keys, each in
+one namespace named by a short prefix (str keys, not tuples: a tuple costs a
+pickle per lookup):
+
+=========================  =========================================  ==================
+key                        value                                      written by
+=========================  =========================================  ==================
+``e:<key>``                an entry's record (:mod:`.entry`)          the cache's publish
+``t:<key>``                an entry's last use (time.time()); absent  reads, at most once
+                           until its first read (its file's mtime     per ``ATIME_
+                           stands in)                                 RESOLUTION_S``
+``r:<pid>:<nonce>``        bytes reserved by a write in flight        the cache's reserve
+``u:<url>``                a pin: (size, version) of a remote object  Reader.pin
+``m:<root>\\x1f<pattern>``  a manifest: {"created", "items"}           Reader.save_manifest
+``p:m:<root>\\x1f<pat.>``   staging of that manifest under way (time)  stage.py
+``x:<url>\\x1f<size>\\x1f<ver>``  a tar shard's member index             TarDataset
+``bytes``                  bytes counted against the limit            reserve, drop, check
+``corrupt``                bad entries dropped, over the cache's life the cache's reads
+=========================  =========================================  ==================
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+ENTRY = "e:"
+LAST_USE = "t:"
+RESERVATION = "r:"
+PIN = "u:"
+MANIFEST = "m:"
+STAGING = "p:"
+TAR_INDEX = "x:"
+BYTES = "bytes"
+CORRUPT = "corrupt"
+_SEP = "\x1f"
+
+
+def entry_key(url: str, size: int, version: str, block: int, block_bytes: int) -> str:
+    """The cache key of one block of one remote object version."""
+    ident = f"{url}\0{size}\0{version}\0{block}\0{block_bytes}".encode()
+    return hashlib.sha256(ident).hexdigest()[:40]
+
+
+def entry(key: str) -> str:
+    """The index key of the entry record of cache key ``key``."""
+    return ENTRY + key
+
+
+def last_use(key: str) -> str:
+    """The index key of the last use of cache key ``key``."""
+    return LAST_USE + key
+
+
+def reservation(pid: int, nonce: str) -> str:
+    """The index key of one reservation of process ``pid``."""
+    return f"{RESERVATION}{pid}:{nonce}"
+
+
+def reservation_pid(name: str) -> str:
+    """The writer's PID (as text) of reservation key ``name``."""
+    return name.split(":")[1]
+
+
+def pin(url: str) -> str:
+    """The index key of the pin of ``url``."""
+    return PIN + url
+
+
+def manifest(root: str, pattern: str | None) -> str:
+    """The index key of the manifest of ``root`` listed with ``pattern``."""
+    return f"{MANIFEST}{root}{_SEP}{pattern or ''}"
+
+
+def manifest_parts(name: str) -> tuple[str, str | None]:
+    """``(root, pattern)`` of manifest key ``name`` (pattern None when there was none)."""
+    root, _, pattern = name[len(MANIFEST) :].partition(_SEP)
+    return root, pattern or None
+
+
+def staging(root: str, pattern: str | None) -> str:
+    """The index key that marks staging of that manifest as under way."""
+    return STAGING + manifest(root, pattern)
+
+
+def tar_index(url: str, size: int, version: str) -> str:
+    """The index key of the member index of one tar shard version."""
+    return f"{TAR_INDEX}{url}{_SEP}{size}{_SEP}{version}"
+
+
+def of(namespace: str, name: object) -> str | None:
+    """What follows ``namespace`` in index key ``name``, or None when ``name`` is not in it."""
+    if isinstance(name, str) and name.startswith(namespace):
+        return name[len(namespace) :]
+    return None

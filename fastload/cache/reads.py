@@ -1,0 +1,253 @@
+"""Checked reads: index lookups (batched, with a per-process memo), payload reads
+checked against the index, batch reads into one buffer (:mod:`fastload.gather`), and
+the LRU's last-use records.
+
+Every read checks the stored size and an xxh3 checksum of the stored bytes (header
+included), then the header against the index. A bad or missing payload is dropped,
+counted (``corrupt`` in the index, ``cache_corrupt`` in the loader's stats) and
+reported as a miss, so the caller refetches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastload import codec, gather
+from fastload.cache import keys
+from fastload.cache.disk import cannot_write
+from fastload.cache.entry import Entry
+from fastload.cache.repair import CacheRepair
+from fastload.errors import CodecError
+from fastload.stats import current_collector
+
+_log = logging.getLogger("fastload")
+
+ATIME_RESOLUTION_S = 10.0
+MEMO_MAX = 1 << 20  # entries remembered per Cache (about 300 B each)
+
+
+class CacheReads(CacheRepair):
+    """Checked reads (a part of :class:`fastload.cache.Cache`)."""
+
+    def entry(self, key: str) -> Entry | None:
+        """The index record for ``key``, or None."""
+        entry = self._memo.get(key)
+        if entry is None:
+            rec = self.index.get(keys.entry(key))
+            if rec is None:
+                return None
+            entry = self._remember(Entry.from_record(key, rec))
+        return entry
+
+    def entries_for(self, names: Sequence[str]) -> list[Entry | None]:
+        """The index records of many cache keys: one index query per 500 not yet known here.
+
+        One SQLite lookup per key was half the time of a warm epoch (80-100 us each,
+        benchmarks/peers/results/profile.md).
+        """
+        memo = self._memo
+        todo = [k for k in dict.fromkeys(names) if k not in memo]
+        if todo:
+            for name, rec in self.index.get_many([keys.entry(k) for k in todo]).items():
+                self._remember(Entry.from_record(name[len(keys.ENTRY) :], rec))
+        return [memo.get(k) for k in names]
+
+    @property
+    def known(self) -> Mapping[str, Entry]:
+        """Entries this process has written or looked up (they may have gone since)."""
+        return self._memo
+
+    def _remember(self, entry: Entry) -> Entry:
+        if len(self._memo) >= MEMO_MAX:
+            self._memo.clear()  # bounded memory; the index still has every entry
+        self._memo[entry.key] = entry
+        return entry
+
+    def _forget(self, key: str) -> Entry | None:
+        """Drop the memo of ``key`` and return its current index record, if any."""
+        self._memo.pop(key, None)
+        return self.entry(key)
+
+    def get(self, key: str) -> bytes | None:
+        """Return the raw bytes for ``key``, or None on a miss or a dropped bad entry."""
+        checked = self._checked_payload(key)
+        if checked is None:
+            return None
+        entry, payload, info = checked
+        try:
+            # Bytes identical to those written decode to what was encoded, so the
+            # second hash (of the larger raw bytes) is only needed for old entries.
+            return codec.decode(payload, verify=entry.stored_checksum is None, info=info)
+        except CodecError as err:
+            self._corrupt(entry, str(err))
+            return None
+
+    def read_payload(self, key: str) -> bytes | None:
+        """The stored payload of ``key`` (codec.py format, still compressed), checked as
+        :meth:`get` checks it; None on a miss or a dropped bad entry. For consumers that
+        decode elsewhere (the GPU's LZ4 inflate in pipelines/array.py).
+
+        An entry without a stored checksum is decoded here once, raw checksum
+        verified, as :meth:`get` does: nvCOMP reports no bad chunk (DALI's inflate
+        never reads its per-chunk statuses and zero-fills short outputs), so its
+        raw checksum is the only thing that would catch a flip, and only the host
+        can check it."""
+        checked = self._checked_payload(key)
+        if checked is None:
+            return None
+        entry, payload, info = checked
+        if entry.stored_checksum is None:
+            try:
+                codec.decode(payload, info=info)
+            except CodecError as err:
+                self._corrupt(entry, str(err))
+                return None
+        return payload
+
+    def _checked_payload(self, key: str) -> tuple[Entry, bytes, codec.PayloadInfo] | None:
+        entry = self.entry(key)
+        for _ in range(2):  # twice: the entry may have been rewritten since this process looked it up
+            if entry is None:
+                return None
+            try:
+                payload = gather.read_payload_file(str(self.data_dir / entry.path), entry.stored, entry.offset)
+            except FileNotFoundError:
+                entry = self._recheck(entry, "payload file is missing")
+                continue
+            try:
+                if len(payload) != entry.stored:
+                    raise CodecError(f"payload is {len(payload)} B, index says {entry.stored} B")
+                if entry.stored_checksum is not None and codec.checksum(payload) != entry.stored_checksum:
+                    raise CodecError("stored checksum mismatch: the payload file changed on disk")
+                info = codec.parse_header(payload)
+                if info.checksum != entry.checksum or info.raw_size != entry.raw or info.codec != entry.codec:
+                    raise CodecError("payload header disagrees with the index")
+            except CodecError as err:
+                entry = self._recheck(entry, str(err))
+                continue
+            self._touch(key)
+            return entry, payload, info
+        return None
+
+    def read_into(self, requests: Sequence[tuple[str, Sequence[tuple[int, int, int]]]], out: Any) -> list[int]:
+        """Copy byte ranges of many entries' raw bytes into ``out``, as one batch.
+
+        Each entry is checked exactly as :meth:`get` checks it, by
+        :func:`fastload.gather.gather` (C with the GIL released, or its
+        pure-Python fallback), and read once however many ranges it serves.
+
+        Args:
+            requests: ``(key, copies)`` pairs; a copy ``(src, length, dst)`` puts
+                ``raw[src:src+length]`` at byte ``dst`` of ``out``.
+            out: A writable, C-contiguous buffer (numpy array, bytearray, or the
+                numpy view of a pinned tensor).
+
+        Returns:
+            The positions in ``requests`` that missed: not cached, or bad and
+            dropped (counted, as in :meth:`get`). The caller fetches those.
+        """
+        missed: list[int] = []
+        hits: list[str] = []
+        entries = self.entries_for([key for key, _ in requests])
+        todo = list(range(len(requests)))
+        for _ in range(2):  # twice: entries may have been rewritten since this process looked them up
+            where: list[int] = []
+            jobs: list[gather.Job] = []
+            for i in todo:
+                e, copies = entries[i], requests[i][1]
+                if e is None:
+                    missed.append(i)
+                elif any(src + n > e.raw for src, n, _ in copies):
+                    self._corrupt(e, f"index says {e.raw} B, fewer than the block holds")
+                    missed.append(i)
+                else:
+                    path = str(self.data_dir / e.path)
+                    jobs.append(gather.Job(path, e.stored, e.raw, e.codec, e.checksum, e.stored_checksum, copies, e.offset))
+                    where.append(i)
+            todo = []
+            for i, res in zip(where, gather.gather(jobs, out)):
+                e = entries[i]
+                assert e is not None
+                if res is None:
+                    hits.append(e.key)
+                elif res[0] == "oserror":
+                    raise OSError(res[1], os.strerror(res[1]), str(self.data_dir / e.path))
+                elif (current := self._recheck(e, res[1] if res[0] == "corrupt" else "payload file is missing")) is not None:
+                    entries[i] = current
+                    todo.append(i)
+                else:
+                    missed.append(i)
+            if not todo:
+                break
+        missed += todo
+        self._touch_many(hits)
+        return sorted(missed)
+
+    def contains(self, key: str) -> bool:
+        """Cheap validity check (index record + file of the right size, or a pack that
+        reaches its end), no checksum."""
+        entry = self.entry(key)
+        if entry is None:
+            return False
+        try:
+            size = (self.data_dir / entry.path).stat().st_size
+            return size == entry.stored if entry.offset is None else size >= entry.offset + entry.stored
+        except FileNotFoundError:
+            return False
+
+    def _touch(self, key: str) -> None:
+        # Remember our own last write per key, so a hot read path costs no extra lookup.
+        now = time.time()
+        if now - self._touched.get(key, 0.0) > ATIME_RESOLUTION_S:
+            self._touched[key] = now
+            try:
+                self.index.set(keys.last_use(key), now)
+            except sqlite3.OperationalError as err:
+                # LRU order is advisory: a full disk must not turn a cache hit into a crash.
+                if not cannot_write(err):
+                    raise
+
+    def _touch_many(self, names: list[str]) -> None:
+        # One index transaction for the batch's LRU writes, not one per key.
+        now = time.time()
+        if not any(now - self._touched.get(k, 0.0) > ATIME_RESOLUTION_S for k in names):
+            return
+        try:
+            with self.index.transact():
+                for key in names:
+                    self._touch(key)
+        except sqlite3.OperationalError as err:
+            if not cannot_write(err):  # LRU order is advisory, as in _touch
+                raise
+
+    def _recheck(self, entry: Entry, why: str) -> Entry | None:
+        """A payload that is gone or failed its checks, looked up again before it is called
+        bad: evicted meanwhile (a miss; a packed one reads as zeros once punched out),
+        rewritten (returns the new entry to read instead), or bad under its live entry
+        (dropped and counted: returns None)."""
+        current = self._forget(entry.key)
+        if current is not None and current.location == entry.location:
+            self._corrupt(entry, why)
+            return None
+        return current
+
+    def _corrupt(self, entry: Entry, why: str) -> None:
+        try:
+            self.drop(entry.key, version=entry)
+            self.index.incr(keys.CORRUPT)
+        except sqlite3.OperationalError as err:
+            # On a full disk the index cannot record the drop; the caller still
+            # treats it as a miss and refetches, and the next read re-detects it.
+            if not cannot_write(err):
+                raise
+        self.corrupt_seen += 1
+        current_collector().count("cache_corrupt")
+        _log.warning(
+            "cache entry for %s (block %d) was bad and is dropped; it will be refetched: %s", entry.url, entry.block, why
+        )
+

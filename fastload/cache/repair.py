@@ -1,0 +1,329 @@
+"""Eviction and repair: LRU eviction under the evict lock, dead writers' reservations,
+crash repair (:meth:`CacheRepair.check`), clearing, and the byte counter's readings.
+
+Eviction: when a write would pass the limit, one process at a time (under
+``evict.lock``) scans the index and deletes least-recently-used entries down to
+``LOW_WATERMARK`` of the limit. The scan costs O(entries) but runs once per ~10% of
+the limit written. On a full disk the payload files go first (SQLite needs space to
+record a delete), then their records.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from fastload.cache import keys, packs
+from fastload.cache.base import IN_FLIGHT, CacheBase
+from fastload.cache.disk import cannot_write, disk_full
+from fastload.cache.entry import Entry, location
+from fastload.cache.index import FORK_GATE, GatedIndex
+from fastload.config import format_size
+from fastload.errors import CacheFullError
+
+_log = logging.getLogger("fastload")
+
+LOW_WATERMARK = 0.9
+
+
+class CacheRepair(CacheBase):
+    """Eviction, repair and the byte counter (a part of :class:`fastload.cache.Cache`)."""
+
+    def entries(self) -> Iterator[Entry]:
+        """Every entry in the index (a snapshot scan)."""
+        for k in list(self.index.iterkeys()):
+            if (key := keys.of(keys.ENTRY, k)) is not None:
+                rec = self.index.get(k)
+                if rec is not None:
+                    yield Entry.from_record(key, rec)
+
+    def drop(self, key: str, *, version: Entry | None = None) -> bool:
+        """Delete one entry (index record first, then its bytes); with ``version``, only
+        if the index still holds that version of it."""
+        self._memo.pop(key, None)
+        with self.index.transact():
+            rec = self.index.get(keys.entry(key))
+            if rec is not None and version is not None and location(rec) != version.location:
+                rec = None  # rewritten since it was read: the new version is not the bad one
+            if rec is not None:
+                gone = Entry.from_record(key, rec)
+                self.index.delete(keys.entry(key))
+                self.index.pop(keys.last_use(key), None)
+                self.index.incr(keys.BYTES, -gone.charged)
+        if rec is None:
+            return False
+        self._free(gone)
+        return True
+
+    def _free(self, e: Entry) -> None:
+        """Give a dropped entry's bytes back to the disk: unlink its file, or punch its
+        range out of its pack (readers of it then find zeros, and re-check the index)."""
+        if e.offset is None:
+            (self.data_dir / e.path).unlink(missing_ok=True)
+            return
+        try:
+            packs.punch_at(self.data_dir / e.path, [(e.offset, e.charged)])
+        except OSError as err:  # the probe found punching works here; say so if it stopped
+            _log.warning("cache pack %s: could not free %d B at %d (%s); `fastload cache` (check) recounts",
+                         e.path, e.charged, e.offset, err)
+
+    def evict(self, to_bytes: int) -> int:
+        """Delete least-recently-used entries until at most ``to_bytes`` remain; returns bytes freed.
+
+        On a full disk the index cannot record a delete (SQLite needs space to write
+        one), so the payload files of those entries go first; with that space back the
+        index drops their records (tests/reliability/test_disk_full.py).
+        """
+        self._refuse_if_read_only("evict from it")
+        if self.unwritable is None:
+            try:
+                return self._evict(to_bytes)
+            except sqlite3.OperationalError as err:
+                if not disk_full(err):
+                    raise
+        with self._flock():
+            gone = self._unlink_lru(to_bytes)
+            if self.unwritable is not None and not self._reopen_writable():
+                raise CacheFullError(
+                    f"disk under {self.root} is still full after deleting {len(gone)} cached payloads "
+                    f"({format_size(sum(e.stored for e in gone))}); fix: evict to a lower size, `fastload clear`, "
+                    "or free space there"
+                )
+            for e in gone:
+                self.drop(e.key, version=e)
+        self.compact()
+        return sum(e.charged for e in gone) + self._evict(to_bytes)
+
+    def _evict(self, to_bytes: int) -> int:
+        with self._flock():
+            # No recount from the published records here: it used to forget the
+            # bytes of writes in flight, which then landed past the limit (one entry
+            # per concurrent writer). Only dead writers' reservations are returned.
+            freed = self._return_dead_reservations()
+            if self.volume() <= to_bytes:
+                return freed
+            closed = self._closed_packs()  # before the scan: no entry lands in them after it
+            entries = list(self.entries())
+            atimes = {e.key: self.index.get(keys.last_use(e.key)) or self._written(e) for e in entries}
+            dropped = set()
+            for e in sorted(entries, key=lambda e: atimes[e.key]):
+                if self.volume() <= to_bytes:
+                    break
+                if self.drop(e.key, version=e):
+                    freed += e.charged
+                    dropped.add(e.key)
+            live = {e.path for e in entries if e.offset is not None and e.key not in dropped}
+            for rel in closed - live:  # a closed pack no entry refers to
+                (self.data_dir / rel).unlink(missing_ok=True)
+            return freed
+
+    def _written(self, e: Entry) -> float:
+        """An entry's last use until a read records one (0.0 if its file is gone: evict it first)."""
+        return e.published if e.published is not None else _written(self.data_dir / e.path)
+
+    def _closed_packs(self) -> set[str]:
+        """Packs (relative to data/) that get no more entries: sealed, or their writer is dead."""
+        folder = self.data_dir / packs.FOLDER
+        if not folder.is_dir():
+            return set()
+        return {f"{packs.FOLDER}/{p.name}" for p in folder.glob("*" + packs.SUFFIX)
+                if packs.is_sealed(p) or not _alive(packs.owner(p.name))}
+
+    def _repair_packs(self, closed: set[str], entries: Sequence[Entry]) -> tuple[int, int]:
+        """Closed packs: unlink those no entry refers to; punch out the unreferenced ranges of
+        the rest and cut their unreferenced tail (a SIGKILL mid-append leaves one).
+        Returns (packs removed, bytes reclaimed)."""
+        live: dict[str, list[tuple[int, int]]] = {}
+        for e in entries:
+            if e.offset is not None and e.path in closed:
+                live.setdefault(e.path, []).append((e.offset, e.charged))
+        removed = reclaimed = 0
+        for rel in closed:
+            path = self.data_dir / rel
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                continue
+            if rel not in live:
+                path.unlink(missing_ok=True)
+                removed += 1
+                reclaimed += size
+                continue
+            holes, end = packs.gaps(size, live[rel])
+            try:
+                packs.punch_at(path, holes)
+                if end < size:
+                    os.truncate(path, end)
+            except OSError as err:
+                _log.info("cache pack %s not repaired: %s", rel, err)
+                continue
+            reclaimed += sum(n for _, n in holes) + max(0, size - end)
+        return removed, reclaimed
+
+    def compact(self) -> None:
+        """Give the index's write-ahead log back to the disk (best effort).
+
+        SQLite's WAL only grows until a checkpoint truncates it; on a small disk it held
+        2 MB of a 3 MB tmpfs after a full-disk epoch (tests/reliability/test_disk_full.py).
+        """
+        if isinstance(self.index, GatedIndex):  # not the read-only index
+            try:
+                with FORK_GATE.shared(), self.index.writing():
+                    self._diskcache._sql("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            except sqlite3.Error as err:
+                _log.info("cache index not compacted: %s", err)
+
+    def _unlink_lru(self, to_bytes: int) -> list[Entry]:
+        """Delete least-recently-used payload files (not their records) until ``to_bytes`` remain."""
+        entries = list(self.entries())
+        atimes = {e.key: self.index.get(keys.last_use(e.key)) or self._written(e) for e in entries}
+        left, gone = sum(e.charged for e in entries), []
+        for e in sorted(entries, key=lambda e: atimes[e.key]):
+            if left <= to_bytes:
+                break
+            self._free(e)
+            left -= e.charged
+            gone.append(e)
+        return gone
+
+    def _reservations(self) -> list[tuple[str, int]]:
+        out = []
+        for k in list(self.index.iterkeys()):
+            if keys.of(keys.RESERVATION, k) is not None:
+                n = self.index.get(k)
+                if n is not None:
+                    out.append((k, int(n)))
+        return out
+
+    def _return_dead_reservations(self) -> int:
+        """Return reservations of dead writers, and our own that no write holds any more."""
+        freed, me = 0, str(os.getpid())
+        for token, n in self._reservations():
+            pid = keys.reservation_pid(token)
+            if (pid == me and token not in IN_FLIGHT) or (pid != me and not _alive(pid)):
+                with self.index.transact():
+                    if self.index.pop(token, None) is not None:
+                        self.index.incr(keys.BYTES, -n)
+                        freed += n
+        return freed
+
+    def volume(self) -> int:
+        """Payload bytes currently accounted for."""
+        return int(self.index.get(keys.BYTES, 0))
+
+    def corrupt_count(self) -> int:
+        """Bad entries detected and dropped, over the cache's lifetime."""
+        return int(self.index.get(keys.CORRUPT, 0))
+
+    def check(self, max_tmp_age_s: float = 3600.0) -> dict[str, int]:
+        """Repair after crashes: remove orphan payloads and stale temp files, reclaim the
+        unreferenced bytes of closed packs (and packs with no entry), recount bytes.
+
+        A cache that cannot be written (read-only, or a full disk) is left as it is.
+        """
+        if self.unwritable is not None:
+            return {"orphans": 0, "stale_tmp": 0, "packs_removed": 0, "pack_bytes_reclaimed": 0, "bytes": self.volume()}
+        with self._flock():
+            closed = self._closed_packs()  # before the scan, as in _evict
+            entries = list(self.entries())
+            removed, reclaimed = self._repair_packs(closed, entries)
+            known = {e.path for e in entries}
+            orphans = 0
+            cutoff = time.time() - 60
+            # Files come and go under other processes while we scan: a vanished
+            # file is skipped (tests/reliability/test_stage_kill.py races four stagers).
+            for path in self.data_dir.glob("*/*.flp"):
+                rel = f"{path.parent.name}/{path.name}"
+                if rel not in known and _mtime(path) < cutoff:
+                    path.unlink(missing_ok=True)
+                    orphans += 1
+            stale = 0
+            for path in self.temp_files():
+                pid = path.name.split("-", 1)[0]
+                if not _alive(pid) or _mtime(path) < time.time() - max_tmp_age_s:
+                    path.unlink(missing_ok=True)
+                    stale += 1
+            self._return_dead_reservations()
+            # One transaction, so no write publishes or reserves between the two sums;
+            # live reservations stay counted (their writes are still coming).
+            with self.index.transact():
+                total = sum(e.charged for e in self.entries()) + sum(n for _, n in self._reservations())
+                self.index.set(keys.BYTES, total)
+        return {"orphans": orphans, "stale_tmp": stale, "packs_removed": removed, "pack_bytes_reclaimed": reclaimed,
+                "bytes": total}
+
+    def clear(self) -> None:
+        """Delete every entry, manifest and payload file.
+
+        On a full disk the payload files go first (the index needs space to record
+        the deletes); with that space back the index is cleared.
+        """
+        self._refuse_if_read_only("clear it")
+        try:
+            self._clear()
+        except sqlite3.OperationalError as err:
+            if not cannot_write(err):
+                raise
+            for path in self._payload_files():
+                path.unlink(missing_ok=True)
+            if self.unwritable is not None and not self._reopen_writable():
+                raise CacheFullError(f"disk under {self.root} is still full after deleting every cached payload; "
+                                     "fix: free space there (other files fill it)") from err
+            self._clear()
+        self.compact()
+
+    def _clear(self) -> None:
+        with self._flock():
+            self._memo.clear()
+            self.index.clear()
+            for path in self._payload_files():
+                path.unlink(missing_ok=True)
+
+    def _payload_files(self) -> list[Path]:
+        """Every file that holds payload bytes: whole payloads, packs, writes in progress."""
+        return [*self.data_dir.glob("*/*.flp"), *self.data_dir.glob(f"{packs.FOLDER}/*{packs.SUFFIX}"), *self.temp_files()]
+
+    def temp_files(self) -> list[Path]:
+        """Files being written (``<pid>-<nonce>.part``, next to the payloads and in ``tmp/``)."""
+        return [*self.data_dir.glob("*/*.part"), *self.tmp_dir.glob("*.part")]
+
+
+def _written(path: Path) -> float:
+    """A payload's mtime: its last use until a read records one (0.0 if gone: evict it first)."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
+
+
+def _alive(pid: str) -> bool:
+    """Whether the writer ``pid`` can still write: a zombie cannot.
+
+    A SIGKILLed DataLoader worker is reparented to PID 1, and in a container that
+    init may never reap it; ``kill(pid, 0)`` still succeeds on the zombie, so its
+    reservations would be counted forever (tests/unit/test_cache.py::test_a_zombie_writer_is_dead).
+    """
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{int(pid)}/stat").read_text()
+    except OSError:  # no /proc (not Linux), or it went away: kill() is the answer
+        return True
+    # The state letter follows the command name, which may itself hold ") ".
+    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] not in ("Z", "X")
+
