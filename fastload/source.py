@@ -872,14 +872,20 @@ def _http_fs_class() -> type[Any]:
     return HTTPFileSystem
 
 
+def _identity_get(fs: Any, headers: dict[str, str] | None = None) -> tuple[dict[str, str], dict[str, Any]]:
+    """The headers and other arguments of a GET on fsspec's HTTP session: the filesystem's
+    own, plus ``headers``, asking for identity encoding as fsspec's HEAD does (a
+    compressed body's length is not the object's size)."""
+    kwargs = dict(fs.kwargs)
+    return {**(kwargs.pop("headers", None) or {}), **(headers or {}), "Accept-Encoding": "identity"}, kwargs
+
+
 async def _http_get_first(fs: Any, url: str, nbytes: int, timeout_s: float) -> tuple[dict[str, Any], bytes]:
     """One ranged GET on fsspec's own aiohttp session: (HEAD-like info, first ``nbytes`` bytes)."""
     import aiohttp
 
     session = await fs.set_session()
-    kwargs = dict(fs.kwargs)
-    # identity, as fsspec's HEAD asks: a compressed body's length is not the object's size.
-    headers = {**(kwargs.pop("headers", None) or {}), "Range": f"bytes=0-{max(nbytes, 1) - 1}", "Accept-Encoding": "identity"}
+    headers, kwargs = _identity_get(fs, {"Range": f"bytes=0-{max(nbytes, 1) - 1}"})
     size: int | None
     ignored = False
     async with session.get(fs.encode_url(url), headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s), **kwargs) as r:
@@ -922,9 +928,7 @@ class _HttpStream:
         import aiohttp
 
         session = await fs.set_session()
-        kwargs = dict(fs.kwargs)
-        # identity, as fsspec's HEAD asks: a compressed body's length is not the object's size.
-        headers = {**(kwargs.pop("headers", None) or {}), "Accept-Encoding": "identity"}
+        headers, kwargs = _identity_get(fs)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
         response = await session.get(fs.encode_url(url), headers=headers, timeout=timeout, **kwargs)
         try:

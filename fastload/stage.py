@@ -5,7 +5,7 @@ block that is not already cached and valid with ``workers`` parallel requests.
 Because cached entries are skipped, rerunning after an interruption (even a
 SIGKILL) resumes where it stopped; entries are published atomically, so an
 interrupted write is never mistaken for a valid one
-(tests/integration/test_stage_kill.py).
+(tests/reliability/test_stage_kill.py).
 """
 
 from __future__ import annotations

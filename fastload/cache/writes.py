@@ -1,10 +1,13 @@
 """Reserve, write and publish: payloads encoded, counted against the limit, written
-beside their final name, renamed into place, then published in the index.
+(appended to this process's pack, or beside their final name and renamed into
+place), then published in the index.
 
-* **Atomic.** A payload is written to a ``.part`` file, renamed to its ``.flp`` name
-  in the same folder, and only then published with ``add`` (first writer wins; a
-  loser deletes its own file). A reader never finds a half-written file through the
-  index; a crash leaves at most an orphan file, which ``check`` deletes.
+* **Atomic.** A small payload is appended to this process's pack (:mod:`.packs`);
+  a larger one is written to a ``.part`` file and renamed to its ``.flp`` name in
+  the same folder. Only then is it published with ``add`` (first writer wins; a
+  loser deletes its own file or punches its range out). A reader never finds a
+  half-written payload through the index; a crash leaves at most an orphan file or
+  unreferenced pack bytes, which ``check`` reclaims.
 * **Bounded.** A byte counter is reserved atomically before each write, with a
   reservation record that the publishing transaction turns into the entry's bytes,
   or that a failed write gives back; the counter covers published entries plus
@@ -115,7 +118,8 @@ class CacheWrites(CacheReads):
         small = [pack is not None and len(payload) <= self.settings.pack_max_bytes for _, payload in batch]
         total = sum(aligned(len(payload)) if k else len(payload) for k, (_, payload) in zip(small, batch))
         token = self._reserve(total, url0)
-        appended: list[tuple[str, int]] = []  # pack locations this call wrote
+        packed: list[bytes] = []  # the payloads appended to the pack, in batch order
+        appended: list[tuple[str, int]] = []  # their pack locations
         files: list[str] = []  # whole files this call wrote
         entries: list[Entry] = []
         won: set[tuple[str, int | None]] = set()
@@ -123,8 +127,9 @@ class CacheWrites(CacheReads):
         lost = 0
         try:
             if pack is not None and any(small):
+                packed = [payload for k, (_, payload) in zip(small, batch) if k]
                 try:
-                    locations = pack.append([payload for k, (_, payload) in zip(small, batch) if k])
+                    locations = pack.append(packed)
                 except OSError as err:
                     raise self._write_error(err, url0) from err
                 if locations is None:  # packs turned out unusable here: whole files
@@ -170,8 +175,7 @@ class CacheWrites(CacheReads):
                 if (rel, None) not in won:
                     (self.data_dir / rel).unlink(missing_ok=True)
             if pack is not None and appended:
-                unpublished = [(loc, len(p)) for loc, p in zip(appended, [p for k, (_, p) in zip(small, batch) if k])
-                               if loc not in won]
+                unpublished = [(loc, len(p)) for loc, p in zip(appended, packed) if loc not in won]
                 pack.give_back([loc for loc, _ in unpublished], [n for _, n in unpublished])
                 pack.done([loc for loc in appended if loc in won])
             IN_FLIGHT.pop(token, None)
@@ -232,12 +236,10 @@ class CacheWrites(CacheReads):
                 tmp.unlink(missing_ok=True)
                 self._dirs.discard(folder)
                 if attempt == 2:
-                    raise CacheError(f"cannot write cache entry for {url!r} under {self.root}: {err}") from err
+                    raise self._write_error(err, url) from err
             except OSError as err:
                 tmp.unlink(missing_ok=True)
-                if cannot_write(err):
-                    raise self.unwritable_error(err, f"caching {url!r}") from err
-                raise CacheError(f"cannot write cache entry for {url!r} under {self.root}: {err}") from err
+                raise self._write_error(err, url) from err
 
     def limit_bytes(self) -> int:
         """The limit in force: ``cache_limit_bytes``, capped so that the disk keeps its reserve

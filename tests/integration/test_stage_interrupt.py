@@ -6,24 +6,30 @@ import functools
 import http.server
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import fastload
-from fastload.cache import Cache, keys
+from fastload.cache import Cache
 from fastload.config import Settings
 from fastload.reader import Reader
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def published(load_script: Callable[[str], Any]) -> Callable[[Path], int]:
+    """Counts a cache's published entries without writing (the reliability suite's helper)."""
+    return load_script("tests/reliability/helpers.py").count_published
 
 
 class _Held(http.server.SimpleHTTPRequestHandler):
@@ -70,23 +76,8 @@ def _serve(tmp_path: Path) -> tuple[Any, Any, threading.Thread, str, dict[str, b
     return handler, httpd, thread, f"http://127.0.0.1:{httpd.server_address[1]}/", files
 
 
-def _published(cache_dir: Path) -> int:
-    """Entries published in the index, read without writing (0 before it exists)."""
-    db = cache_dir / "index" / "cache.db"
-    if not db.exists():
-        return 0
-    try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
-        try:
-            return int(con.execute(f"SELECT count(*) FROM Cache WHERE key LIKE '{keys.ENTRY}%'").fetchone()[0])
-        finally:
-            con.close()
-    except sqlite3.OperationalError:  # being created right now
-        return 0
-
-
-def _interrupt_mid_run(cmd: list[str], cache_dir: Path, handler: Any) -> tuple[int, str, str]:
-    """Run ``cmd``, SIGINT it once some entries are cached and the server holds its next
+def _interrupt_mid_run(cmd: list[str], cache_dir: Path, handler: Any, published: Callable[[Path], int]) -> tuple[int, str, str]:
+    """Run ``cmd``, SIGINT it once ``published(cache_dir)`` counts some entries and the server holds its next
     requests, and return (exit code, stdout, stderr). Held requests would answer only after
     300 s (the request timeout): a Ctrl-C that waited for them (17 s with a 1 s-per-file
     server, 23 s in issue 14) would not end before communicate()'s limit."""
@@ -94,7 +85,7 @@ def _interrupt_mid_run(cmd: list[str], cache_dir: Path, handler: Any) -> tuple[i
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not (_published(cache_dir) and handler.counts["held"] > 0):
+        while not (published(cache_dir) and handler.counts["held"] > 0):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, f"staging never reached the held requests: {handler.counts}"
             time.sleep(0.05)
@@ -130,12 +121,12 @@ def _stop(handler: Any, httpd: Any, thread: threading.Thread) -> None:
     thread.join(timeout=10)
 
 
-def test_ctrl_c_stops_without_waiting_for_requests_in_flight_and_the_rerun_resumes(tmp_path: Path) -> None:
+def test_ctrl_c_stops_without_waiting_for_requests_in_flight_and_the_rerun_resumes(tmp_path: Path, published: Callable[[Path], int]) -> None:
     handler, httpd, thread, url, files = _serve(tmp_path)
     cache_dir = tmp_path / "cache"
     try:
         code, _, err = _interrupt_mid_run(
-            [sys.executable, "-m", "fastload", "cache", url, "--cache-dir", str(cache_dir), "--no-progress"], cache_dir, handler)
+            [sys.executable, "-m", "fastload", "cache", url, "--cache-dir", str(cache_dir), "--no-progress"], cache_dir, handler, published)
         assert code == 130, err
         assert "interrupted; rerun the same command to resume" in err
         settings = _check_nothing_half_written_and_resume(cache_dir, url, handler, files)
@@ -158,14 +149,14 @@ except KeyboardInterrupt:
 """
 
 
-def test_ctrl_c_in_python_stops_stage_and_its_threads(tmp_path: Path) -> None:
+def test_ctrl_c_in_python_stops_stage_and_its_threads(tmp_path: Path, published: Callable[[Path], int]) -> None:
     # fastload.stage() from a notebook: the KeyboardInterrupt must reach the caller and
     # every staging thread must end, not retry held requests one by one in the background
     # (the interpreter joins those threads at exit: the process would outlive communicate()).
     handler, httpd, thread, url, files = _serve(tmp_path)
     cache_dir = tmp_path / "cache"
     try:
-        code, out, err = _interrupt_mid_run([sys.executable, "-c", _STAGE_FROM_PYTHON, url, str(cache_dir)], cache_dir, handler)
+        code, out, err = _interrupt_mid_run([sys.executable, "-c", _STAGE_FROM_PYTHON, url, str(cache_dir)], cache_dir, handler, published)
         assert (code, out.strip()) == (130, "KeyboardInterrupt re-raised"), err
         _check_nothing_half_written_and_resume(cache_dir, url, handler, files)
     finally:

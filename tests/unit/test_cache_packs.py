@@ -12,13 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastload import codec, gather
+from fastload import codec
 from fastload.cache import Cache, packs
 from fastload.cache.entry import PACK_ALIGN, Entry, aligned
 from fastload.config import Settings
 from fastload.errors import CacheLimitError
 
-NATIVE = gather.backend() == "native"
 SMALL, LARGE = 30_000, 300_000
 
 
@@ -32,16 +31,6 @@ def fresh_writers() -> Iterator[None]:
     packs._WRITERS.clear()  # each test's packs start with a writer of their own
     yield
     packs._WRITERS.clear()
-
-
-@pytest.fixture(params=["python", "native"])
-def backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "native" and not NATIVE:
-        if os.environ.get("FASTLOAD_REQUIRE_NATIVE") == "1":
-            pytest.fail(f"fastload._native is required but unavailable: {gather.info()['reason']}")
-        pytest.skip(f"fastload._native unavailable: {gather.info()['reason']}")
-    with gather.use_backend(request.param):
-        yield request.param
 
 
 def blob(i: int, n: int = SMALL) -> bytes:

@@ -15,7 +15,6 @@ import os
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +30,6 @@ from fastload.dataset import ArrayDataset, FileDataset, TokenDataset
 from fastload.reader import Reader
 
 NATIVE = gather.backend() == "native"
-
-
-@pytest.fixture(params=["python", "native"])
-def backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "native" and not NATIVE:
-        if os.environ.get("FASTLOAD_REQUIRE_NATIVE") == "1":
-            pytest.fail(f"fastload._native is required but unavailable: {gather.info()['reason']}")
-        pytest.skip(f"fastload._native unavailable: {gather.info()['reason']}")
-    with gather.use_backend(request.param):
-        yield request.param
 
 
 def text(n: int, seed: int = 0) -> bytes:
