@@ -273,18 +273,21 @@ class HostLimit:
             # In slow start the limit grows per answer (_release): 20 ms to first byte needs
             # ~30 in flight at 1 Gbit. A window whose growth did not pay ends it: one at a time from here.
             self._slow_start = self._slow_start and paid
-            if self._slow_start:
-                pass
-            elif self._grew and rate < self._prev * FALL:
-                self._step(-1.0)  # one more made it worse
-            elif paid or self._held >= PROBE_EVERY:
-                self._step(1.0)
-            else:
-                self._held += 1
-                self._grew = False
+            if not self._slow_start:
+                self._adjust(rate, paid)
         self._best = max(self._best, rate)
         self._prev = rate
         self._new_window(now)
+
+    def _adjust(self, rate: float, paid: bool) -> None:
+        """After slow start: one step per full window, up where it paid, down where it hurt."""
+        if self._grew and rate < self._prev * FALL:
+            self._step(-1.0)  # one more made it worse
+        elif paid or self._held >= PROBE_EVERY:
+            self._step(1.0)
+        else:
+            self._held += 1
+            self._grew = False
 
     def _step(self, by: float) -> None:
         ceiling = min(self.cap, CLOSING_MAX) if self.closing else self.cap
