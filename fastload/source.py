@@ -1004,9 +1004,9 @@ def _is_transient(err: BaseException) -> bool:
         return True
     status = getattr(err, "status", None) or getattr(err, "code", None)
     if isinstance(status, int):
-        return status == 429 or status >= 500
+        return status >= 500  # 429 and 503 were congestion() above
     text = str(err)
-    if any(s in text for s in ("SlowDown", "Throttl", "503", "500 Internal", "RequestTimeout", "Connection reset")):
+    if any(s in text for s in ("500 Internal", "RequestTimeout", "Connection reset")):  # throttles: congestion()
         return True
     # A bare OSError from a network stack is usually transient; a ValueError is not.
     return isinstance(err, OSError) and not isinstance(err, FileExistsError)
