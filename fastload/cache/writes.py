@@ -76,8 +76,7 @@ class CacheWrites(CacheReads):
         for i in todo:  # only blocks not cached yet: an LZ4 attempt costs ~30 us per 100 KB
             _, raw, url, block = items[i]
             payload = codec.encode(raw, chunk_bytes=s.chunk_bytes, level=s.lz4_level, min_saving=s.min_saving, meta=meta)
-            # A packed payload counts its aligned range (it may be a little over its length).
-            need = aligned(len(payload)) if len(payload) <= s.pack_max_bytes else len(payload)
+            need = _charged(len(payload), len(payload) <= s.pack_max_bytes)
             if need > limit:
                 raise CacheLimitError(
                     f"cache limit {format_size(limit)} is smaller than item {url!r} block {block} "
@@ -116,7 +115,7 @@ class CacheWrites(CacheReads):
         url0 = batch[0][0][2]
         pack = self._pack_writer(url0)
         small = [pack is not None and len(payload) <= self.settings.pack_max_bytes for _, payload in batch]
-        total = sum(aligned(len(payload)) if k else len(payload) for k, (_, payload) in zip(small, batch))
+        total = sum(_charged(len(payload), k) for k, (_, payload) in zip(small, batch))
         token = self._reserve(total, url0)
         packed: list[bytes] = []  # the payloads appended to the pack, in batch order
         appended: list[tuple[str, int]] = []  # their pack locations
@@ -302,3 +301,7 @@ class CacheWrites(CacheReads):
             if not cannot_write(err):
                 raise
 
+
+def _charged(n: int, packed: bool) -> int:
+    """Bytes a payload of ``n`` counts against the limit: a packed one its aligned range."""
+    return aligned(n) if packed else n
