@@ -1,0 +1,44 @@
+"""Reader pins: each item's (size, version) recorded once, and found again without a request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fastload.cache import keys
+from fastload.config import Settings
+from fastload.reader import Reader
+from fastload.source import RemoteItem
+
+
+def _pin_writes(reader: Reader, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The pin rows the index is asked to set from now on."""
+    inner = reader.cache.index._inner
+    real = inner.set
+    written: list[str] = []
+
+    def spy(key: str, value: object, *args: object, **kwargs: object) -> object:
+        if keys.of(keys.PIN, key) is not None:
+            written.append(key)
+        return real(key, value, *args, **kwargs)
+
+    monkeypatch.setattr(inner, "set", spy)
+    return written
+
+
+def test_saving_a_manifest_writes_only_pins_not_already_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reader = Reader(Settings(cache_dir=tmp_path / "cache"))
+    root = (tmp_path / "remote").as_posix()
+    items = [RemoteItem(f"file://{root}/{i}.jpg", 100 + i, f"v{i}") for i in range(6)]
+    reader.pin(items[:4])  # as the reads' stores pin them, with their first blocks
+    changed = RemoteItem(items[1].url, 7, "v-new")  # the remote changed since
+    written = _pin_writes(reader, monkeypatch)
+
+    reader.save_manifest(root, None, [items[0], changed, *items[2:]])
+
+    assert sorted(written) == sorted(keys.pin(i.url) for i in [changed, items[4], items[5]])
+    got = reader.cache.index.get_many([keys.pin(i.url) for i in items])
+    assert got[keys.pin(items[1].url)] == (7, "v-new")
+    assert [got[keys.pin(i.url)] for i in [items[0], *items[2:]]] == [(i.size, i.version) for i in [items[0], *items[2:]]]
+    assert reader.cache.index.get(keys.manifest(root, None))["items"][1] == changed.to_json()
