@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError, StoppedError
-from fastload.source import RemoteItem
+from fastload.source import RemoteItem, Source
 
 if TYPE_CHECKING:
     from fastload.reader import Reader
@@ -62,7 +62,7 @@ class _Flight:
     def __init__(self, item: RemoteItem, future: Future[Any], ahead: bool) -> None:
         self.item = item
         self.future = future
-        self.ahead = ahead  # a Source.start_first future (finish it with Source.finish_first)
+        self.ahead = ahead  # a Source.start_first_many future (finish it with Source.finish_first)
 
 
 class Fetcher:
@@ -119,19 +119,25 @@ class Fetcher:
             entries = reader.cache.entries_for([reader.key(i, 0) for i in sized])
             cached = {i.url for i, e in zip(sized, entries) if e is not None}
             todo = [i for i in todo if i.url not in cached]
-        started = 0
+        groups: dict[int, tuple[Source, list[RemoteItem]]] = {}  # one call per Source: one wake-up of its loop
         for item in todo:
+            src = reader.source(item.url)
+            groups.setdefault(id(src), (src, []))[1].append(item)
+        started = 0
+        for src, group in groups.values():
             try:
-                future = reader.source(item.url).start_first(item, limit)
+                futures = src.start_first_many(group, limit)
             except StoppedError:
                 break  # stopped meanwhile
-            if future is None:
-                break  # this store has no event loop: reads fetch as they go
+            if futures is None:
+                continue  # this store cannot fetch these ahead: reads fetch as they go
             with self._lock:
-                if self._table().setdefault((item.url, 0), _Flight(item, future, True)).future is not future:
-                    future.cancel()
-                    continue
-            started += 1
+                table = self._table()
+                for item, future in zip(group, futures):
+                    if table.setdefault((item.url, 0), _Flight(item, future, True)).future is not future:
+                        future.cancel()  # a read registered its own fetch meanwhile
+                    else:
+                        started += 1
         return started
 
     def _take_ahead(self, item: RemoteItem) -> Future[Any] | None:

@@ -31,6 +31,7 @@ import fsspec.asyn
 from fsspec.core import url_to_fs
 from fsspec.registry import known_implementations
 
+from fastload._loop import submit_all
 from fastload.config import Settings
 from fastload.errors import (
     ConfigError,
@@ -488,30 +489,37 @@ class Source:
         return [self.read_first(item, nbytes) if isinstance(res, BaseException) else (self._item(res[0]), res[1])
                 for item, res in zip(items, results)]
 
-    def start_first(self, item: RemoteItem, nbytes: int) -> concurrent.futures.Future[Any] | None:
-        """Start reading ``item``'s first ``nbytes`` on fsspec's event loop, or None where that
-        cannot be done (a store without an event loop). Finish it with :meth:`finish_first`."""
-        self._stopped(item.url)
+    def start_first_many(self, items: Sequence[RemoteItem], nbytes: int) -> builtins.list[concurrent.futures.Future[Any]] | None:
+        """Start reading each item's first ``nbytes`` on fsspec's event loop, or None where that
+        cannot be done (a store without an event loop; sizeless items outside HTTP).
+
+        All are handed to the loop at once (:func:`fastload._loop.submit_all`), so the
+        caller pays one wake-up of the loop, not one per item. Each future is finished
+        with :meth:`finish_first`; each request holds its host's slot while it runs.
+        """
+        self._stopped(items[0].url if items else self.url)
         fs: Any = self.fs
-        if not getattr(fs, "async_impl", False) or getattr(fs, "loop", None) is None:
+        if not items or not getattr(fs, "async_impl", False) or getattr(fs, "loop", None) is None:
             return None
-        coro: Coroutine[Any, Any, Any]
-        if item.size < 0:
-            if not isinstance(fs, _http_fs_class()):
-                return None
+        http = isinstance(fs, _http_fs_class())
+        if not http and any(i.size < 0 for i in items):
+            return None
+        timeout_s = self.settings.request_timeout_s
 
-            def request() -> Awaitable[tuple[dict[str, Any], bytes]]:
-                self._stopped(item.url)  # a stop while it waited for its slot: no request
-                return _http_get_first(fs, item.url, nbytes, self.settings.request_timeout_s)
+        def maker(item: RemoteItem) -> Callable[[], Coroutine[Any, Any, Any]]:
+            if item.size < 0:
+                def request() -> Awaitable[tuple[dict[str, Any], bytes]]:
+                    self._stopped(item.url)  # a stop while it waited for its slot: no request
+                    return _http_get_first(fs, item.url, nbytes, timeout_s)
 
-            coro = _held(self.limit_of(item.url), request)
-        else:
-            coro = _gather_ranges(fs, [(fs._strip_protocol(item.url), 0, min(nbytes, item.size))], self.settings.request_timeout_s,
-                                  self.limit_of, self.stop)
-        return asyncio.run_coroutine_threadsafe(coro, fs.loop)
+                return lambda: _held(self.limit_of(item.url), request)
+            ranges: builtins.list[tuple[str, int, int | None]] = [(fs._strip_protocol(item.url), 0, min(nbytes, item.size))]
+            return lambda: _gather_ranges(fs, ranges, timeout_s, self.limit_of, self.stop)
+
+        return submit_all(fs.loop, [maker(item) for item in items])
 
     def finish_first(self, item: RemoteItem, nbytes: int, future: concurrent.futures.Future[Any]) -> tuple[RemoteItem, bytes]:
-        """:meth:`read_first`'s result from a :meth:`start_first` future; a failed or short read
+        """:meth:`read_first`'s result from a :meth:`start_first_many` future; a failed or short read
         is done again by :meth:`read_first` (retries, backoff, error translation)."""
         try:
             res = self._wait(future, self.settings.request_timeout_s * 2, item.url)
