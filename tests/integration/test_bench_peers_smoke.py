@@ -108,3 +108,20 @@ def test_transfer_clients_reports_cpu_per_get_for_each_client(
     assert set(out) == {"fsspec", "aiohttp", "fastload"}
     for runs in out.values():
         assert len(runs) == 1 and runs[0]["gets_per_s"] > 0 and runs[0]["user_ms"] + runs[0]["sys_ms"] >= 0
+
+
+def test_timeline_splits_an_epoch_with_every_instrument_in_place(
+    load_script: Callable[[str], ModuleType], tmp_path: Path, nginx_server: Any
+) -> None:
+    # Unshaped: the figures mean nothing here; that every instrument still finds the
+    # internals it wraps, and every part of the split is reported, does.
+    script = load_script("benchmarks/peers/timeline.py")
+    out = tmp_path / "timeline.json"
+    args = script.parse_args(["--link", "none", "--images", "20", "--work-dir", str(tmp_path), "--out", str(out)])
+    assert script.main(args) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert "missing_instruments" not in run
+    assert run["series"]["samples"] == 20 and len(run["series"]["batches"]) == 1
+    assert round([r for r in run["series"]["requests"] if r[2] >= 0][0][0], 3) == run["setup_s"] > 0
+    assert run["listing_s"] > 0 and run["tail_s"] >= 0 and run["stall_s"] >= 0 and run["seconds"] > 0
+    assert list(tmp_path.glob("fastload-timeline-*")) == []  # work folder removed
