@@ -31,10 +31,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any
 
 from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError, StoppedError
+from fastload.hostlimit import STOP_POLL_S
 from fastload.source import RemoteItem, Source
 
 if TYPE_CHECKING:
@@ -225,6 +226,22 @@ class Fetcher:
             fresh[reader.key(item, 0)] = data
         return out, fresh
 
+    def _settle(self, futures: list[Future[Any]]) -> None:
+        """Wait for a chunk's fetches ahead together: until all are done, the Reader stops,
+        or their requests' timeout passes (Source.finish_first then takes each, done or not).
+
+        Waiting on each in turn woke the read thread once per object as its answer came
+        in, a thread switch and a GIL handoff each; this wakes it once per chunk.
+        """
+        pending = [f for f in futures if not f.done()]
+        stop = self.reader.stop
+        deadline = time.monotonic() + 2 * self.reader.settings.request_timeout_s  # as Source.finish_first
+        while pending and not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            pending = list(wait(pending, timeout=min(STOP_POLL_S, left)).not_done)
+
     def _wait_s(self) -> float:
         """How long a thread waits for another's fetch: its request's timeout, retries and backoff."""
         settings = self.reader.settings
@@ -235,11 +252,16 @@ class Fetcher:
         bb = self.reader.settings.block_bytes
         out: list[tuple[RemoteItem, bytes] | None] = [None] * len(items)
         rest = []
+        taken: dict[int, Future[Any]] = {}
         for k, item in enumerate(items):
             future = self._take_ahead(item)
             if future is None:
                 rest.append(k)
-                continue
+            else:
+                taken[k] = future
+        self._settle(list(taken.values()))
+        for k, future in taken.items():
+            item = items[k]
             src = self.reader.source(item.url)
             done, data = src.finish_first(item, self.ahead_bytes, future)
             if len(data) != min(bb, done.size):  # larger than fetched ahead: its whole first block
@@ -328,6 +350,7 @@ class Fetcher:
         spans = {k: reader.block_span(*blocks[k]) for k in mine}
         fetched: dict[int, bytes | Exception] = {}
         streamed: set[int] = set()
+        self._settle(list(ahead.values()))
         for k, future in ahead.items():
             item = blocks[k][0]
             try:
