@@ -13,17 +13,21 @@ from fastload.source import RemoteItem
 
 
 def _pin_writes(reader: Reader, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The pin rows the index is asked to set from now on."""
-    inner = reader.cache.index._inner
-    real = inner.set
+    """The pin rows the index is asked to set from now on (one by one or batched)."""
+    index = reader.cache.index
     written: list[str] = []
+    real_set, real_many = index._inner.set, index.set_many
 
-    def spy(key: str, value: object, *args: object, **kwargs: object) -> object:
-        if keys.of(keys.PIN, key) is not None:
-            written.append(key)
-        return real(key, value, *args, **kwargs)
+    def one(key: str, value: object, *args: object, **kwargs: object) -> object:
+        written.extend([key] if keys.of(keys.PIN, key) is not None else [])
+        return real_set(key, value, *args, **kwargs)
 
-    monkeypatch.setattr(inner, "set", spy)
+    def many(rows: dict[str, object]) -> None:
+        written.extend(k for k in rows if keys.of(keys.PIN, k) is not None)
+        real_many(rows)
+
+    monkeypatch.setattr(index._inner, "set", one)
+    monkeypatch.setattr(index, "set_many", many)
     return written
 
 
