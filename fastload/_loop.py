@@ -35,7 +35,12 @@ def submit_all(loop: asyncio.AbstractEventLoop,
         for make, future in zip(makers, futures):
             if future.cancelled():
                 continue
-            task = loop.create_task(make())
+            try:
+                task = loop.create_task(make())
+            except BaseException as err:  # this one's error, not its neighbours' hang
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(err)
+                continue
             task.add_done_callback(functools.partial(_copy_outcome, future))
             future.add_done_callback(functools.partial(_cancel_task, loop, task))
 

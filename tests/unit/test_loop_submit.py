@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -66,3 +67,16 @@ def test_cancelling_a_future_cancels_its_task_and_one_cancelled_early_never_star
     assert started == [1]
     with pytest.raises(concurrent.futures.CancelledError):
         first.result(1)
+
+
+def test_a_coroutine_that_cannot_be_made_fails_alone(loop: asyncio.AbstractEventLoop) -> None:
+    async def fine() -> str:
+        return "ok"
+
+    def broken() -> Any:
+        raise ValueError("no coroutine")
+
+    first, second, third = submit_all(loop, [fine, broken, fine])
+    assert first.result(5) == third.result(5) == "ok"
+    with pytest.raises(ValueError, match="no coroutine"):
+        second.result(5)
