@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from fastload._torch_surface import surfaced
-from fastload.readahead import ReadAhead
+from fastload.readahead import ReadAhead, finalizing_close
 from fastload.stats import (
     _ACTIVE,
     StatsCollector,
@@ -348,14 +348,17 @@ class _LoaderIter(Iterator[Any]):
         seconds, default ReadAhead.CLOSE_WAIT_S), so their records do not land in the
         next epoch's stats. Workers are left to torch (persistent ones are reused).
         """
+        self._end(ReadAhead.close if timeout is None else lambda reads: reads.close(timeout))
+
+    def _end(self, close_reads: Callable[[ReadAhead], None]) -> None:
         if isinstance(self._keep, ReadAhead):
-            self._keep.close() if timeout is None else self._keep.close(timeout)
+            close_reads(self._keep)
         _leave_loop(self._scope)
         self._scope = _NOT_ENTERED
         self.flush()
 
     def __del__(self) -> None:
-        self.close()
+        self._end(finalizing_close)  # a finalizer joins no thread (readahead.finalizing_close)
 
 
 class _LiveLoaderIter(_LoaderIter):

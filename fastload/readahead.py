@@ -188,12 +188,13 @@ class ReadAhead(Iterator[Any]):
             batch = self._post(batch)
         return batch
 
-    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+    def close(self, timeout: float = CLOSE_WAIT_S, *, join: bool = True) -> None:
         """Cancel queued reads and wait up to ``timeout`` s for the running ones.
 
         Waiting keeps an epoch stopped early from leaking its last reads' records into
         the next epoch's stats (tests/unit/test_readahead.py). When they all finish in
-        time the pool's threads are joined too; otherwise they end on their own.
+        time the pool's threads are joined too (unless ``join`` is false); otherwise
+        they end on their own.
         """
         pool, self._pool = self._pool, None
         running = [fut for futures in self._pending for fut in futures if not fut.cancel()]
@@ -205,7 +206,8 @@ class ReadAhead(Iterator[Any]):
         if timeout <= 0 or threading.current_thread().name.startswith(self._thread_prefix + "_"):
             return  # told not to wait, or dropped by one of the pool's own threads
         if not wait(running, timeout=timeout).not_done:
-            pool.shutdown(wait=True)  # the reads are done: this only joins idle threads
+            if join:
+                pool.shutdown(wait=True)  # the reads are done: this only joins idle threads
         else:
             warnings.warn(
                 f"{self._name}: reads still running {timeout} s after the loader stopped; "
@@ -216,4 +218,16 @@ class ReadAhead(Iterator[Any]):
 
     def __del__(self) -> None:
         if getattr(self, "_pool", None) is not None:
-            self.close()
+            finalizing_close(self)
+
+
+def finalizing_close(reads: ReadAhead) -> None:
+    """``reads.close()`` from a finalizer: wait for running reads, join no thread.
+
+    A finalizer runs wherever a collection happens to start, for instance inside
+    threading's own bookkeeping while a new thread starts, which holds a lock that
+    ending a thread takes again: joining the pool's threads there hung the test
+    suite for good (tests/unit/test_readahead.py). The threads, told to stop, end
+    on their own.
+    """
+    reads.close(join=False)

@@ -82,3 +82,27 @@ def test_an_epoch_stopped_early_leaks_no_records_into_the_next() -> None:
     time.sleep(READ_S * 2)  # any read still running would have recorded by now
     assert loader.stats().stage("fetch").items == 0
     assert loader.stats().stage("read").items == 0
+
+
+
+def test_a_finalized_read_ahead_waits_for_its_reads_but_joins_no_thread(monkeypatch: Any) -> None:
+    # A finalizer runs wherever a collection starts: once inside Thread.start's own
+    # bookkeeping, which holds a lock that ending a thread takes again; the join in it
+    # hung the whole suite. Running reads are still waited for (their records land here).
+    gate = threading.Event()
+
+    def read(idx: list[int]) -> list[int]:
+        if idx == [1]:
+            gate.wait(5)
+        return list(idx)
+
+    reads = ReadAhead(iter([[0], [1]]), read, lambda b: b, auto_collation=True, threads=2, ahead=1)
+    assert next(reads) == [0]
+    joins: list[str] = []
+    real = threading.Thread.join
+    monkeypatch.setattr(threading.Thread, "join", lambda self, timeout=None: joins.append(self.name) or real(self, timeout))
+    threading.Timer(0.2, gate.set).start()
+    t0 = time.monotonic()
+    reads.__del__()
+    assert time.monotonic() - t0 >= 0.1  # the running read was waited for
+    assert [n for n in joins if n.startswith("fastload-read")] == []
