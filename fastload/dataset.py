@@ -35,6 +35,7 @@ from fastload._worker_pack import Span, read_buffer
 from fastload.cache import cannot_write, keys
 from fastload.config import Settings
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
+from fastload.lookahead import announce
 from fastload.reader import Reader
 from fastload.source import RemoteItem
 
@@ -133,6 +134,12 @@ class _CachedDataset(torch.utils.data.Dataset):
     def __getitems__(self, indices: list[int]) -> list[Any]:
         # torch's fetcher (in DataLoader workers, or torch's own loader) asks for a
         # whole batch through this hook: one batched read, misses fetched together.
+        # In a fastload.DataLoader worker the batch may carry batches this worker reads
+        # later (fastload.lookahead.Announced): their fetches start first, on this
+        # worker's event loop, so the link stays busy across batches.
+        fetch_ahead = getattr(self, "fetch_ahead", None)
+        if fetch_ahead is not None:
+            announce(indices, fetch_ahead)
         return self.read_batch(indices)
 
     def _own_getitem(self, cls: type[_CachedDataset]) -> bool:

@@ -12,7 +12,7 @@ from fastload.lookahead import LOOKAHEAD_ITEMS, Lookahead, depth_for
 def test_batches_pass_unchanged_and_each_is_announced_once_depth_ahead() -> None:
     batches = [[0, 1], [2, 3], [4, 5], [6, 7], [8]]
     hinted: list[list[int]] = []
-    it = Lookahead(iter(batches), hinted.append, depth=2)
+    it = Lookahead(iter(batches), 2, hint=hinted.append)
     first = next(it)
     assert first == [0, 1] and hinted == batches[:3]  # the one returned and 2 beyond it
     rest = list(it)
@@ -25,7 +25,7 @@ def test_a_failing_hint_never_ends_the_epoch(caplog: pytest.LogCaptureFixture) -
         raise OSError("remote down")
 
     with caplog.at_level(logging.DEBUG, logger="fastload"):
-        assert list(Lookahead(iter([[1], [2]]), boom, depth=1)) == [[1], [2]]
+        assert list(Lookahead(iter([[1], [2]]), 1, hint=boom)) == [[1], [2]]
     assert "remote down" in caplog.text
 
 
