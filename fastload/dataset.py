@@ -91,12 +91,28 @@ class _CachedDataset(torch.utils.data.Dataset):
         fresh: dict[str, bytes] = {}
         if self._unsized and any(i.size < 0 for i in items):
             items, fresh = self.reader.fetcher.complete(items)
-            for i, item in zip(indices, items):
-                if self.items[i].size < 0:
-                    self.items[i] = item
-                    self._unsized -= 1
-            self._save_if_sized()
+            self._adopt(indices, items)
         return items, fresh
+
+    def _pinned(self, indices: Sequence[int]) -> list[RemoteItem]:
+        """The items at ``indices``, sizeless ones sized from their recorded pins where pinned.
+
+        A DataLoader worker's copy of the listing learns only the sizes it read; what
+        another worker (or an earlier epoch's) cached is found through its pin.
+        """
+        items = [self.items[i] for i in indices]
+        if self._unsized and any(i.size < 0 for i in items):
+            items = self.reader.pinned(items)
+            self._adopt(indices, items)
+        return items
+
+    def _adopt(self, indices: Sequence[int], items: Sequence[RemoteItem]) -> None:
+        """Keep the sizes learnt for ``items`` (at ``indices``) in the listing."""
+        for i, item in zip(indices, items):
+            if item.size >= 0 and self.items[i].size < 0:
+                self.items[i] = item
+                self._unsized -= 1
+        self._save_if_sized()
 
     def _save_if_sized(self) -> None:
         # Once every size is known here, the listing becomes the recorded manifest, so
@@ -216,7 +232,7 @@ class FileDataset(_CachedDataset):
 
     def fetch_ahead(self, indices: Sequence[int]) -> None:
         """Start fetching the files at ``indices`` ahead of their read (fastload.DataLoader calls it)."""
-        self.reader.fetcher.ahead([self.items[i] for i in indices])
+        self.reader.fetcher.ahead(self._pinned(indices))
 
     def read_batch(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """``[self[i] for i in indices]``, with the files read as one batch."""
