@@ -12,6 +12,7 @@ The loader wires stages together and holds none of their logic:
 
 * index order, sharding and resume: :mod:`fastload.sampler`
 * parallel reads for datasets with ``read_batch``: :mod:`fastload.readahead`
+* index batches announced ahead (``fetch_ahead``), here or to workers: :mod:`fastload.lookahead`
 * host-to-device transfer: :mod:`fastload.prefetch`
 * counters: :mod:`fastload.stats`
 """
@@ -144,7 +145,11 @@ class DataLoader(tud.DataLoader[T_co]):
     Inside it, ``fastload.stats.current_collector()`` is this loader's collector.
     An exception it raises is re-raised by ``next()`` for that batch with its
     original traceback. With ``num_workers > 0`` the hook is not used: workers call
-    ``__getitem__``/``__getitems__`` as in torch.
+    ``__getitem__``/``__getitems__`` as in torch. A dataset with
+    ``fetch_ahead(indices)`` is announced index batches about
+    :data:`~fastload.lookahead.LOOKAHEAD_ITEMS` samples ahead of each reading
+    process: this one, or (``in_order=True``) the worker that will read them,
+    carried by an earlier index batch of that worker (:mod:`fastload.lookahead`).
 
     Resuming. ``state_dict()`` after ``k`` batches of an epoch, then
     ``load_state_dict()`` on a new loader built with the same arguments, makes the
