@@ -15,11 +15,19 @@ from fastload.cache.index import FileLock, GatedIndex
 from fastload.config import Settings
 from fastload.errors import CacheError, CacheFullError, CacheReadOnlyError
 
-# Reservations this process holds for writes in flight (token -> bytes); any other
-# reservation under our PID was left behind by a failed release (a full disk) and is stale.
-# Their bytes are not on the disk yet, so the disk's free space does not show them: the
-# reserve check takes them off (tests/reliability/test_disk_full.py::test_default_limit_keeps_a_free_margin).
-IN_FLIGHT: dict[str, int] = {}
+# Reservations this process holds for writes in flight (token -> (file system, bytes)); any
+# other reservation under our PID was left behind by a failed release (a full disk) and is
+# stale. Their bytes are not on the disk yet, so the disk's free space does not show them:
+# the reserve check takes off those bound for the same file system, and only those: a cache
+# on another disk does not spend this one's room
+# (tests/reliability/test_disk_full.py::test_default_limit_keeps_a_free_margin and
+# ::test_writes_in_flight_to_another_disk_leave_this_ones_room).
+IN_FLIGHT: dict[str, tuple[int, int]] = {}
+
+
+def in_flight_on(device: int) -> int:
+    """Bytes this process is writing to file system ``device`` (``st_dev``) right now."""
+    return sum(n for dev, n in list(IN_FLIGHT.values()) if dev == device)  # a copy: other threads add and remove
 
 
 class CacheBase:
@@ -53,6 +61,7 @@ class CacheBase:
                 raise error(f"cache dir {self.root} cannot be created or opened ({err}); fix: {fix}, or set "
                             "FASTLOAD_CACHE_DIR to a writable folder") from err
         self._lock_path = self.root / "evict.lock"
+        self.device = self.data_dir.stat().st_dev if self.data_dir.is_dir() else -1  # its file system, for IN_FLIGHT
         self._touched: dict[str, float] = {}
         # Entries this process has looked up or written. Safe to reuse: a payload's
         # name carries a nonce and every read checks its bytes, so a memo gone stale

@@ -28,7 +28,7 @@ from typing import Any
 
 from fastload import codec
 from fastload.cache import keys, packs
-from fastload.cache.base import IN_FLIGHT
+from fastload.cache.base import IN_FLIGHT, in_flight_on
 from fastload.cache.disk import cannot_write, reserve_bytes, room
 from fastload.cache.entry import Entry, aligned, record
 from fastload.cache.reads import CacheReads
@@ -265,7 +265,7 @@ class CacheWrites(CacheReads):
                 # the disk yet, so their bytes come off what it shows as free.
                 room = self._room()
                 if room is not None:
-                    room -= sum(list(IN_FLIGHT.values()))  # a copy: other threads add and remove
+                    room -= in_flight_on(self.device)
                 used = self.index.get(keys.BYTES, 0)
                 limit = self._capped(used, room)
                 if n > limit:  # even an empty cache could not take it: the disk keeps its reserve
@@ -278,7 +278,7 @@ class CacheWrites(CacheReads):
                 if used + n <= limit:
                     self.index.incr(keys.BYTES, n)
                     self.index.set(token, n)
-                    IN_FLIGHT[token] = n
+                    IN_FLIGHT[token] = (self.device, n)
                     return token
             if not self.evict(int(min(limit - n, LOW_WATERMARK * limit))):
                 # Everything left is other writers' bytes in flight: wait for them.

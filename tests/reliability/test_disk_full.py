@@ -182,6 +182,23 @@ def test_default_limit_keeps_a_free_margin(
     cache.close()
 
 
+def test_writes_in_flight_to_another_disk_leave_this_ones_room(tmpfs: Callable[..., Path]) -> None:
+    # Bytes in flight come off the free space of their own disk only: a process with a cache
+    # on each of two disks used to take one disk's writes off the other's room as well.
+    mib = 1024**2
+    a = Cache(Settings(cache_dir=tmpfs(8 * mib) / "cache", lock_timeout_s=0.5))  # the default reserve: 5%
+    b = Cache(Settings(cache_dir=tmpfs(8 * mib) / "cache", lock_timeout_s=0.5))
+    held = a._reserve(6 * mib, "a-write")  # a write in flight to disk a: not on the disk yet
+    try:
+        b._release(b._reserve(6 * mib, "b-write"), 6 * mib)  # disk b's 8 MiB are all its own
+        with pytest.raises(CacheFullError):  # disk a still counts its own write in flight
+            a._reserve(6 * mib, "a-second")
+    finally:
+        a._release(held, 6 * mib)
+        a.close()
+        b.close()
+
+
 def test_read_only_cache_serves_reads_and_streams_the_rest_with_one_warning(
     tmp_path: Path, nginx_server: Callable[..., Any], tmpfs: Callable[..., Path], caplog: pytest.LogCaptureFixture
 ) -> None:
