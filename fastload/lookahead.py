@@ -28,6 +28,8 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from fastload.errors import ConfigError
+
 _log = logging.getLogger("fastload")
 
 #: Samples announced ahead of the batches being read, per reading process (about 4
@@ -88,7 +90,10 @@ class Lookahead:
 
     def __init__(self, batches: Iterator[Any], depth: int, *, hint: Hint | None = None, workers: int = 0) -> None:
         if (hint is None) == (workers < 1):
-            raise ValueError("Lookahead announces through hint= (this process) or to workers= (>= 1), not both")
+            raise ConfigError(
+                f"Lookahead(hint={hint!r}, workers={workers}): announce through hint= (this process) "
+                "or to workers= (>= 1 worker processes); pass exactly one"
+            )
         self._batches = batches
         self._hint = hint
         self._workers = workers

@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 
+from fastload.errors import ConfigError
 from fastload.lookahead import LOOKAHEAD_ITEMS, Announced, Lookahead, announce, depth_for
 
 
@@ -70,9 +71,9 @@ def test_batches_that_are_not_plain_lists_pass_unchanged() -> None:
 
 
 def test_announcing_needs_one_way() -> None:
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ConfigError, match="pass exactly one"):
         Lookahead(iter([]), 1)
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ConfigError, match="pass exactly one"):
         Lookahead(iter([]), 1, hint=print, workers=2)
 
 
