@@ -226,8 +226,7 @@ class Reader:
         """Record each item's size and version, so a read needs no request to learn them."""
         index = self.cache.index
         with index.transact():
-            for name, value in self.pins_of(items).items():
-                index.set(name, value)
+            index.set_many(self.pins_of(items))
 
     @staticmethod
     def pins_of(items: builtins.list[RemoteItem]) -> dict[str, tuple[int, str]]:

@@ -206,7 +206,7 @@ class ReadOnlyIndex:
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise IndexUnwritable(f"the cache index at {self.directory} is open read-only: {self.reason}")
 
-    set = add = delete = pop = incr = clear = _refuse
+    set = add = set_many = add_many = delete = pop = incr = clear = _refuse
 
     @contextmanager
     def transact(self, retry: bool = False) -> Iterator[None]:

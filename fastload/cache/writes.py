@@ -149,12 +149,13 @@ class CacheWrites(CacheReads):
                 entries.append(Entry(key, rel, len(payload), len(raw), info.codec, info.checksum, url, block,
                                      codec.checksum(payload), offset, now if k else None))
             with self.index.transact():
-                for name, value in (rows or {}).items():
-                    self.index.set(name, value)
+                if rows:
+                    self.index.set_many(rows)
+                # No last-use record (keys.LAST_USE) yet: until its first touch an entry's
+                # write time is its last use (evict), one index write less per put.
+                added = self.index.add_many([(keys.entry(e.key), record(e)) for e in entries])
                 for e in entries:
-                    # No last-use record (keys.LAST_USE) yet: until its first touch an entry's
-                    # write time is its last use (evict), one index write less per put.
-                    if self.index.add(keys.entry(e.key), record(e)):
+                    if keys.entry(e.key) in added:
                         won.add(e.location)
                     else:
                         lost += e.charged
@@ -258,28 +259,16 @@ class CacheWrites(CacheReads):
         token = keys.reservation(os.getpid(), uuid.uuid4().hex)
         deadline = time.monotonic() + self.settings.lock_timeout_s
         while True:
-            with self.index.transact():
-                # Inside the transaction: a free-space reading taken before another
-                # writer's reservation landed would let both spend the same space
-                # (statvfs is a microsecond syscall). Writes still in flight are not on
-                # the disk yet, so their bytes come off what it shows as free.
-                room = self._room()
-                if room is not None:
-                    room -= in_flight_on(self.device)
-                used = self.index.get(keys.BYTES, 0)
-                limit = self._capped(used, room)
-                if n > limit:  # even an empty cache could not take it: the disk keeps its reserve
-                    raise CacheFullError(
-                        f"disk under {self.root} has room for {format_size(max(0, used + (room or 0)))} of cache "
-                        f"(its free space less the {format_size(reserve_bytes(self.data_dir, self.settings.disk_reserve_bytes))} it "
-                        f"keeps free) but {url!r} needs {format_size(n)}; fix: free space there, lower "
-                        "FASTLOAD_DISK_RESERVE (0 turns the reserve off), or move FASTLOAD_CACHE_DIR"
-                    )
-                if used + n <= limit:
-                    self.index.incr(keys.BYTES, n)
-                    self.index.set(token, n)
-                    IN_FLIGHT[token] = (self.device, n)
-                    return token
+            try:
+                reserved = self._try_reserve(token, n, url)
+            except BaseException:
+                # Its COMMIT can fail (a full disk): then nothing is reserved, and nothing may
+                # stay in flight either, or this process's room on that disk shrinks for good.
+                IN_FLIGHT.pop(token, None)
+                raise
+            if reserved is None:
+                return token
+            limit = reserved
             if not self.evict(int(min(limit - n, LOW_WATERMARK * limit))):
                 # Everything left is other writers' bytes in flight: wait for them.
                 time.sleep(0.01)
@@ -290,8 +279,35 @@ class CacheWrites(CacheReads):
                     "writes in flight); fix: raise --cache-limit / FASTLOAD_CACHE_LIMIT"
                 )
 
+    def _try_reserve(self, token: str, n: int, url: str) -> int | None:
+        """Reserve ``n`` bytes under ``token`` if they fit now (None); else the limit in force."""
+        with self.index.transact():
+            # Inside the transaction: a free-space reading taken before another
+            # writer's reservation landed would let both spend the same space
+            # (statvfs is a microsecond syscall). Writes still in flight are not on
+            # the disk yet, so their bytes come off what it shows as free.
+            room = self._room()
+            if room is not None:
+                room -= in_flight_on(self.device)
+            used = self.index.get(keys.BYTES, 0)
+            limit = self._capped(used, room)
+            if n > limit:  # even an empty cache could not take it: the disk keeps its reserve
+                raise CacheFullError(
+                    f"disk under {self.root} has room for {format_size(max(0, used + (room or 0)))} of cache "
+                    f"(its free space less the {format_size(reserve_bytes(self.data_dir, self.settings.disk_reserve_bytes))} it "
+                    f"keeps free) but {url!r} needs {format_size(n)}; fix: free space there, lower "
+                    "FASTLOAD_DISK_RESERVE (0 turns the reserve off), or move FASTLOAD_CACHE_DIR"
+                )
+            if used + n <= limit:
+                self.index.incr(keys.BYTES, n)
+                self.index.set(token, n)
+                IN_FLIGHT[token] = (self.device, n)  # inside: no other writer sees the room without it
+                return None
+        return limit
+
     def _release(self, token: str, n: int) -> None:
         """Give back a reservation whose write was not published."""
+        IN_FLIGHT.pop(token, None)
         try:
             with self.index.transact():
                 if self.index.pop(token, None) is not None:

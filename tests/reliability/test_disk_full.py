@@ -15,6 +15,7 @@ from helpers import make_noise_files, payload_files
 
 import fastload
 from fastload.cache import Cache, Entry, keys
+from fastload.cache.disk import reserve_bytes
 from fastload.cli import main as cli_main
 from fastload.config import Settings
 from fastload.errors import CacheFullError
@@ -197,6 +198,33 @@ def test_writes_in_flight_to_another_disk_leave_this_ones_room(tmpfs: Callable[.
         a._release(held, 6 * mib)
         a.close()
         b.close()
+
+
+def test_a_write_refused_by_a_full_disk_holds_none_of_its_room_later(tmpfs: Callable[..., Path]) -> None:
+    # A write whose reservation could not be committed (the disk full) stayed counted as in
+    # flight for the life of the process: every later cache on that disk had that much less
+    # room ("room for 0 B" once enough had piled up).
+    mib = 1024**2
+    disk = tmpfs(16 * mib)
+    first = Cache(Settings(cache_dir=disk / "first", disk_reserve_bytes=0))
+    filler = disk / "filler"
+    with open(filler, "wb") as f:  # fill the disk to the last block
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    with pytest.raises(CacheFullError):
+        first.put("a" * 40, os.urandom(6 * mib), url="refused")
+    first.close()
+    filler.unlink()
+    later = Cache(Settings(cache_dir=disk / "later"))  # the default reserve: 5% of the disk
+    st = os.statvfs(disk)
+    fits = st.f_bavail * st.f_frsize - reserve_bytes(disk, None) - 2 * mib  # 2 MiB for the index
+    later.put("b" * 40, os.urandom(fits), url="fits")
+    assert later.get("b" * 40) is not None
+    later.close()
 
 
 def test_read_only_cache_serves_reads_and_streams_the_rest_with_one_warning(

@@ -128,3 +128,21 @@ def test_put_many_sets_other_rows_in_its_publishing_transaction(settings: Settin
     cache.put_many([("k1", _blob(1), "mem://1", 0)], rows={keys.pin("mem://1"): (5000, "v2")})  # cached already
     assert cache.index.get(keys.pin("mem://1")) == (5000, "v2")
     assert published == 2 and len(transactions) == 3  # reserve + publish (pins in it); then the pins alone
+
+
+def test_batched_index_writes_read_back_as_diskcache_wrote_them(settings: Settings) -> None:
+    # add_many / set_many write diskcache's table directly: diskcache itself must read
+    # their rows back (values, count, length), add must not overwrite, set must.
+    cache = Cache(settings)
+    index = cache.index
+    index.set("x:kept", ("old", 1))
+    with index.transact():
+        added = index.add_many([("x:kept", ("new", 2)), ("x:a", ("a", 3)), ("x:b", [4, "b"]), ("x:a", ("again", 5))])
+    assert added == {"x:a", "x:b"}
+    assert index.get("x:kept") == ("old", 1) and index.get("x:a") == ("a", 3) and index.get("x:b") == [4, "b"]
+    with index.transact():
+        index.set_many({"x:kept": ("replaced", 6), "x:c": 7, "x:s": "text"})
+    assert [index.get(k) for k in ("x:kept", "x:c", "x:s")] == [("replaced", 6), 7, "text"]
+    assert len(cache._diskcache) == sum(1 for _ in index.iterkeys())  # diskcache's count stays true
+    assert index.get_many(["x:a", "x:c", "x:missing"]) == {"x:a": ("a", 3), "x:c": 7}
+    cache.close()
