@@ -249,13 +249,22 @@ class FileDataset(_CachedDataset):
             if lease is not None:
                 self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], lease, fresh)
                 return [self._sample(i, item, Span(off, item.size)) for i, item, off in zip(indices, items, offsets)]
-        out, offsets = _batch_buffer(sizes)
-        self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], out, fresh)
+        # A whole object fetched just now is its sample's bytes as it is: no copy into the
+        # batch buffer and out again (two copies of every cold object).
+        data: list[bytes] = []
+        rest = []
+        for k, item in enumerate(items):
+            got = fresh.get(self.reader.key(item, 0)) if fresh else None
+            if got is None or len(got) != item.size:
+                got = b""
+                rest.append(k)
+            data.append(got)
+        out, offsets = _batch_buffer([sizes[k] for k in rest])
+        self.reader.read_into([(items[k], 0, items[k].size, off) for k, off in zip(rest, offsets)], out, fresh)
         view = out.data
-        return [
-            self._sample(index, item, bytes(view[off : off + item.size]))
-            for index, item, off in zip(indices, items, offsets)
-        ]
+        for k, off in zip(rest, offsets):
+            data[k] = bytes(view[off : off + items[k].size])
+        return [self._sample(index, item, d) for index, item, d in zip(indices, items, data)]
 
 
 def _parse_npy_header(head: bytes, url: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:

@@ -346,7 +346,7 @@ class Reader:
         view = memoryview(out).cast("B")
         if fresh:
             for key in [k for k in plan if k in fresh]:
-                data = fresh[key]
+                data = memoryview(fresh[key])  # a slice of bytes would be a copy of its own
                 for lo, n, dst in plan.pop(key)[2]:
                     view[dst : dst + n] = data[lo : lo + n]
         keys = list(plan)
@@ -358,7 +358,8 @@ class Reader:
             self.record("cache_read", len(hit), sum(b - a for a, b in spans), t0)
         if missed:
             steps = [plan[keys[i]] for i in missed]
-            for (_, _, copies), data in zip(steps, self.fetcher.fetch([(it, b) for it, b, _ in steps])):
+            for (_, _, copies), got in zip(steps, self.fetcher.fetch([(it, b) for it, b, _ in steps])):
+                data = memoryview(got)
                 for lo, n, dst in copies:
                     view[dst : dst + n] = data[lo : lo + n]
 

@@ -288,3 +288,34 @@ def test_a_block_wanted_while_its_object_streams_waits_for_that_stream(tmp_path:
         assert server.gets == 2  # the first block's GET, then the whole object once
     finally:
         server.close()
+
+
+def test_a_cold_batch_hands_out_fetched_objects_without_copying_them(
+    tmp_path: Path, nginx_server: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A whole object fetched just now is its sample's bytes: only the rest of the batch
+    # (cached items, objects larger than a block) goes through the batch buffer.
+    import fastload.dataset as dataset_module
+
+    www = tmp_path / "www"
+    www.mkdir()
+    files = {f"{i}.bin": os.urandom(3000 + i) for i in range(6)}
+    files["big.bin"] = os.urandom(70_000)  # larger than a block: only its first block is fetched whole
+    for name, data in files.items():
+        (www / name).write_bytes(data)
+    server = nginx_server(www)
+    settings = Settings(cache_dir=tmp_path / "cache", block_bytes=16 * 1024)
+    ds = fastload.FileDataset(server.url + "/", settings=settings)
+    names = [p.rsplit("/", 1)[-1] for p in ds.relpaths]
+    ds.read_batch([names.index("0.bin")])  # cached before the batch: read back, not fetched
+    buffered: list[int] = []
+    real = dataset_module._batch_buffer
+
+    def spy(sizes: Any) -> Any:
+        buffered.extend(sizes)
+        return real(sizes)
+
+    monkeypatch.setattr(dataset_module, "_batch_buffer", spy)
+    batch = ds.read_batch(list(range(len(ds))))
+    assert [s["data"] for s in batch] == [files[n] for n in names]  # every sample right, in order
+    assert sorted(buffered) == sorted([len(files["0.bin"]), len(files["big.bin"])])
