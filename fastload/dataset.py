@@ -35,6 +35,7 @@ from fastload._worker_pack import Span, read_buffer
 from fastload.cache import cannot_write, keys
 from fastload.config import Settings
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
+from fastload.lookahead import announce
 from fastload.reader import Reader
 from fastload.source import RemoteItem
 
@@ -90,12 +91,28 @@ class _CachedDataset(torch.utils.data.Dataset):
         fresh: dict[str, bytes] = {}
         if self._unsized and any(i.size < 0 for i in items):
             items, fresh = self.reader.fetcher.complete(items)
-            for i, item in zip(indices, items):
-                if self.items[i].size < 0:
-                    self.items[i] = item
-                    self._unsized -= 1
-            self._save_if_sized()
+            self._adopt(indices, items)
         return items, fresh
+
+    def _pinned(self, indices: Sequence[int]) -> list[RemoteItem]:
+        """The items at ``indices``, sizeless ones sized from their recorded pins where pinned.
+
+        A DataLoader worker's copy of the listing learns only the sizes it read; what
+        another worker (or an earlier epoch's) cached is found through its pin.
+        """
+        items = [self.items[i] for i in indices]
+        if self._unsized and any(i.size < 0 for i in items):
+            items = self.reader.pinned(items)
+            self._adopt(indices, items)
+        return items
+
+    def _adopt(self, indices: Sequence[int], items: Sequence[RemoteItem]) -> None:
+        """Keep the sizes learnt for ``items`` (at ``indices``) in the listing."""
+        for i, item in zip(indices, items):
+            if item.size >= 0 and self.items[i].size < 0:
+                self.items[i] = item
+                self._unsized -= 1
+        self._save_if_sized()
 
     def _save_if_sized(self) -> None:
         # Once every size is known here, the listing becomes the recorded manifest, so
@@ -133,6 +150,12 @@ class _CachedDataset(torch.utils.data.Dataset):
     def __getitems__(self, indices: list[int]) -> list[Any]:
         # torch's fetcher (in DataLoader workers, or torch's own loader) asks for a
         # whole batch through this hook: one batched read, misses fetched together.
+        # In a fastload.DataLoader worker the batch may carry batches this worker reads
+        # later (fastload.lookahead.Announced): their fetches start first, on this
+        # worker's event loop, so the link stays busy across batches.
+        fetch_ahead = getattr(self, "fetch_ahead", None)
+        if fetch_ahead is not None:
+            announce(indices, fetch_ahead)
         return self.read_batch(indices)
 
     def _own_getitem(self, cls: type[_CachedDataset]) -> bool:
@@ -209,7 +232,7 @@ class FileDataset(_CachedDataset):
 
     def fetch_ahead(self, indices: Sequence[int]) -> None:
         """Start fetching the files at ``indices`` ahead of their read (fastload.DataLoader calls it)."""
-        self.reader.fetcher.ahead([self.items[i] for i in indices])
+        self.reader.fetcher.ahead(self._pinned(indices))
 
     def read_batch(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """``[self[i] for i in indices]``, with the files read as one batch."""

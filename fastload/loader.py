@@ -12,6 +12,7 @@ The loader wires stages together and holds none of their logic:
 
 * index order, sharding and resume: :mod:`fastload.sampler`
 * parallel reads for datasets with ``read_batch``: :mod:`fastload.readahead`
+* index batches announced ahead (``fetch_ahead``), here or to workers: :mod:`fastload.lookahead`
 * host-to-device transfer: :mod:`fastload.prefetch`
 * counters: :mod:`fastload.stats`
 """
@@ -42,7 +43,7 @@ from fastload._worker_stats import Unwrap, WorkerCollate
 from fastload.config import default_read_threads
 from fastload.dataset import _CachedDataset
 from fastload.errors import ConfigError, LoaderError
-from fastload.lookahead import Lookahead, depth_for
+from fastload.lookahead import AheadSampler, Lookahead, depth_for
 from fastload.prefetch import DevicePrefetcher
 from fastload.readahead import ReadAhead
 from fastload.sampler import ResumableSampler, RngSnapshot, ShardedSampler
@@ -144,7 +145,11 @@ class DataLoader(tud.DataLoader[T_co]):
     Inside it, ``fastload.stats.current_collector()`` is this loader's collector.
     An exception it raises is re-raised by ``next()`` for that batch with its
     original traceback. With ``num_workers > 0`` the hook is not used: workers call
-    ``__getitem__``/``__getitems__`` as in torch.
+    ``__getitem__``/``__getitems__`` as in torch. A dataset with
+    ``fetch_ahead(indices)`` is announced index batches about
+    :data:`~fastload.lookahead.LOOKAHEAD_ITEMS` samples ahead of each reading
+    process: this one, or (``in_order=True``) the worker that will read them,
+    carried by an earlier index batch of that worker (:mod:`fastload.lookahead`).
 
     Resuming. ``state_dict()`` after ``k`` batches of an epoch, then
     ``load_state_dict()`` on a new loader built with the same arguments, makes the
@@ -302,9 +307,24 @@ class DataLoader(tud.DataLoader[T_co]):
         # skip at the index level without touching torch's frozen attributes.
         # torch's class as captured at import: after `torch.utils.data.DataLoader =
         # fastload.DataLoader` (patch_torch), the module attribute is this class.
-        inner = TORCH_DATALOADER._index_sampler.fget(self)  # type: ignore[attr-defined]
+        # With workers that fetch ahead, torch's multi-process iterator draws from an
+        # AheadSampler around it (fastload.lookahead): the resume skip stays inside.
         if isinstance(self.dataset, tud.IterableDataset):
-            return inner
+            return TORCH_DATALOADER._index_sampler.fget(self)  # type: ignore[attr-defined]
+        wrapper = self._resumable()
+        workers = self._workers_fetch_ahead()
+        if not workers:
+            return wrapper
+        depth = depth_for(self.batch_size, workers)
+        ahead = self.__dict__.get("_fl_ahead")
+        if ahead is None or (ahead.inner, ahead.depth, ahead.workers) != (wrapper, depth, workers):
+            ahead = AheadSampler(wrapper, depth, workers)
+            self.__dict__["_fl_ahead"] = ahead
+        return ahead
+
+    def _resumable(self) -> ResumableSampler[Any]:
+        """The long-lived ResumableSampler around torch's index sampler (map-style datasets)."""
+        inner = TORCH_DATALOADER._index_sampler.fget(self)  # type: ignore[attr-defined]
         wrapper = self.__dict__.get("_fl_resumable")
         if wrapper is None or wrapper.inner is not inner:
             gens = [self.generator] + [getattr(s, "generator", None) for s in self._samplers()]
@@ -312,9 +332,23 @@ class DataLoader(tud.DataLoader[T_co]):
             self.__dict__["_fl_resumable"] = wrapper
         return wrapper
 
+    def _workers_fetch_ahead(self) -> int:
+        """Worker processes that get index batches announced ahead (0: none).
+
+        Needs map-style batches a dataset can fetch ahead (``fetch_ahead``), and
+        ``in_order=True``, where torch hands batch ``j`` to worker ``j % num_workers``
+        (out of order, it picks any worker with room, and most guesses would miss).
+        """
+        if self.num_workers < 1 or not self._auto_collation or not self.in_order:
+            return 0
+        if isinstance(self.dataset, tud.IterableDataset) or not callable(getattr(self.dataset, "fetch_ahead", None)):
+            return 0
+        return int(self.num_workers)
+
     def _generators(self) -> tuple[torch.Generator, ...]:
-        wrapper = self._index_sampler
-        return wrapper.generators if isinstance(wrapper, ResumableSampler) else ()
+        if isinstance(self.dataset, tud.IterableDataset):
+            return ()
+        return self._resumable().generators
 
     def _samplers(self) -> list[Any]:
         found: list[Any] = []
@@ -430,7 +464,7 @@ class DataLoader(tud.DataLoader[T_co]):
         batches: Iterator[Any] = state._sampler_iter
         hint = getattr(self.dataset, "fetch_ahead", None)
         if callable(hint) and self._auto_collation:
-            batches = Lookahead(batches, hint, depth_for(self.batch_size))
+            batches = Lookahead(batches, depth_for(self.batch_size), hint=hint)
         state._sampler_iter = batches
         ahead_iter = ReadAhead(
             batches,
@@ -453,7 +487,7 @@ class DataLoader(tud.DataLoader[T_co]):
         timed = None
         wrapper = self._fl_resumable
         if wrapper is None and not isinstance(self.dataset, tud.IterableDataset):
-            wrapper = self._index_sampler
+            wrapper = self._resumable()
         resuming = wrapper is not None and wrapper.resume_pending
         start = wrapper.pending_skip if wrapper is not None else 0
         gens = self._generators()
@@ -600,6 +634,5 @@ class DataLoader(tud.DataLoader[T_co]):
             return
         rng = state.get("rng")
         replay = None if rng is None else RngSnapshot.from_state(rng)
-        wrapper = self._index_sampler
-        wrapper.resume_at(skip, replay)
+        self._resumable().resume_at(skip, replay)
         self._fl_pending_start = state.get("generator_start")

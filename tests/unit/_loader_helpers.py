@@ -95,6 +95,32 @@ class ReadBatchDS(TensorDS):
         return [TensorDS.__getitem__(self, i) for i in indices]
 
 
+class AnnouncingDS(TensorDS):
+    """A dataset that can fetch ahead: sample i -> ``(TensorDS sample, announced)``.
+
+    ``announced`` is 1 when the index batch holding i was announced to this process
+    (``fetch_ahead``, through :func:`fastload.lookahead.announce`, as fastload's
+    datasets do) before its read, else 0. Each announcement is used up by one read.
+    """
+
+    def __init__(self, n: int = 23) -> None:
+        super().__init__(n)
+        self.announced: list[tuple[int, ...]] = []  # per process: each worker has its own copy
+
+    def fetch_ahead(self, indices: list[int]) -> None:
+        self.announced.append(tuple(indices))
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        from fastload.lookahead import announce
+
+        announce(indices, self.fetch_ahead)
+        key = tuple(indices)
+        hit = key in self.announced
+        if hit:
+            self.announced.remove(key)
+        return [(self[i], int(hit)) for i in indices]
+
+
 class CountingDS(TensorDS):
     """Records every index read through __getitem__ (in this process)."""
 
