@@ -76,12 +76,19 @@ def _serve(tmp_path: Path) -> tuple[Any, Any, threading.Thread, str, dict[str, b
     return handler, httpd, thread, f"http://127.0.0.1:{httpd.server_address[1]}/", files
 
 
+_DEFAULT_SIGINT = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+
+
 def _interrupt_mid_run(cmd: list[str], cache_dir: Path, handler: Any, published: Callable[[Path], int]) -> tuple[int, str, str]:
     """Run ``cmd``, SIGINT it once ``published(cache_dir)`` counts some entries and the server holds its next
     requests, and return (exit code, stdout, stderr). Held requests would answer only after
     300 s (the request timeout): a Ctrl-C that waited for them (17 s with a 1 s-per-file
     server, 23 s in issue 14) would not end before communicate()'s limit."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FASTLOAD_RETRIES": "3", "FASTLOAD_TIMEOUT_S": "300"}
+    # A Ctrl-C from a terminal reaches a process whose SIGINT is at its default. A suite
+    # started in the background (`make test &`, a CI runner's job) hands its children SIGINT
+    # ignored, and Python then installs no handler: the command starts with it reset, here.
+    cmd = [sys.executable, "-c", _DEFAULT_SIGINT, *cmd]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
