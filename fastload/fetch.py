@@ -181,7 +181,13 @@ class Fetcher:
             return out, {}
         checks = todo if heads == "all" else []
         if heads != "all":
-            for k, item in zip(todo, reader.pinned([items[k] for k in todo])):
+            # A sizeless item fetched ahead had no pin when its fetch started (Dataset.fetch_ahead
+            # looked, moments ago): its GET brings size and version, so no second look-up.
+            with self._lock:
+                table = self._table()
+                flying = {k for k in todo if (f := table.get((items[k].url, 0))) is not None and f.ahead and f.item.size < 0}
+            looked = [k for k in todo if k not in flying]
+            for k, item in zip(looked, reader.pinned([items[k] for k in looked])):
                 if item.size >= 0 and heads == "pinned":
                     checks.append(k)
                 else:

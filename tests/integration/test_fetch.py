@@ -319,3 +319,26 @@ def test_a_cold_batch_hands_out_fetched_objects_without_copying_them(
     batch = ds.read_batch(list(range(len(ds))))
     assert [s["data"] for s in batch] == [files[n] for n in names]  # every sample right, in order
     assert sorted(buffered) == sorted([len(files["0.bin"]), len(files["big.bin"])])
+
+
+def test_a_read_of_items_fetched_ahead_looks_up_their_pins_once(
+    tmp_path: Path, nginx_server: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # fetch_ahead looks up a sizeless item's pin before its GET; the read that takes that GET
+    # does not look again (one index query per batch, not two, on the cold path).
+    make_image_folder(tmp_path / "www" / "train", n=12)
+    server = nginx_server(tmp_path / "www")
+    ds = fastload.FileDataset(server.url + "/train/", pattern="**/*.jpg", settings=Settings(cache_dir=tmp_path / "cache"))
+    looked: list[str] = []
+    real = Reader.pinned
+
+    def pinned(self: Reader, items: list[RemoteItem]) -> list[RemoteItem]:
+        looked.extend(i.url for i in items)
+        return real(self, items)
+
+    monkeypatch.setattr(Reader, "pinned", pinned)
+    batch = list(range(len(ds)))
+    ds.fetch_ahead(batch)
+    samples = ds.read_batch(batch)
+    assert [s["data"][:3] for s in samples] == [b"\xff\xd8\xff"] * len(ds)
+    assert sorted(looked) == sorted(ds.items[i].url for i in batch)  # each looked up once
