@@ -6,6 +6,7 @@ import email.utils
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import fsspec
@@ -82,6 +83,10 @@ def test_two_nginx_servers_get_distinct_ports(tmp_path, nginx_server):
 def test_nginx_stop_reaps_master_and_workers_and_removes_workdir(tmp_path, nginx_server):
     server = nginx_server(tmp_path, workers=2)
     master = psutil.Process(server.pid)
+    # nginx accepts on its first worker while the master may still fork the second.
+    deadline = time.monotonic() + 10
+    while len(master.children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     processes = [master, *master.children()]
     workdir = server.workdir
     assert len(processes) == 3 and workdir is not None and workdir.is_dir()
