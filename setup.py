@@ -1,4 +1,5 @@
-"""Builds the optional C extension ``fastload._native`` (native/_native.c).
+"""Builds the optional C extensions ``fastload._native`` (native/_native.c) and
+``fastload._curl`` (native/_curl.c).
 
 Everything else about the package lives in pyproject.toml. The extension is
 ``optional``: when it cannot be compiled (no C compiler, no Python headers), the
@@ -18,6 +19,16 @@ setup(
             extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             extra_link_args=["-pthread"],
             optional=True,
-        )
+        ),
+        # libcurl is opened at run time (dlopen), so neither its headers nor the library are
+        # needed to build this; without it fastload's HTTP GETs stay on aiohttp (fastload/curl.py).
+        Extension(
+            "fastload._curl",
+            sources=["native/_curl.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_link_args=["-pthread"],
+            libraries=["dl"],
+            optional=True,
+        ),
     ],
 )

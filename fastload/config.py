@@ -110,6 +110,11 @@ class Settings:
         backoff_s: First retry delay; doubles per attempt, with full jitter.
         backoff_max_s: Cap on a single retry delay.
         request_timeout_s: Per-request timeout for remote reads.
+        http_client: Who carries the first-block GET of each HTTP object: ``"auto"``
+            (default): libcurl (``fastload._curl``) where it is built, libcurl is
+            installed and the storage_options map onto it, else fsspec's aiohttp
+            session; ``"curl"``: the same, but a missing engine is an error;
+            ``"aiohttp"``: always aiohttp (fastload.curl).
         lock_timeout_s: Upper bound on waiting for the cache's eviction lock.
     """
 
@@ -126,6 +131,7 @@ class Settings:
     backoff_s: float = 0.2
     backoff_max_s: float = 10.0
     request_timeout_s: float = 60.0
+    http_client: str = "auto"
     lock_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -146,6 +152,8 @@ class Settings:
             raise ConfigError(f"workers={self.workers} must be at least 1")
         if self.retries < 1:
             raise ConfigError(f"retries={self.retries} must be at least 1")
+        if self.http_client not in HTTP_CLIENTS:
+            raise ConfigError(f"http_client={self.http_client!r} is not one of {', '.join(HTTP_CLIENTS)}")
 
     def replace(self, **changes: Any) -> Settings:
         """Return a copy with ``changes`` applied (sizes may be human strings)."""
@@ -160,7 +168,7 @@ class Settings:
 
         Recognised: FASTLOAD_CACHE_DIR, FASTLOAD_CACHE_LIMIT, FASTLOAD_DISK_RESERVE, FASTLOAD_BLOCK_SIZE,
         FASTLOAD_CHUNK_SIZE, FASTLOAD_PACK_MAX, FASTLOAD_LZ4_LEVEL, FASTLOAD_WORKERS, FASTLOAD_RETRIES,
-        FASTLOAD_BACKOFF_S, FASTLOAD_BACKOFF_MAX_S, FASTLOAD_TIMEOUT_S.
+        FASTLOAD_BACKOFF_S, FASTLOAD_BACKOFF_MAX_S, FASTLOAD_TIMEOUT_S, FASTLOAD_HTTP_CLIENT.
         """
         env = dict(os.environ if env is None else env)
         values: dict[str, Any] = {}
@@ -178,6 +186,7 @@ class Settings:
             # The cap too, so every retry knob is reachable from the CLI (issue 7).
             "FASTLOAD_BACKOFF_MAX_S": ("backoff_max_s", float),
             "FASTLOAD_TIMEOUT_S": ("request_timeout_s", float),
+            "FASTLOAD_HTTP_CLIENT": ("http_client", str),
         }
         for name, (field, convert) in table.items():
             raw = env.get(name)
@@ -189,6 +198,9 @@ class Settings:
                 raise ConfigError(f"environment variable {name}={raw!r} is invalid: {err}") from err
         settings = cls(**values)
         return settings.replace(**overrides) if overrides else settings
+
+
+HTTP_CLIENTS = ("auto", "curl", "aiohttp")
 
 
 def default_read_threads() -> int:

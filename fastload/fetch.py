@@ -31,9 +31,10 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from fastload import curl
 from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError, StoppedError
 from fastload.hostlimit import STOP_POLL_S
 from fastload.source import RemoteItem, Source
@@ -246,7 +247,7 @@ class Fetcher:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            pending = list(wait(pending, timeout=min(STOP_POLL_S, left)).not_done)
+            pending = curl.wait(pending, min(STOP_POLL_S, left))
 
     def _wait_s(self) -> float:
         """How long a thread waits for another's fetch: its request's timeout, retries and backoff."""

@@ -89,6 +89,7 @@ class HostLimit:
         self._fastest = 0.0  # the lowest latency of one request (slow start's yardstick)
         self._grew = False  # the last window's verdict was "one more"
         self._held = 0  # windows judged without a change
+        self._wanting = False  # a holder of leased slots (lease) asked for more than it got
         self._new_window(time.monotonic())
 
     def set_cap(self, cap: int) -> None:
@@ -206,25 +207,68 @@ class HostLimit:
         why = congestion(outcome.error) if outcome.error is not None else ""
         with self._lock:
             self.in_flight -= 1
-            self._done += 1
-            if why:
-                self._cut(now, why)
-            elif outcome.error is None:
-                latency = now - outcome.t0
-                self._window_bytes += outcome.nbytes
-                self._window_done += 1
-                self._window_latency += latency
-                self._fastest = min(self._fastest or latency, latency)
-                if self._slow_start and self._waiters and latency <= self._fastest * QUEUED:
-                    # One more per answer that did not queue while others wait: the limit
-                    # doubles each round trip, as TCP's slow start does. Doubling once per
-                    # window (>= 50 ms) took ~0.25 s to reach 32 with 20 ms to first byte,
-                    # ~8% of a 3 s cold epoch at 1 Gbit (benchmarks/peers).
-                    self._step(1.0)
-                self._judge(now)
+            self._record(now, now - outcome.t0, outcome.nbytes, why, outcome.error is None)
             wake = self._hand_over()
         for fn in wake:
             fn()
+
+    # -- slots held in bulk (fastload.curl: a transfer thread that runs without the GIL) --
+
+    def lease(self, n: int) -> int:
+        """Take up to ``n`` slots now, without waiting; returns how many were taken.
+
+        The holder runs one request per slot, many after each other, and reports
+        them with :meth:`account`; :meth:`unlease` gives slots back. None are taken
+        while threads or coroutines wait (first come, first served).
+        """
+        with self._lock:
+            free = 0 if self._waiters else max(0, int(self.limit) - self.in_flight)
+            taken = min(max(0, n), free)
+            self._wanting = taken < n  # requests wait for slots: slow start may grow
+            for _ in range(taken):
+                self._take()
+        return taken
+
+    def unlease(self, n: int) -> None:
+        """Give back ``n`` slots taken by :meth:`lease`."""
+        with self._lock:
+            self.in_flight -= n
+            wake = self._hand_over()
+        for fn in wake:
+            fn()
+
+    def waiting(self) -> bool:
+        """Whether threads or coroutines wait for a slot."""
+        return bool(self._waiters)
+
+    def excess(self) -> int:
+        """Slots in use beyond the limit (after a cut): a holder of leased slots gives these back."""
+        return max(0, self.in_flight - int(self.limit))
+
+    def account(self, results: list[tuple[float, int, str, bool]]) -> None:
+        """Requests run in leased slots: (latency_s, nbytes, congestion or "", ok) each, to the controller."""
+        now = time.monotonic()
+        with self._lock:
+            for latency, nbytes, why, ok in results:
+                self._record(now, latency, nbytes, why, ok)
+
+    def _record(self, now: float, latency: float, nbytes: int, why: str, ok: bool) -> None:
+        """One finished request, to the controller (under the lock)."""
+        self._done += 1
+        if why:
+            self._cut(now, why)
+        elif ok:
+            self._window_bytes += nbytes
+            self._window_done += 1
+            self._window_latency += latency
+            self._fastest = min(self._fastest or latency, latency)
+            if self._slow_start and (self._waiters or self._wanting) and latency <= self._fastest * QUEUED:
+                # One more per answer that did not queue while others wait: the limit
+                # doubles each round trip, as TCP's slow start does. Doubling once per
+                # window (>= 50 ms) took ~0.25 s to reach 32 with 20 ms to first byte,
+                # ~8% of a 3 s cold epoch at 1 Gbit (benchmarks/peers).
+                self._step(1.0)
+            self._judge(now)
 
     # -- the controller (under the lock) --------------------------------------------
 

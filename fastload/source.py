@@ -20,7 +20,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,8 +31,10 @@ import fsspec.asyn
 from fsspec.core import url_to_fs
 from fsspec.registry import known_implementations
 
+from fastload import curl
 from fastload._loop import submit_all
 from fastload.config import Settings
+from fastload.curl import CurlRoute, route_for
 from fastload.errors import (
     ConfigError,
     CredentialsError,
@@ -204,6 +206,16 @@ class Source:
         # Hosts whose answer to a ranged GET was the whole object (Python's http.server
         # ignores Range): the fetch stage then asks for each object once, whole (fastload.fetch).
         self._rangeless: set[str] = set()
+        self._route: tuple[Any, CurlRoute | None] | None = None  # (the fs it was made for, route)
+
+    @property
+    def route(self) -> CurlRoute | None:
+        """libcurl's route for this HTTP source's first-block GETs, or None: aiohttp (fastload.curl)."""
+        fs = self.fs
+        if self._route is None or self._route[0] is not fs:
+            route = route_for(fs, self.settings.http_client) if isinstance(fs, _http_fs_class()) else None
+            self._route = (fs, route)
+        return self._route[1]
 
     def __getstate__(self) -> dict[str, Any]:
         # Settings travel; the filesystem (sockets, event loop) is reopened in the child.
@@ -484,6 +496,16 @@ class Source:
         fs: Any = self.fs
         if len(items) < 2 or not isinstance(fs, _http_fs_class()) or any(i.size >= 0 for i in items):
             return [self.read_first(i, nbytes) for i in items]
+        started = self._curl_first(items, nbytes)
+        if started is not None:
+            pending, deadline = started, time.monotonic() + 2 * self.settings.request_timeout_s  # as finish_first
+            while pending and not self.stop.is_set() and (left := deadline - time.monotonic()) > 0:
+                pending = curl.wait(pending, min(STOP_POLL_S, left))
+            if self.stop.is_set():
+                for p in started:
+                    p.cancel()
+                raise StoppedError(f"{items[0].url}: stopped; its requests were cancelled")
+            return [self.finish_first(item, nbytes, p) for item, p in zip(items, started)]
         urls = [i.url for i in items]
         results = self._sync(_gather_first, fs, urls, nbytes, self.settings.request_timeout_s, self.limit_of)
         return [self.read_first(item, nbytes) if isinstance(res, BaseException) else (self._item(res[0]), res[1])
@@ -504,6 +526,9 @@ class Source:
         http = isinstance(fs, _http_fs_class())
         if not http and any(i.size < 0 for i in items):
             return None
+        started = self._curl_first(items, nbytes) if http else None
+        if started is not None:
+            return started
         timeout_s = self.settings.request_timeout_s
 
         def maker(item: RemoteItem) -> Callable[[], Coroutine[Any, Any, Any]]:
@@ -517,6 +542,25 @@ class Source:
             return lambda: _gather_ranges(fs, ranges, timeout_s, self.limit_of, self.stop)
 
         return submit_all(fs.loop, [maker(item) for item in items])
+
+    def _curl_first(self, items: Sequence[RemoteItem], nbytes: int) -> builtins.list[Any] | None:
+        """The first-block GETs of sizeless ``items`` handed to libcurl (fastload.curl), or None
+        where this source's GETs stay on aiohttp (sized items, no route, no host limit)."""
+        route = self.route
+        if route is None or any(i.size >= 0 for i in items):
+            return None
+        by_host: dict[int, tuple[HostLimit, builtins.list[int]]] = {}
+        for k, item in enumerate(items):
+            limit = self.limit_of(item.url)
+            if limit is None:
+                return None
+            by_host.setdefault(id(limit), (limit, []))[1].append(k)
+        out: builtins.list[Any] = [None] * len(items)
+        for limit, ks in by_host.values():
+            for k, pending in zip(ks, route.start([items[k].url for k in ks], nbytes, self.settings.request_timeout_s, limit,
+                                                  self.stop)):
+                out[k] = pending
+        return out
 
     def finish_first(self, item: RemoteItem, nbytes: int, future: concurrent.futures.Future[Any]) -> tuple[RemoteItem, bytes]:
         """:meth:`read_first`'s result from a :meth:`start_first_many` future; a failed or short read
@@ -894,32 +938,46 @@ async def _http_get_first(fs: Any, url: str, nbytes: int, timeout_s: float) -> t
 
     session = await fs.set_session()
     headers, kwargs = _identity_get(fs, {"Range": f"bytes=0-{max(nbytes, 1) - 1}"})
-    size: int | None
-    ignored = False
     async with session.get(fs.encode_url(url), headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s), **kwargs) as r:
-        if r.status == 416:  # an empty object has no byte 0
-            body, size = b"", 0
-        else:
+        body = b""
+        if r.status != 416:
             fs._raise_not_found_for_status(r, url)
-            if r.status == 206:
-                total = r.headers.get("Content-Range", "").rpartition("/")[2]
-                body = await r.read()
-                size = int(total) if total.isdigit() else None
-            elif "Content-Length" in r.headers:  # the server ignored the range: read what we asked for
+            if r.status != 206 and "Content-Length" in r.headers:  # the server ignored the range: read what we asked for
                 size = int(r.headers["Content-Length"])
-                ignored = size > nbytes
                 body = await r.content.readexactly(min(nbytes, size))
                 if len(body) < size:
                     r.close()  # drop the connection rather than drain the rest
             else:
                 body = await r.read()
-                size = len(body)
-        if size is not None and len(body) != min(nbytes, size):
-            raise TruncatedBodyError(f"got {len(body)} B of {min(nbytes, size)} B")
-        info: dict[str, Any] = {"name": url, "size": size, "ignores_ranges": ignored}
-        for field in ("ETag", "Content-MD5", "Digest", "Last-Modified"):  # what fsspec's HEAD keeps
-            if r.headers.get(field):
-                info[field] = r.headers[field]
+        return first_info(url, nbytes, r.status, r.headers, body)
+
+
+def first_info(url: str, nbytes: int, status: int, headers: Mapping[str, str], body: bytes) -> tuple[dict[str, Any], bytes]:
+    """HEAD-like info of the answer to a first-block GET, and its body (at most ``nbytes``).
+
+    The size comes from the Content-Range of a 206, else the Content-Length of a
+    server that ignored the range, else the body; the version from the same
+    headers a HEAD reports. Shared by aiohttp's GET and libcurl's (fastload.curl);
+    ``headers`` must look names up case-insensitively, as aiohttp's do.
+    """
+    size: int | None
+    ignored = False
+    if status == 416:  # an empty object has no byte 0
+        body, size = b"", 0
+    elif status == 206:
+        total = (headers.get("Content-Range") or "").rpartition("/")[2]
+        size = int(total) if total.isdigit() else None
+    elif (length := headers.get("Content-Length")) is not None:  # the server ignored the range
+        size = int(length)
+        ignored = size > nbytes
+    else:
+        size = len(body)
+    if size is not None and len(body) != min(nbytes, size):
+        raise TruncatedBodyError(f"got {len(body)} B of {min(nbytes, size)} B")
+    info: dict[str, Any] = {"name": url, "size": size, "ignores_ranges": ignored}
+    for field in ("ETag", "Content-MD5", "Digest", "Last-Modified"):  # what fsspec's HEAD keeps
+        if headers.get(field):
+            info[field] = headers[field]
     return info, body
 
 

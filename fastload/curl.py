@@ -1,0 +1,359 @@
+"""First-block HTTP GETs on libcurl (``fastload._curl``, native/_curl.c), off the GIL.
+
+Why: every cold object of an HTTP listing is fetched by one ranged GET of its
+first block (:meth:`fastload.source.Source.read_first`). Through fsspec's aiohttp
+session that GET costs 0.17 ms of Python on fsspec's event loop thread unshaped,
+0.31-0.36 ms on a paced 1 Gbit link, where each answer arrives in many pieces
+(benchmarks/peers/results/profile.md, rounds 3 and 5), and that thread trades
+the GIL with the read threads. pycurl, which calls Python for every header line
+and received piece, gained nothing in the epoch. Here libcurl runs on a C
+thread that never takes the GIL: a batch of GETs is handed over in one call,
+headers and bodies land in C buffers, and Python collects the answers when it
+waits for them.
+
+Scope: the first-block GET of a sizeless HTTP item, fetched ahead
+(:meth:`Source.start_first_many`) or on a miss (:meth:`Source.read_first_many`).
+Listing pages, HEADs, later blocks and streamed objects stay on fsspec's session.
+A Source uses curl only where its ``storage_options`` map onto curl (headers,
+basic auth, ``trust_env``; :func:`route_for`), and ``Settings.http_client``
+(``FASTLOAD_HTTP_CLIENT``) can turn it off. Any answer this path does not take
+as it is (an error status, a failed transfer, a body without a length) is
+redone by :meth:`Source.read_first` on aiohttp, whose retries, backoff and error
+messages are the ones users see.
+
+Requests in flight: each host's :class:`~fastload.hostlimit.HostLimit` stays the
+one home of that number. The engine holds slots leased from it
+(:meth:`HostLimit.lease`) as permits; a finished GET's permit starts the next
+queued one on the C thread. Whenever Python comes by (a batch handed over, a
+wait that returns, at least every :data:`PUMP_S` while a reader waits) it feeds
+the finished GETs to the host's controller (:meth:`HostLimit.account`), leases
+slots for queued work, and gives back idle ones and those above a cut limit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import os
+import re
+import ssl
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastload.errors import ConfigError
+from fastload.hostlimit import SLOW_CONNECT_S, STOP_POLL_S, HostLimit
+
+PUMP_S = 0.005  # a reader waiting on GETs hands finished ones to the controller at least this often
+_CURL_CODES = {28: TimeoutError, 7: ConnectionRefusedError, 52: ConnectionResetError, 55: ConnectionResetError,
+               56: ConnectionResetError}  # libcurl's CURLE_* -> what aiohttp's errors read as (hostlimit.congestion)
+_PLAIN_URL = re.compile(r"[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]*\Z")  # what libcurl takes as it is
+
+
+class HttpStatusError(OSError):
+    """An HTTP answer this path does not take (status >= 400 but 404, or a 1xx/3xx left over)."""
+
+    def __init__(self, status: int, url: str) -> None:
+        super().__init__(f"HTTP {status} for {url}")
+        self.status = status  # read by hostlimit.congestion: 429 and 503 cut the limit
+
+
+class _Host:
+    __slots__ = ("id", "leased", "limit")
+
+    def __init__(self, hid: int, limit: HostLimit) -> None:
+        self.id, self.limit, self.leased = hid, limit, 0
+
+
+class _State:
+    """This process's engine and its hosts (a forked child starts afresh: the C thread is not there)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pump_lock = threading.Lock()
+        self.engine: Any = None
+        self.reason = ""  # why there is no engine
+        self.hosts: dict[int, _Host] = {}  # id(HostLimit) -> its engine host
+        # A stop event (Source.stop) -> the GETs started under it that may still run: a stop
+        # ends them at the next pump, as a stopped coroutine sends no request (staging's Ctrl-C).
+        self.stoppable: dict[int, tuple[threading.Event, weakref.WeakSet[Pending]]] = {}
+
+
+_STATE = _State()
+_ORPHANS: list[Any] = []  # engines of a parent process, never freed in the child (their mutex may be held)
+
+
+def _reset_after_fork() -> None:
+    global _STATE
+    if _STATE.engine is not None:
+        _ORPHANS.append(_STATE.engine)
+    _STATE = _State()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def engine() -> Any | None:
+    """This process's engine, started on first use; None where the extension or libcurl is missing."""
+    state = _STATE
+    if state.engine is not None or state.reason:
+        return state.engine
+    with state.lock:
+        if state.engine is None and not state.reason:
+            if os.environ.get("FASTLOAD_PURE_PYTHON"):
+                state.reason = "FASTLOAD_PURE_PYTHON is set"
+                return None
+            try:
+                _curl: Any = importlib.import_module("fastload._curl")
+            except ImportError as err:
+                state.reason = f"fastload._curl is not built ({err})"
+                return None
+            paths = ssl.get_default_verify_paths()  # the certificates Python's ssl (so aiohttp) trusts
+            try:
+                state.engine = _curl.Engine(cainfo=paths.cafile, capath=paths.capath)
+            except OSError as err:
+                state.reason = str(err)
+                return None
+            threading.Thread(target=_watch, args=(state,), name="fastload-curl-pump", daemon=True).start()
+    return state.engine
+
+
+def _watch(state: _State) -> None:
+    """Pump when no reader does: finished GETs nobody waits for, idle permits, a stop.
+
+    Readers pump as they wait; this thread covers the gaps (a stop while nobody
+    waits, the permits of an epoch's last fetches ahead, a reader that waits for a
+    slot the engine holds), so leased slots always come back. It wakes only when
+    outcomes or idle permits went untaken for ``2 * PUMP_S``, or every STOP_POLL_S
+    while a stop event has GETs to end.
+    """
+    eng = state.engine
+    while _STATE is state:
+        due = eng.watch(STOP_POLL_S, 2 * PUMP_S)
+        if due or any(stop.is_set() for stop, _ in list(state.stoppable.values())):
+            pump()
+
+
+def unavailable() -> str:
+    """Why :func:`engine` is None ("" when it is not, or not tried yet)."""
+    return _STATE.reason
+
+
+def _host(limit: HostLimit) -> _Host:
+    state = _STATE
+    host = state.hosts.get(id(limit))
+    if host is None or host.limit is not limit:
+        with state.lock:
+            host = state.hosts.get(id(limit))
+            if host is None or host.limit is not limit:
+                host = state.hosts[id(limit)] = _Host(state.engine.host(), limit)
+    return host
+
+
+def pump() -> None:
+    """Finished GETs to their hosts' controllers; permits leased, or given back, to match the work."""
+    state = _STATE
+    eng = state.engine
+    if eng is None or not state.pump_lock.acquire(blocking=False):
+        return  # another thread is at it
+    try:
+        by_host: dict[int, list[tuple[float, int, str, bool]]] = {}
+        hosts = {h.id: h for h in state.hosts.values()}
+        for hid, code, status, latency, nbytes, connects, connect_s, closes in eng.outcomes():
+            host = hosts.get(hid)
+            if host is None:
+                continue
+            why = _congestion(code, status)
+            by_host.setdefault(hid, []).append((latency, nbytes, why, code == 0 and 200 <= status < 300))
+            if connects and connect_s > SLOW_CONNECT_S:
+                host.limit.signal("slow connect")  # a SYN retried by TCP: the server's backlog overflowed
+            if closes:
+                host.limit.closes_connections()
+        for hid, results in by_host.items():
+            hosts[hid].limit.account(results)
+        for key, (stop, pendings) in list(state.stoppable.items()):
+            if stop.is_set():
+                for p in list(pendings):
+                    p.transfer.cancel()
+                del state.stoppable[key]
+            elif not pendings:
+                del state.stoppable[key]
+        for host in hosts.values():
+            _balance(eng, host)
+    finally:
+        state.pump_lock.release()
+
+
+def _balance(eng: Any, host: _Host) -> None:
+    permits, active, queued = eng.counts(host.id)
+    need = active + queued
+    if need > host.leased:
+        host.leased += host.limit.lease(need - host.leased)
+    # Slots beyond a cut limit go back, and one per pump while threads or coroutines wait for
+    # one (an aiohttp request of this host: a retry, a listing page), so they are not starved.
+    target = max(0, min(need, host.leased) - host.limit.excess() - (1 if host.limit.waiting() else 0))
+    held = eng.set_permits(host.id, target)  # max(target, active): running GETs keep theirs
+    if held < host.leased:
+        host.limit.unlease(host.leased - held)
+        host.leased = held
+
+
+def _congestion(code: int, status: int) -> str:
+    if code == 0:
+        return f"HTTP {status}" if status in (429, 503) else ""
+    kind = _CURL_CODES.get(code)
+    return kind.__name__ if kind is not None else ""
+
+
+class Pending:
+    """One GET handed to the engine; finished like a future (``done``, ``cancel``, ``result``).
+
+    ``result()`` gives what :func:`fastload.source._http_get_first` gives: the
+    HEAD-like info and the first ``nbytes`` bytes, or raises the error it stands for.
+    """
+
+    __slots__ = ("__weakref__", "nbytes", "transfer", "url")
+
+    def __init__(self, transfer: Any, url: str, nbytes: int) -> None:
+        self.transfer, self.url, self.nbytes = transfer, url, nbytes
+
+    def done(self) -> bool:
+        return bool(self.transfer.done())
+
+    def cancel(self) -> bool:
+        cancelled = bool(self.transfer.cancel())
+        pump()  # its permit may now be idle
+        return cancelled
+
+    def result(self, timeout: float | None = None) -> tuple[dict[str, Any], bytes]:
+        if not wait([self], 1e9 if timeout is None else timeout) == []:
+            raise concurrent.futures.TimeoutError(f"{self.url}: no answer within {timeout} s")
+        return _answer(self.transfer.result(), self.url, self.nbytes)
+
+
+def wait(futures: Sequence[Any], timeout_s: float) -> list[Any]:
+    """Wait until all of ``futures`` (Pending or concurrent futures) are done or ``timeout_s`` passed;
+    returns those not done. Finished GETs reach their controllers while it waits (:func:`pump`)."""
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    mine = [f for f in futures if isinstance(f, Pending)]
+    others = [f for f in futures if not isinstance(f, Pending)]
+    eng = _STATE.engine
+    if mine and eng is not None:
+        transfers = [p.transfer for p in mine]
+        while True:
+            finished = eng.wait(transfers, max(0.0, deadline - time.monotonic()), PUMP_S)
+            pump()
+            if finished or time.monotonic() >= deadline:
+                break
+            transfers = [t for t in transfers if not t.done()]
+        mine = [p for p in mine if not p.done()]
+    if others:
+        others = list(concurrent.futures.wait(others, timeout=max(0.0, deadline - time.monotonic())).not_done)
+    return [*mine, *others]
+
+
+def _answer(res: tuple[Any, ...], url: str, nbytes: int) -> tuple[dict[str, Any], bytes]:
+    """An engine answer as _http_get_first's (info, body), or the error it stands for."""
+    from fastload.source import first_info
+
+    code, status, body, content_range, content_length, etag, modified, md5, digest, _closes, message = res
+    if code == -1:
+        raise concurrent.futures.CancelledError(f"{url}: cancelled")
+    if code:
+        kind = _CURL_CODES.get(code, ConnectionError)
+        raise kind(f"{url}: {message} (libcurl error {code})")
+    if status == 404:
+        raise FileNotFoundError(url)  # as fsspec's _raise_not_found_for_status
+    if status not in (200, 206, 416):
+        raise HttpStatusError(status, url)
+    if status == 200 and content_length is None and len(body) >= nbytes:
+        raise HttpStatusError(status, url)  # no length, and cut at nbytes: its size is unknown here
+    headers = _Headers({"content-range": content_range, "content-length": content_length, "etag": etag,
+                        "last-modified": modified, "content-md5": md5, "digest": digest})
+    return first_info(url, nbytes, status, headers, body)
+
+
+class _Headers(dict):  # type: ignore[type-arg]
+    """The answer's headers, looked up case-insensitively as aiohttp's are (absent ones are None)."""
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = super().get(name.lower())
+        return default if value is None else value
+
+    def __getitem__(self, name: str) -> Any:
+        return super().__getitem__(name.lower())
+
+
+@dataclass(frozen=True)
+class CurlRoute:
+    """How a Source's first-block GETs go through curl: its session's headers and login."""
+
+    headers: tuple[str, ...]  # "Name: value" lines
+    userpwd: str | None
+    trust_env: bool
+    encode: Any  # the filesystem's URL encoder (fs.encode_url), for URLs libcurl would not take as they are
+
+    def start(self, urls: Sequence[str], nbytes: int, timeout_s: float, limit: HostLimit,
+              stop: threading.Event) -> list[Pending]:
+        """Hand one GET of the first ``nbytes`` bytes per URL to the engine; they run in ``limit``'s
+        slots, and once ``stop`` is set those not finished are cancelled (:func:`pump`)."""
+        eng = engine()
+        assert eng is not None  # route_for checked
+        host = _host(limit)
+        wire = [u if _PLAIN_URL.match(u) else str(self.encode(u)) for u in urls]
+        headers = [*self.headers, f"Range: bytes=0-{max(nbytes, 1) - 1}", "Accept-Encoding: identity"]
+        transfers = eng.submit(host.id, wire, nbytes, headers, timeout_s, self.userpwd, self.trust_env)
+        pendings = [Pending(t, u, nbytes) for t, u in zip(transfers, urls)]
+        state = _STATE
+        with state.lock:
+            entry = state.stoppable.get(id(stop))
+            if entry is None or entry[0] is not stop:
+                entry = state.stoppable[id(stop)] = (stop, weakref.WeakSet())
+        for p in pendings:
+            entry[1].add(p)
+        pump()  # lease the permits they need (or cancel them, if stopped meanwhile)
+        return pendings
+
+
+_SESSION_KEYS = {"timeout", "headers", "auth", "trust_env"}  # client_kwargs curl can honour
+_REQUEST_KEYS = {"headers"}  # per-request kwargs (fs.kwargs) curl can honour
+
+
+def route_for(fs: Any, choice: str) -> CurlRoute | None:
+    """A route through curl for ``fs`` (an fsspec HTTPFileSystem), or None for aiohttp.
+
+    ``choice`` is ``Settings.http_client``: "aiohttp" never routes; "auto" routes
+    where the engine runs and every option of ``fs`` maps onto curl; "curl" does
+    the same but raises ConfigError where the engine cannot run.
+    """
+    if choice == "aiohttp":
+        return None
+    if engine() is None:
+        if choice == "curl":
+            raise ConfigError(f"http_client='curl' cannot run here: {unavailable()}; fix: install libcurl "
+                              "(apt-get install libcurl4) and a C compiler, or FASTLOAD_HTTP_CLIENT=auto")
+        return None
+    from fastload.hostlimit import aiohttp_client
+
+    if getattr(fs, "get_client", aiohttp_client) is not aiohttp_client:
+        return None  # the user's own session factory: only aiohttp honours it
+    client = dict(getattr(fs, "client_kwargs", None) or {})
+    request = dict(getattr(fs, "kwargs", None) or {})
+    if set(client) - _SESSION_KEYS or set(request) - _REQUEST_KEYS:
+        return None
+    userpwd = None
+    auth = client.get("auth")
+    if auth is not None:
+        login, password = getattr(auth, "login", None), getattr(auth, "password", None)
+        if not isinstance(login, str) or not isinstance(password, str):
+            return None
+        userpwd = f"{login}:{password}"
+    headers = {**(client.get("headers") or {}), **(request.get("headers") or {})}
+    if not all(isinstance(k, str) and isinstance(v, str) and "\n" not in k + v for k, v in headers.items()):
+        return None
+    lines = tuple(f"{k}: {v}" for k, v in headers.items() if k.lower() not in ("range", "accept-encoding"))
+    return CurlRoute(lines, userpwd, bool(client.get("trust_env", False)), fs.encode_url)

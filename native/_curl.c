@@ -1,0 +1,1021 @@
+/*
+ * fastload._curl: first-block HTTP GETs on libcurl's multi interface, off the GIL.
+ *
+ * Why: a cold object's ranged GET through fsspec's aiohttp session costs
+ * 0.17 ms of Python (unshaped) to 0.33 ms (a paced 1 Gbit link) on fsspec's
+ * event loop thread, which then trades the GIL with the read threads
+ * (benchmarks/peers/results/profile.md). pycurl moved the parsing to C but called
+ * Python for every header line and every received piece, and the GIL handoffs
+ * ate the gain. Here no Python runs per transfer on the transfer thread at all:
+ * requests are handed over in batches (Engine.submit), libcurl's headers and body
+ * land in C buffers, and Python collects finished answers when it asks for them
+ * (Engine.wait, Transfer.result), releasing the GIL while it waits.
+ *
+ * Requests in flight per host are bounded by permits that Python leases from its
+ * HostLimit (fastload/hostlimit.py, the one home of that number) and hands over
+ * with Engine.set_permits: the transfer thread starts a queued request only
+ * while its host has fewer active requests than permits, and a finished request's
+ * permit passes to the next queued one without Python. Each finished request
+ * leaves an outcome (latency, bytes, error) that Python feeds to the host's
+ * controller (Engine.outcomes).
+ *
+ * libcurl is not linked: it is opened at run time (dlopen "libcurl.so.4"), so
+ * the build needs no curl headers and a machine without libcurl runs aiohttp
+ * (fastload/curl.py). The option numbers below are libcurl's ABI (curl.h, multi.h).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- libcurl's ABI ---------------------------------------------------------- */
+
+typedef void CURL;
+typedef void CURLM;
+struct curl_slist {
+    char *data;
+    struct curl_slist *next;
+};
+typedef struct {
+    int msg;
+    CURL *easy_handle;
+    union {
+        void *whatever;
+        int result;
+    } data;
+} CURLMsg;
+
+#define OPT_PTR 10000
+#define OPT_FUNC 20000
+#define OPT_OFF_T 30000
+#define O_URL (OPT_PTR + 2)
+#define O_PROXY (OPT_PTR + 4)
+#define O_USERPWD (OPT_PTR + 5)
+#define O_WRITEDATA (OPT_PTR + 1)
+#define O_WRITEFUNCTION (OPT_FUNC + 11)
+#define O_HTTPHEADER (OPT_PTR + 23)
+#define O_HEADERDATA (OPT_PTR + 29)
+#define O_HEADERFUNCTION (OPT_FUNC + 79)
+#define O_FOLLOWLOCATION 52
+#define O_MAXREDIRS 68
+#define O_CAINFO (OPT_PTR + 65)
+#define O_CAPATH (OPT_PTR + 97)
+#define O_BUFFERSIZE 98
+#define O_NOSIGNAL 99
+#define O_PRIVATE (OPT_PTR + 103)
+#define O_TIMEOUT_MS 155
+#define O_CONNECTTIMEOUT_MS 156
+#define I_RESPONSE_CODE (0x200000 + 2)
+#define I_PRIVATE (0x100000 + 21)
+#define I_NUM_CONNECTS (0x200000 + 26)
+#define I_HTTP_VERSION (0x200000 + 46)
+#define I_CONNECT_TIME_T (0x600000 + 52)
+#define M_MAXCONNECTS 6
+#define MSG_DONE 1
+#define GLOBAL_DEFAULT 3
+#define HTTP_VERSION_1_0 1
+#define E_WRITE_ERROR 23
+
+static struct {
+    int (*global_init)(long);
+    CURL *(*easy_init)(void);
+    int (*easy_setopt)(CURL *, int, ...);
+    int (*easy_getinfo)(CURL *, int, ...);
+    void (*easy_reset)(CURL *);
+    const char *(*easy_strerror)(int);
+    CURLM *(*multi_init)(void);
+    int (*multi_setopt)(CURLM *, int, ...);
+    int (*multi_add_handle)(CURLM *, CURL *);
+    int (*multi_remove_handle)(CURLM *, CURL *);
+    int (*multi_perform)(CURLM *, int *);
+    int (*multi_poll)(CURLM *, void *, unsigned, int, int *);
+    int (*multi_wakeup)(CURLM *);
+    CURLMsg *(*multi_info_read)(CURLM *, int *);
+    struct curl_slist *(*slist_append)(struct curl_slist *, const char *);
+    void (*slist_free_all)(struct curl_slist *);
+} lib;
+static int lib_state; /* 0 not tried, 1 loaded, -1 unavailable */
+static char lib_error[256];
+
+static int load_libcurl(void) {
+    if (lib_state)
+        return lib_state;
+    const char *names[] = {"libcurl.so.4", "libcurl.so", "libcurl-gnutls.so.4"};
+    void *h = NULL;
+    for (size_t i = 0; i < sizeof names / sizeof *names && !h; i++)
+        h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        snprintf(lib_error, sizeof lib_error, "libcurl not found (%s)", dlerror());
+        return lib_state = -1;
+    }
+#define SYM(field, name)                                                                    \
+    do {                                                                                    \
+        *(void **)(&lib.field) = dlsym(h, name);                                            \
+        if (!lib.field) {                                                                   \
+            snprintf(lib_error, sizeof lib_error, "libcurl lacks %s (older than 7.68?)", name); \
+            return lib_state = -1;                                                          \
+        }                                                                                   \
+    } while (0)
+    SYM(global_init, "curl_global_init");
+    SYM(easy_init, "curl_easy_init");
+    SYM(easy_setopt, "curl_easy_setopt");
+    SYM(easy_getinfo, "curl_easy_getinfo");
+    SYM(easy_reset, "curl_easy_reset");
+    SYM(easy_strerror, "curl_easy_strerror");
+    SYM(multi_init, "curl_multi_init");
+    SYM(multi_setopt, "curl_multi_setopt");
+    SYM(multi_add_handle, "curl_multi_add_handle");
+    SYM(multi_remove_handle, "curl_multi_remove_handle");
+    SYM(multi_perform, "curl_multi_perform");
+    SYM(multi_poll, "curl_multi_poll");
+    SYM(multi_wakeup, "curl_multi_wakeup");
+    SYM(multi_info_read, "curl_multi_info_read");
+    SYM(slist_append, "curl_slist_append");
+    SYM(slist_free_all, "curl_slist_free_all");
+#undef SYM
+    if (lib.global_init(GLOBAL_DEFAULT) != 0) {
+        snprintf(lib_error, sizeof lib_error, "curl_global_init failed");
+        return lib_state = -1;
+    }
+    return lib_state = 1;
+}
+
+/* ---- requests --------------------------------------------------------------- */
+
+enum { INCOMING, QUEUED, ACTIVE, DONE };
+enum { H_RANGE, H_LENGTH, H_ETAG, H_MODIFIED, H_MD5, H_DIGEST, N_HEADERS };
+static const char *const header_names[N_HEADERS] = {"content-range", "content-length", "etag", "last-modified", "content-md5", "digest"};
+#define CANCELLED (-1) /* Req.code of a request cancelled before it finished */
+#define RECV_BUFFER (256 * 1024) /* libcurl's receive buffer: fewer recv() calls per answer */
+
+typedef struct Engine Engine;
+
+typedef struct Req {
+    struct Req *next; /* the incoming list or its host's queue */
+    Engine *eng;
+    CURL *easy;
+    int host, state, abandoned, cancel, closes, full;
+    char *url, *userpwd;
+    int trust_env;
+    struct curl_slist *headers;
+    long timeout_ms;
+    size_t max_bytes, got, cap;
+    char *buf;
+    int code;
+    long status, http_version, connects;
+    int64_t connect_us;
+    double t_start;
+    char *h[N_HEADERS];
+} Req;
+
+typedef struct {
+    int permits, active, queued;
+    Req *head, *tail;
+} Host;
+
+typedef struct {
+    int host, code, closes;
+    long status, connects;
+    double latency, connect_s;
+    size_t nbytes;
+} Outcome;
+
+struct Engine {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t done; /* broadcast on every finished request */
+    CURLM *multi;
+    pid_t pid;
+    int started;
+    Host *hosts;
+    int nhosts;
+    Req *in_head, *in_tail;
+    Req **cancels;
+    int ncancels, cancels_cap;
+    Outcome *outs;
+    int nouts, outs_cap;
+    CURL **spare;
+    int nspare, spare_cap;
+    char *cainfo, *capath;
+    int sweep; /* a queued request was cancelled */
+    double last_drain; /* when Python last took the outcomes (Engine.outcomes) */
+};
+
+typedef struct {
+    PyObject_HEAD
+    Engine *eng; /* borrowed: engines live for the process (fastload/curl.py keeps them) */
+    Req *req;
+    PyObject *answer;
+} Transfer;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void req_free(Req *r) {
+    free(r->url);
+    free(r->userpwd);
+    free(r->buf);
+    for (int i = 0; i < N_HEADERS; i++)
+        free(r->h[i]);
+    if (r->headers)
+        lib.slist_free_all(r->headers);
+    free(r);
+}
+
+static void clear_headers(Req *r) {
+    for (int i = 0; i < N_HEADERS; i++) {
+        free(r->h[i]);
+        r->h[i] = NULL;
+    }
+    r->closes = 0;
+}
+
+static size_t on_header(char *line, size_t size, size_t n, void *ud) {
+    Req *r = ud;
+    size_t len = size * n, end = len;
+    if (len >= 5 && memcmp(line, "HTTP/", 5) == 0) { /* a new answer (after a redirect): start over */
+        clear_headers(r);
+        return len;
+    }
+    char *colon = memchr(line, ':', len);
+    if (!colon)
+        return len;
+    size_t name_len = (size_t)(colon - line);
+    size_t v = name_len + 1;
+    while (v < end && (line[v] == ' ' || line[v] == '\t'))
+        v++;
+    while (end > v && (line[end - 1] == '\r' || line[end - 1] == '\n' || line[end - 1] == ' '))
+        end--;
+    if (name_len == 10 && strncasecmp(line, "connection", 10) == 0) {
+        if (end - v == 5 && strncasecmp(line + v, "close", 5) == 0)
+            r->closes = 1;
+        return len;
+    }
+    for (int i = 0; i < N_HEADERS; i++) {
+        if (strlen(header_names[i]) == name_len && strncasecmp(line, header_names[i], name_len) == 0) {
+            free(r->h[i]);
+            r->h[i] = strndup(line + v, end - v);
+            break;
+        }
+    }
+    return len;
+}
+
+static size_t on_write(char *data, size_t size, size_t n, void *ud) {
+    Req *r = ud;
+    size_t len = size * n, room = r->max_bytes - r->got, take = len < room ? len : room;
+    size_t need = r->got + take;
+    if (need > r->cap) {
+        size_t cap = 2 * r->cap;
+        if (!r->cap && r->h[H_LENGTH]) { /* the answer's own length: one allocation of the right size */
+            long long declared = atoll(r->h[H_LENGTH]);
+            if (declared > 0)
+                cap = (size_t)declared;
+        }
+        if (cap < need)
+            cap = need;
+        if (cap > r->max_bytes)
+            cap = r->max_bytes; /* >= need: take never passes max_bytes */
+        char *buf = realloc(r->buf, cap ? cap : 1);
+        if (!buf)
+            return 0; /* out of memory: the transfer fails (CURLE_WRITE_ERROR, full=0) */
+        r->buf = buf;
+        r->cap = cap;
+    }
+    memcpy(r->buf + r->got, data, take);
+    r->got += take;
+    if (take < len) { /* more than was asked for (a server that ignored Range): stop here */
+        r->full = 1;
+        return 0;
+    }
+    return len;
+}
+
+/* ---- the transfer thread ---------------------------------------------------- */
+
+static int grow(void **arr, int *cap, int need, size_t item) {
+    if (need <= *cap)
+        return 0;
+    int c = *cap ? *cap * 2 : 16;
+    while (c < need)
+        c *= 2;
+    void *p = realloc(*arr, (size_t)c * item);
+    if (!p)
+        return -1;
+    *arr = p;
+    *cap = c;
+    return 0;
+}
+
+/* Under mu. The request is finished: its host's permit is free, waiters wake. */
+static void finish(Engine *e, Req *r, int code) {
+    if (r->cancel) { /* it may be freed below: the pending cancel must not outlive it */
+        for (int i = 0; i < e->ncancels; i++) {
+            if (e->cancels[i] == r) {
+                e->cancels[i] = e->cancels[--e->ncancels];
+                break;
+            }
+        }
+    }
+    if (r->state == ACTIVE) {
+        e->hosts[r->host].active--;
+        if (code != CANCELLED && grow((void **)&e->outs, &e->outs_cap, e->nouts + 1, sizeof(Outcome)) == 0) {
+            Outcome *o = &e->outs[e->nouts++];
+            o->host = r->host;
+            o->code = code;
+            o->closes = r->closes || r->http_version == HTTP_VERSION_1_0;
+            o->status = r->status;
+            o->connects = r->connects;
+            o->latency = now_s() - r->t_start;
+            o->connect_s = r->connect_us / 1e6;
+            o->nbytes = r->got;
+        }
+    } else if (r->state == QUEUED) {
+        e->hosts[r->host].queued--;
+    }
+    r->state = DONE;
+    r->code = code;
+    if (r->abandoned)
+        req_free(r);
+    pthread_cond_broadcast(&e->done);
+}
+
+static CURL *take_easy(Engine *e) {
+    if (e->nspare)
+        return e->spare[--e->nspare];
+    return lib.easy_init();
+}
+
+static void give_easy(Engine *e, CURL *c) {
+    lib.easy_reset(c);
+    if (grow((void **)&e->spare, &e->spare_cap, e->nspare + 1, sizeof(CURL *)) == 0)
+        e->spare[e->nspare++] = c;
+}
+
+/* Under mu: start r (its host has a free permit). */
+static void start(Engine *e, Req *r) {
+    CURL *c = take_easy(e);
+    if (!c) {
+        r->state = ACTIVE;
+        e->hosts[r->host].active++;
+        finish(e, r, 27); /* CURLE_OUT_OF_MEMORY */
+        return;
+    }
+    r->easy = c;
+    lib.easy_setopt(c, O_URL, r->url);
+    lib.easy_setopt(c, O_HTTPHEADER, r->headers);
+    lib.easy_setopt(c, O_NOSIGNAL, 1L);
+    lib.easy_setopt(c, O_FOLLOWLOCATION, 1L); /* as aiohttp: up to 10 redirects */
+    lib.easy_setopt(c, O_MAXREDIRS, 10L);
+    lib.easy_setopt(c, O_TIMEOUT_MS, r->timeout_ms);
+    lib.easy_setopt(c, O_CONNECTTIMEOUT_MS, r->timeout_ms);
+    lib.easy_setopt(c, O_BUFFERSIZE, (long)RECV_BUFFER);
+    lib.easy_setopt(c, O_WRITEFUNCTION, on_write);
+    lib.easy_setopt(c, O_WRITEDATA, r);
+    lib.easy_setopt(c, O_HEADERFUNCTION, on_header);
+    lib.easy_setopt(c, O_HEADERDATA, r);
+    lib.easy_setopt(c, O_PRIVATE, r);
+    if (!r->trust_env)
+        lib.easy_setopt(c, O_PROXY, ""); /* as aiohttp without trust_env: no http_proxy from the environment */
+    if (r->userpwd)
+        lib.easy_setopt(c, O_USERPWD, r->userpwd);
+    if (e->cainfo)
+        lib.easy_setopt(c, O_CAINFO, e->cainfo);
+    if (e->capath)
+        lib.easy_setopt(c, O_CAPATH, e->capath);
+    r->state = ACTIVE;
+    r->t_start = now_s();
+    e->hosts[r->host].active++;
+    if (lib.multi_add_handle(e->multi, c) != 0) {
+        r->easy = NULL;
+        give_easy(e, c);
+        finish(e, r, 2); /* CURLE_FAILED_INIT */
+    }
+}
+
+/* Under mu: a cancelled request that never started is done. */
+static void drop(Engine *e, Req *r) {
+    r->next = NULL;
+    r->state = DONE;
+    r->code = CANCELLED;
+    if (r->abandoned)
+        req_free(r);
+    pthread_cond_broadcast(&e->done);
+}
+
+/* Under mu: new requests to their hosts' queues, cancels done, permits used. */
+static void admit(Engine *e) {
+    while (e->in_head) {
+        Req *r = e->in_head;
+        e->in_head = r->next;
+        r->next = NULL;
+        if (r->cancel) {
+            drop(e, r);
+            continue;
+        }
+        Host *h = &e->hosts[r->host];
+        h->queued++;
+        r->state = QUEUED;
+        if (h->tail)
+            h->tail->next = r;
+        else
+            h->head = r;
+        h->tail = r;
+    }
+    e->in_tail = NULL;
+    /* Every request in cancels is alive and active: finish() takes a request out of it. */
+    while (e->ncancels) {
+        Req *r = e->cancels[e->ncancels - 1];
+        lib.multi_remove_handle(e->multi, r->easy);
+        give_easy(e, r->easy);
+        r->easy = NULL;
+        finish(e, r, CANCELLED); /* removes r from cancels */
+    }
+    for (int k = 0; k < e->nhosts; k++) {
+        Host *h = &e->hosts[k];
+        if (e->sweep) { /* queued requests cancelled: out of the queue now, not when a permit frees */
+            Req **link = &h->head, *prev = NULL;
+            while (*link) {
+                Req *r = *link;
+                if (r->cancel) {
+                    *link = r->next;
+                    h->queued--;
+                    drop(e, r);
+                } else {
+                    prev = r;
+                    link = &r->next;
+                }
+            }
+            h->tail = prev;
+        }
+        while (h->head && h->active < h->permits) {
+            Req *r = h->head;
+            h->head = r->next;
+            if (!h->head)
+                h->tail = NULL;
+            r->next = NULL;
+            h->queued--;
+            if (r->cancel)
+                drop(e, r);
+            else
+                start(e, r);
+        }
+    }
+    e->sweep = 0;
+}
+
+static void *serve(void *arg) {
+    Engine *e = arg;
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        admit(e);
+        pthread_mutex_unlock(&e->mu);
+        int running = 0, left = 0, finished = 0;
+        lib.multi_perform(e->multi, &running);
+        CURLMsg *m;
+        while ((m = lib.multi_info_read(e->multi, &left))) {
+            if (m->msg != MSG_DONE)
+                continue;
+            CURL *c = m->easy_handle;
+            int code = m->data.result;
+            Req *r = NULL;
+            lib.easy_getinfo(c, I_PRIVATE, (char **)&r);
+            long status = 0, version = 0, connects = 0;
+            int64_t connect_us = 0;
+            lib.easy_getinfo(c, I_RESPONSE_CODE, &status);
+            lib.easy_getinfo(c, I_HTTP_VERSION, &version);
+            lib.easy_getinfo(c, I_NUM_CONNECTS, &connects);
+            lib.easy_getinfo(c, I_CONNECT_TIME_T, &connect_us);
+            lib.multi_remove_handle(e->multi, c);
+            pthread_mutex_lock(&e->mu);
+            give_easy(e, c);
+            if (r && r->state == ACTIVE) {
+                r->easy = NULL;
+                r->status = status;
+                r->http_version = version;
+                r->connects = connects;
+                r->connect_us = connect_us;
+                if (code == E_WRITE_ERROR && r->full)
+                    code = 0; /* ended on purpose by on_write: it had what was asked */
+                finish(e, r, code);
+            }
+            pthread_mutex_unlock(&e->mu);
+            finished = 1;
+        }
+        if (finished)
+            continue; /* their permits may start queued requests before the next wait */
+        lib.multi_poll(e->multi, NULL, 0, 1000, NULL);
+    }
+    return NULL;
+}
+
+/* ---- Python: Transfer ------------------------------------------------------- */
+
+static PyTypeObject TransferType;
+
+static int stale(Engine *e) {
+    if (e->pid != getpid()) {
+        PyErr_SetString(PyExc_RuntimeError, "a curl engine of the parent process (fork): start a new one");
+        return 1;
+    }
+    return 0;
+}
+
+static PyObject *header_or_none(const char *s) {
+    if (!s)
+        Py_RETURN_NONE;
+    return PyUnicode_DecodeLatin1(s, (Py_ssize_t)strlen(s), "replace");
+}
+
+static void wake(Engine *e) { lib.multi_wakeup(e->multi); }
+
+static PyObject *Transfer_result(Transfer *self, PyObject *unused) {
+    if (self->answer) {
+        Py_INCREF(self->answer);
+        return self->answer;
+    }
+    Engine *e = self->eng;
+    if (stale(e))
+        return NULL;
+    pthread_mutex_lock(&e->mu);
+    Req *r = self->req;
+    if (r->state != DONE) {
+        pthread_mutex_unlock(&e->mu);
+        Py_RETURN_NONE;
+    }
+    pthread_mutex_unlock(&e->mu);
+    /* DONE: the transfer thread no longer touches r. */
+    PyObject *body = PyBytes_FromStringAndSize(r->buf ? r->buf : "", (Py_ssize_t)r->got);
+    if (!body)
+        return NULL;
+    const char *message = r->code > 0 ? lib.easy_strerror(r->code) : (r->code == CANCELLED ? "cancelled" : "");
+    self->answer = Py_BuildValue("(iiNNNNNNNNs)", r->code, (int)r->status, body, header_or_none(r->h[H_RANGE]),
+                                 header_or_none(r->h[H_LENGTH]), header_or_none(r->h[H_ETAG]),
+                                 header_or_none(r->h[H_MODIFIED]), header_or_none(r->h[H_MD5]),
+                                 header_or_none(r->h[H_DIGEST]), PyBool_FromLong(r->closes || r->http_version == HTTP_VERSION_1_0),
+                                 message);
+    if (!self->answer)
+        return NULL;
+    free(r->buf); /* the bytes now live in the answer */
+    r->buf = NULL;
+    r->got = r->cap = 0;
+    Py_INCREF(self->answer);
+    return self->answer;
+}
+
+static PyObject *Transfer_done(Transfer *self, PyObject *unused) {
+    if (self->answer)
+        Py_RETURN_TRUE;
+    Engine *e = self->eng;
+    if (stale(e))
+        return NULL;
+    pthread_mutex_lock(&e->mu);
+    int done = self->req->state == DONE;
+    pthread_mutex_unlock(&e->mu);
+    return PyBool_FromLong(done);
+}
+
+/* Under mu: ask the transfer thread to end r (queued or active). */
+static void cancel_locked(Engine *e, Req *r) {
+    if (r->state == DONE || r->cancel)
+        return;
+    r->cancel = 1;
+    if (r->state != ACTIVE)
+        e->sweep = 1;
+    else if (grow((void **)&e->cancels, &e->cancels_cap, e->ncancels + 1, sizeof(Req *)) == 0)
+        e->cancels[e->ncancels++] = r;
+}
+
+static PyObject *Transfer_cancel(Transfer *self, PyObject *unused) {
+    Engine *e = self->eng;
+    if (stale(e))
+        return NULL;
+    pthread_mutex_lock(&e->mu);
+    int was_done = self->req->state == DONE;
+    cancel_locked(e, self->req);
+    pthread_mutex_unlock(&e->mu);
+    wake(e);
+    return PyBool_FromLong(!was_done);
+}
+
+static void Transfer_dealloc(Transfer *self) {
+    Engine *e = self->eng;
+    Req *r = self->req;
+    Py_CLEAR(self->answer);
+    if (e && r && e->pid == getpid()) { /* after a fork the parent's engine is left alone */
+        pthread_mutex_lock(&e->mu);
+        if (r->state == DONE) {
+            req_free(r);
+        } else {
+            r->abandoned = 1; /* freed by the transfer thread when it finishes */
+            cancel_locked(e, r);
+        }
+        pthread_mutex_unlock(&e->mu);
+        wake(e);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Transfer_methods[] = {
+    {"result", (PyCFunction)Transfer_result, METH_NOARGS,
+     "None while it runs; then (code, status, body, content_range, content_length, etag, last_modified, "
+     "content_md5, digest, closes, message). code: libcurl's (0 ok, -1 cancelled)."},
+    {"done", (PyCFunction)Transfer_done, METH_NOARGS, "Whether it finished (or was cancelled)."},
+    {"cancel", (PyCFunction)Transfer_cancel, METH_NOARGS, "End it; True if it had not finished."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TransferType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fastload._curl.Transfer",
+    .tp_basicsize = sizeof(Transfer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One GET handed to an Engine.",
+    .tp_dealloc = (destructor)Transfer_dealloc,
+    .tp_methods = Transfer_methods,
+};
+
+/* ---- Python: Engine --------------------------------------------------------- */
+
+static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"cainfo", "capath", NULL};
+    const char *cainfo = NULL, *capath = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|zz", kwlist, &cainfo, &capath))
+        return NULL;
+    if (load_libcurl() < 0) {
+        PyErr_SetString(PyExc_OSError, lib_error);
+        return NULL;
+    }
+    Engine *e = (Engine *)type->tp_alloc(type, 0);
+    if (!e)
+        return NULL;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&e->done, &attr);
+    pthread_condattr_destroy(&attr);
+    e->pid = getpid();
+    e->cainfo = cainfo ? strdup(cainfo) : NULL;
+    e->capath = capath ? strdup(capath) : NULL;
+    e->multi = lib.multi_init();
+    if (!e->multi) {
+        PyErr_SetString(PyExc_OSError, "curl_multi_init failed");
+        Py_DECREF(e);
+        return NULL;
+    }
+    lib.multi_setopt(e->multi, M_MAXCONNECTS, 256L); /* idle connections kept for reuse */
+    pthread_t th;
+    pthread_attr_t ta;
+    pthread_attr_init(&ta);
+    pthread_attr_setdetachstate(&ta, PTHREAD_CREATE_DETACHED);
+    int err = pthread_create(&th, &ta, serve, e);
+    pthread_attr_destroy(&ta);
+    if (err) {
+        PyErr_SetString(PyExc_OSError, "cannot start the curl thread");
+        e->multi = NULL; /* leaked with e: never freed (an engine lives for the process) */
+        return NULL;
+    }
+    e->started = 1;
+    return (PyObject *)e;
+}
+
+static void Engine_dealloc(Engine *e) {
+    /* A started engine is kept for the life of the process (its thread holds it). */
+    if (!e->started)
+        Py_TYPE(e)->tp_free((PyObject *)e);
+}
+
+static PyObject *Engine_host(Engine *e, PyObject *unused) {
+    if (stale(e))
+        return NULL;
+    pthread_mutex_lock(&e->mu);
+    Host *hosts = realloc(e->hosts, (size_t)(e->nhosts + 1) * sizeof(Host));
+    if (!hosts) {
+        pthread_mutex_unlock(&e->mu);
+        return PyErr_NoMemory();
+    }
+    memset(&hosts[e->nhosts], 0, sizeof(Host));
+    e->hosts = hosts;
+    int id = e->nhosts++;
+    pthread_mutex_unlock(&e->mu);
+    return PyLong_FromLong(id);
+}
+
+static int check_host(Engine *e, int host) {
+    if (host < 0 || host >= e->nhosts) {
+        PyErr_Format(PyExc_ValueError, "no host %d", host);
+        return -1;
+    }
+    return 0;
+}
+
+static char *dup_utf8(PyObject *s) {
+    const char *u = PyUnicode_AsUTF8(s);
+    return u ? strdup(u) : NULL;
+}
+
+static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"host", "urls", "max_bytes", "headers", "timeout_s", "userpwd", "trust_env", NULL};
+    int host, trust_env = 0;
+    PyObject *urls, *headers;
+    Py_ssize_t max_bytes;
+    double timeout_s;
+    const char *userpwd = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!nO!d|zp", kwlist, &host, &PyList_Type, &urls, &max_bytes,
+                                     &PyList_Type, &headers, &timeout_s, &userpwd, &trust_env))
+        return NULL;
+    if (stale(e))
+        return NULL;
+    pthread_mutex_lock(&e->mu);
+    int bad = check_host(e, host);
+    pthread_mutex_unlock(&e->mu);
+    if (bad)
+        return NULL;
+    if (max_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_bytes < 0");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(urls), nh = PyList_GET_SIZE(headers);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyUnicode_Check(PyList_GET_ITEM(urls, i)))
+            return PyErr_Format(PyExc_TypeError, "urls[%zd] is not a str", i);
+    for (Py_ssize_t i = 0; i < nh; i++)
+        if (!PyUnicode_Check(PyList_GET_ITEM(headers, i)))
+            return PyErr_Format(PyExc_TypeError, "headers[%zd] is not a str", i);
+    PyObject *out = PyList_New(n);
+    if (!out)
+        return NULL;
+    Req *first = NULL, *last = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Req *r = calloc(1, sizeof(Req));
+        Transfer *t = r ? PyObject_New(Transfer, &TransferType) : NULL;
+        if (!t) {
+            free(r);
+            goto fail;
+        }
+        t->eng = e;
+        t->req = r;
+        t->answer = NULL;
+        PyList_SET_ITEM(out, i, (PyObject *)t);
+        r->eng = e;
+        r->host = host;
+        r->state = INCOMING;
+        r->max_bytes = (size_t)max_bytes;
+        r->timeout_ms = (long)(timeout_s * 1000);
+        r->trust_env = trust_env;
+        r->url = dup_utf8(PyList_GET_ITEM(urls, i));
+        r->userpwd = userpwd ? strdup(userpwd) : NULL;
+        if (!r->url)
+            goto fail;
+        for (Py_ssize_t k = 0; k < nh; k++) {
+            const char *line = PyUnicode_AsUTF8(PyList_GET_ITEM(headers, k));
+            struct curl_slist *sl = line ? lib.slist_append(r->headers, line) : NULL;
+            if (!sl)
+                goto fail;
+            r->headers = sl;
+        }
+        if (last)
+            last->next = r;
+        else
+            first = r;
+        last = r;
+    }
+    if (first) {
+        pthread_mutex_lock(&e->mu);
+        if (e->in_tail)
+            e->in_tail->next = first;
+        else
+            e->in_head = first;
+        e->in_tail = last;
+        pthread_mutex_unlock(&e->mu);
+        wake(e);
+    }
+    return out;
+fail:
+    /* Nothing was handed over: each Transfer made so far is marked done so its dealloc frees it. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Transfer *t = (Transfer *)PyList_GET_ITEM(out, i);
+        if (t)
+            t->req->state = DONE;
+    }
+    Py_DECREF(out);
+    if (!PyErr_Occurred())
+        PyErr_NoMemory();
+    return NULL;
+}
+
+static PyObject *Engine_wait(Engine *e, PyObject *args) {
+    PyObject *transfers;
+    double timeout_s, pump_s = -1;
+    if (!PyArg_ParseTuple(args, "O!d|d", &PyList_Type, &transfers, &timeout_s, &pump_s))
+        return NULL;
+    if (stale(e))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(transfers);
+    Req **reqs = malloc((size_t)(n ? n : 1) * sizeof(Req *));
+    if (!reqs)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PyList_GET_ITEM(transfers, i);
+        if (!PyObject_TypeCheck(t, &TransferType) || ((Transfer *)t)->eng != e) {
+            free(reqs);
+            return PyErr_Format(PyExc_TypeError, "transfers[%zd] is not a Transfer of this engine", i);
+        }
+        reqs[i] = ((Transfer *)t)->req; /* alive: the list holds their Transfers */
+    }
+    int all = 0;
+    Py_BEGIN_ALLOW_THREADS
+    double t0 = now_s(), deadline = t0 + (timeout_s > 0 ? timeout_s : 0);
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        Py_ssize_t i = 0;
+        while (i < n && reqs[i]->state == DONE)
+            i++;
+        all = i == n;
+        double t = now_s();
+        if (all || t >= deadline || (pump_s >= 0 && e->nouts > 0 && t - t0 >= pump_s))
+            break;
+        double until = deadline;
+        if (pump_s >= 0 && e->nouts > 0 && t0 + pump_s < until)
+            until = t0 + pump_s;
+        else if (pump_s >= 0 && t + pump_s < until)
+            until = t + pump_s; /* look again then: outcomes may have come */
+        struct timespec ts;
+        ts.tv_sec = (time_t)until;
+        ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
+        pthread_cond_timedwait(&e->done, &e->mu, &ts);
+    }
+    pthread_mutex_unlock(&e->mu);
+    Py_END_ALLOW_THREADS
+    free(reqs);
+    return PyBool_FromLong(all);
+}
+
+static PyObject *Engine_outcomes(Engine *e, PyObject *unused) {
+    if (stale(e))
+        return NULL;
+    pthread_mutex_lock(&e->mu);
+    e->last_drain = now_s();
+    int n = e->nouts;
+    Outcome *outs = NULL;
+    if (n) {
+        outs = malloc((size_t)n * sizeof(Outcome));
+        if (outs) {
+            memcpy(outs, e->outs, (size_t)n * sizeof(Outcome));
+            e->nouts = 0;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (n && !outs)
+        return PyErr_NoMemory();
+    PyObject *list = PyList_New(n);
+    for (int i = 0; list && i < n; i++) {
+        Outcome *o = &outs[i];
+        PyObject *item = Py_BuildValue("(iiidnldO)", o->host, o->code, (int)o->status, o->latency, (Py_ssize_t)o->nbytes,
+                                       o->connects, o->connect_s, o->closes ? Py_True : Py_False);
+        if (!item) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, item);
+    }
+    free(outs);
+    return list;
+}
+
+/* Under mu: whether Python has work here (outcomes to take, or permits no request needs). */
+static int needs_python(Engine *e) {
+    if (e->nouts)
+        return 1;
+    for (int k = 0; k < e->nhosts; k++)
+        if (e->hosts[k].permits > e->hosts[k].active + e->hosts[k].queued)
+            return 1;
+    return 0;
+}
+
+static PyObject *Engine_watch(Engine *e, PyObject *args) {
+    double timeout_s, quiet_s;
+    if (!PyArg_ParseTuple(args, "dd", &timeout_s, &quiet_s) || stale(e))
+        return NULL;
+    int due = 0;
+    Py_BEGIN_ALLOW_THREADS
+    double deadline = now_s() + timeout_s;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        double t = now_s();
+        int work = needs_python(e);
+        if (work && t - e->last_drain >= quiet_s) {
+            due = 1;
+            break;
+        }
+        if (t >= deadline)
+            break;
+        double until = deadline;
+        if (work && e->last_drain + quiet_s < until)
+            until = e->last_drain + quiet_s; /* nobody took them meanwhile: then it is due */
+        struct timespec ts;
+        ts.tv_sec = (time_t)until;
+        ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
+        pthread_cond_timedwait(&e->done, &e->mu, &ts);
+    }
+    pthread_mutex_unlock(&e->mu);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(due);
+}
+
+static PyObject *Engine_counts(Engine *e, PyObject *args) {
+    int host;
+    if (!PyArg_ParseTuple(args, "i", &host) || stale(e))
+        return NULL;
+    pthread_mutex_lock(&e->mu);
+    if (check_host(e, host)) {
+        pthread_mutex_unlock(&e->mu);
+        return NULL;
+    }
+    Host h = e->hosts[host];
+    int incoming = 0;
+    for (Req *r = e->in_head; r; r = r->next)
+        incoming += r->host == host;
+    pthread_mutex_unlock(&e->mu);
+    return Py_BuildValue("(iii)", h.permits, h.active, h.queued + incoming);
+}
+
+static PyObject *Engine_set_permits(Engine *e, PyObject *args) {
+    int host, permits;
+    if (!PyArg_ParseTuple(args, "ii", &host, &permits) || stale(e))
+        return NULL;
+    pthread_mutex_lock(&e->mu);
+    if (check_host(e, host)) {
+        pthread_mutex_unlock(&e->mu);
+        return NULL;
+    }
+    Host *h = &e->hosts[host];
+    int grew = permits > h->permits;
+    h->permits = permits < 0 ? 0 : permits;
+    int held = h->active > h->permits ? h->active : h->permits;
+    pthread_mutex_unlock(&e->mu);
+    if (grew)
+        wake(e);
+    return PyLong_FromLong(held);
+}
+
+static PyMethodDef Engine_methods[] = {
+    {"host", (PyCFunction)Engine_host, METH_NOARGS, "A new host: its id (no permits yet)."},
+    {"submit", (PyCFunction)(void (*)(void))Engine_submit, METH_VARARGS | METH_KEYWORDS,
+     "submit(host, urls, max_bytes, headers, timeout_s, userpwd=None, trust_env=False) -> [Transfer]: "
+     "queue one GET per URL; each body is cut at max_bytes."},
+    {"wait", (PyCFunction)Engine_wait, METH_VARARGS,
+     "wait(transfers, timeout_s, pump_s=-1) -> bool: until all are done (True) or timeout_s passed; with "
+     "pump_s >= 0 also once pump_s passed while outcomes wait (Engine.outcomes). Releases the GIL."},
+    {"outcomes", (PyCFunction)Engine_outcomes, METH_NOARGS,
+     "Finished requests since the last call: [(host, code, status, latency_s, nbytes, connects, connect_s, closes)]."},
+    {"watch", (PyCFunction)Engine_watch, METH_VARARGS,
+     "watch(timeout_s, quiet_s) -> bool: True once outcomes wait or permits idle and no one took outcomes for "
+     "quiet_s; False after timeout_s. Releases the GIL."},
+    {"counts", (PyCFunction)Engine_counts, METH_VARARGS, "counts(host) -> (permits, active, queued)."},
+    {"set_permits", (PyCFunction)Engine_set_permits, METH_VARARGS,
+     "set_permits(host, n) -> the permits the engine holds now: max(n, its active requests)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fastload._curl.Engine",
+    .tp_basicsize = sizeof(Engine),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "libcurl's multi interface on a thread of its own, for the life of the process.",
+    .tp_new = Engine_new,
+    .tp_dealloc = (destructor)Engine_dealloc,
+    .tp_methods = Engine_methods,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "fastload._curl", "First-block HTTP GETs on libcurl, off the GIL (native/_curl.c).", -1, NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__curl(void) {
+    if (PyType_Ready(&EngineType) < 0 || PyType_Ready(&TransferType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&EngineType);
+    Py_INCREF(&TransferType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0 ||
+        PyModule_AddObject(m, "Transfer", (PyObject *)&TransferType) < 0 ||
+        PyModule_AddIntConstant(m, "CANCELLED", CANCELLED) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
