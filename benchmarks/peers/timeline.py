@@ -18,7 +18,7 @@ tail (last answer to last batch). ``--pythonpath A,B`` alternates checkouts in
 one link session, so before/after runs see the same link and load.
 
 The instruments wrap fastload internals by name (``Source._http_list``,
-``source._http_get_first``, ``HostLimit._release``, ``Fetcher._store``); one
+``source._http_get_first``, ``HostLimit._release`` and ``account``, ``Fetcher._store``); one
 that no longer exists is reported as missing, not guessed. They cost the epoch
 a little CPU (the byte sampler runs every 5 ms), so compare runs of this tool
 with each other, not with bench.py's figures.
@@ -154,6 +154,16 @@ def _instrument(events: dict[str, float], requests: list[Any], limits: list[Any]
             limits.append((clock(), self.limit, self.in_flight))
         return run
 
+    def accounted(inner: Any) -> Any:
+        # GETs on libcurl's thread (fastload.curl) reach Python only as outcomes, at most
+        # ~PUMP_S after their answer: each is placed by its latency, ending when it was taken.
+        def run(self: Any, results: Any) -> None:
+            inner(self, results)
+            now = clock()
+            requests.extend((now - latency, now, nbytes) for latency, nbytes, _, ok in results if ok)
+            limits.append((now, self.limit, self.in_flight))
+        return run
+
     def store(inner: Any) -> Any:
         def run(self: Any, fetched: Any, *args: Any, **kwargs: Any) -> Any:
             t = clock()
@@ -167,6 +177,7 @@ def _instrument(events: dict[str, float], requests: list[Any], limits: list[Any]
     wrap(source, "_http_page", timed(0))
     wrap(source, "_http_get_first", timed(1))
     wrap(hostlimit.HostLimit, "_release", release)
+    wrap(hostlimit.HostLimit, "account", accounted)
     wrap(fetch.Fetcher, "_store", store)
     return missing
 
