@@ -158,6 +158,12 @@ static const char *const header_names[N_HEADERS] = {"content-range", "content-le
 
 typedef struct Engine Engine;
 
+/* A thread in Engine.wait: woken once all the requests it registered on are done. */
+typedef struct {
+    pthread_cond_t cv;
+    int remaining;
+} Waiter;
+
 typedef struct Req {
     struct Req *next; /* the incoming list or its host's queue */
     Engine *eng;
@@ -173,6 +179,7 @@ typedef struct Req {
     long status, http_version, connects;
     int64_t connect_us;
     double t_start;
+    Waiter *waiter; /* the thread waiting for it, if one registered (Engine.wait) */
     char *h[N_HEADERS];
 } Req;
 
@@ -191,7 +198,6 @@ typedef struct {
 struct Engine {
     PyObject_HEAD
     pthread_mutex_t mu;
-    pthread_cond_t done; /* broadcast on every finished request */
     CURLM *multi;
     pid_t pid;
     int started;
@@ -318,7 +324,15 @@ static int grow(void **arr, int *cap, int need, size_t item) {
     return 0;
 }
 
-/* Under mu. The request is finished: its host's permit is free, waiters wake. */
+/* Under mu: r is done; its waiter wakes once all it waits for are (one wake-up per wait, not per request). */
+static void notify(Req *r) {
+    Waiter *w = r->waiter;
+    r->waiter = NULL;
+    if (w && --w->remaining == 0)
+        pthread_cond_signal(&w->cv);
+}
+
+/* Under mu. The request is finished: its host's permit is free, its waiter told. */
 static void finish(Engine *e, Req *r, int code) {
     if (r->cancel) { /* it may be freed below: the pending cancel must not outlive it */
         for (int i = 0; i < e->ncancels; i++) {
@@ -346,9 +360,9 @@ static void finish(Engine *e, Req *r, int code) {
     }
     r->state = DONE;
     r->code = code;
+    notify(r);
     if (r->abandoned)
         req_free(r);
-    pthread_cond_broadcast(&e->done);
 }
 
 static CURL *take_easy(Engine *e) {
@@ -409,9 +423,9 @@ static void drop(Engine *e, Req *r) {
     r->next = NULL;
     r->state = DONE;
     r->code = CANCELLED;
+    notify(r);
     if (r->abandoned)
         req_free(r);
-    pthread_cond_broadcast(&e->done);
 }
 
 /* Under mu: new requests to their hosts' queues, cancels done, permits used. */
@@ -660,11 +674,6 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     if (!e)
         return NULL;
     pthread_mutex_init(&e->mu, NULL);
-    pthread_condattr_t attr;
-    pthread_condattr_init(&attr);
-    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-    pthread_cond_init(&e->done, &attr);
-    pthread_condattr_destroy(&attr);
     e->pid = getpid();
     e->cainfo = cainfo ? strdup(cainfo) : NULL;
     e->capath = capath ? strdup(capath) : NULL;
@@ -836,27 +845,47 @@ static PyObject *Engine_wait(Engine *e, PyObject *args) {
     }
     int all = 0;
     Py_BEGIN_ALLOW_THREADS
-    double t0 = now_s(), deadline = t0 + (timeout_s > 0 ? timeout_s : 0);
+    Waiter w;
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&w.cv, &attr);
+    pthread_condattr_destroy(&attr);
+    w.remaining = 0;
+    double deadline = now_s() + (timeout_s > 0 ? timeout_s : 0);
     pthread_mutex_lock(&e->mu);
+    int foreign = 0; /* requests another thread waits for: looked at on each wake-up */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (reqs[i]->state == DONE)
+            continue;
+        if (reqs[i]->waiter == NULL) {
+            reqs[i]->waiter = &w;
+            w.remaining++;
+        } else {
+            foreign = 1;
+        }
+    }
     for (;;) {
-        Py_ssize_t i = 0;
-        while (i < n && reqs[i]->state == DONE)
-            i++;
-        all = i == n;
+        all = w.remaining == 0;
+        for (Py_ssize_t i = 0; all && foreign && i < n; i++)
+            all = reqs[i]->state == DONE;
         double t = now_s();
-        if (all || t >= deadline || (pump_s >= 0 && e->nouts > 0 && t - t0 >= pump_s))
+        if (all || t >= deadline || (pump_s >= 0 && e->nouts > 0 && t - e->last_drain >= pump_s))
             break;
+        /* Woken when all are done; else every pump_s, to hand finished GETs to Python's controller. */
         double until = deadline;
-        if (pump_s >= 0 && e->nouts > 0 && t0 + pump_s < until)
-            until = t0 + pump_s;
-        else if (pump_s >= 0 && t + pump_s < until)
-            until = t + pump_s; /* look again then: outcomes may have come */
+        if ((pump_s >= 0 || foreign) && t + (pump_s > 0 ? pump_s : 0.001) < until)
+            until = t + (pump_s > 0 ? pump_s : 0.001);
         struct timespec ts;
         ts.tv_sec = (time_t)until;
         ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
-        pthread_cond_timedwait(&e->done, &e->mu, &ts);
+        pthread_cond_timedwait(&w.cv, &e->mu, &ts);
     }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (reqs[i]->waiter == &w)
+            reqs[i]->waiter = NULL;
     pthread_mutex_unlock(&e->mu);
+    pthread_cond_destroy(&w.cv);
     Py_END_ALLOW_THREADS
     free(reqs);
     return PyBool_FromLong(all);
@@ -910,26 +939,19 @@ static PyObject *Engine_watch(Engine *e, PyObject *args) {
         return NULL;
     int due = 0;
     Py_BEGIN_ALLOW_THREADS
+    /* Polled, not signalled: a wake-up per finished request would cost a thread switch each. */
     double deadline = now_s() + timeout_s;
-    pthread_mutex_lock(&e->mu);
     for (;;) {
+        pthread_mutex_lock(&e->mu);
         double t = now_s();
-        int work = needs_python(e);
-        if (work && t - e->last_drain >= quiet_s) {
-            due = 1;
+        due = needs_python(e) && t - e->last_drain >= quiet_s;
+        pthread_mutex_unlock(&e->mu);
+        if (due || t >= deadline)
             break;
-        }
-        if (t >= deadline)
-            break;
-        double until = deadline;
-        if (work && e->last_drain + quiet_s < until)
-            until = e->last_drain + quiet_s; /* nobody took them meanwhile: then it is due */
-        struct timespec ts;
-        ts.tv_sec = (time_t)until;
-        ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
-        pthread_cond_timedwait(&e->done, &e->mu, &ts);
+        double nap = quiet_s < deadline - t ? quiet_s : deadline - t;
+        struct timespec ts = {(time_t)nap, (long)((nap - (double)(time_t)nap) * 1e9)};
+        nanosleep(&ts, NULL);
     }
-    pthread_mutex_unlock(&e->mu);
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(due);
 }
@@ -977,7 +999,7 @@ static PyMethodDef Engine_methods[] = {
      "queue one GET per URL; each body is cut at max_bytes."},
     {"wait", (PyCFunction)Engine_wait, METH_VARARGS,
      "wait(transfers, timeout_s, pump_s=-1) -> bool: until all are done (True) or timeout_s passed; with "
-     "pump_s >= 0 also once pump_s passed while outcomes wait (Engine.outcomes). Releases the GIL."},
+     "pump_s >= 0 also once outcomes have waited pump_s untaken (Engine.outcomes). Releases the GIL."},
     {"outcomes", (PyCFunction)Engine_outcomes, METH_NOARGS,
      "Finished requests since the last call: [(host, code, status, latency_s, nbytes, connects, connect_s, closes)]."},
     {"watch", (PyCFunction)Engine_watch, METH_VARARGS,
