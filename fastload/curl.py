@@ -62,10 +62,22 @@ class HttpStatusError(OSError):
 
 
 class _Host:
-    __slots__ = ("id", "leased", "limit")
+    __slots__ = ("broken", "id", "leased", "limit")
 
     def __init__(self, hid: int, limit: HostLimit) -> None:
         self.id, self.limit, self.leased = hid, limit, 0
+        self.broken = ""  # why libcurl cannot talk to this host (a TLS or protocol failure): aiohttp does
+
+
+def broken(limit: HostLimit) -> str:
+    """Why this host's GETs no longer go through libcurl ("" while they do).
+
+    A failure that is not the network's (libcurl could not verify a certificate,
+    speak the protocol, or parse the URL) would fail every GET there, each then
+    redone on aiohttp: one such failure sends the host's GETs to aiohttp for good.
+    """
+    host = _STATE.hosts.get(id(limit))
+    return host.broken if host is not None and host.limit is limit else ""
 
 
 class _State:
@@ -216,10 +228,10 @@ class Pending:
     HEAD-like info and the first ``nbytes`` bytes, or raises the error it stands for.
     """
 
-    __slots__ = ("__weakref__", "nbytes", "transfer", "url")
+    __slots__ = ("__weakref__", "host", "nbytes", "transfer", "url")
 
-    def __init__(self, transfer: Any, url: str, nbytes: int) -> None:
-        self.transfer, self.url, self.nbytes = transfer, url, nbytes
+    def __init__(self, transfer: Any, url: str, nbytes: int, host: _Host | None = None) -> None:
+        self.transfer, self.url, self.nbytes, self.host = transfer, url, nbytes, host
 
     def done(self) -> bool:
         return bool(self.transfer.done())
@@ -232,7 +244,10 @@ class Pending:
     def result(self, timeout: float | None = None) -> tuple[dict[str, Any], bytes]:
         if not wait([self], 1e9 if timeout is None else timeout) == []:
             raise concurrent.futures.TimeoutError(f"{self.url}: no answer within {timeout} s")
-        return _answer(self.transfer.result(), self.url, self.nbytes)
+        res = self.transfer.result()
+        if res[0] > 0 and res[0] not in _CURL_CODES and self.host is not None:
+            self.host.broken = self.host.broken or f"libcurl error {res[0]}: {res[-1]}"
+        return _answer(res, self.url, self.nbytes)
 
 
 def wait(futures: Sequence[Any], timeout_s: float) -> list[Any]:
@@ -242,6 +257,7 @@ def wait(futures: Sequence[Any], timeout_s: float) -> list[Any]:
     mine = [f for f in futures if isinstance(f, Pending)]
     others = [f for f in futures if not isinstance(f, Pending)]
     eng = _STATE.engine
+    mine = [p for p in mine if not p.done()]
     if mine and eng is not None:
         transfers = [p.transfer for p in mine]
         while True:
@@ -307,7 +323,7 @@ class CurlRoute:
         wire = [u if _PLAIN_URL.match(u) else str(self.encode(u)) for u in urls]
         headers = [*self.headers, f"Range: bytes=0-{max(nbytes, 1) - 1}", "Accept-Encoding: identity"]
         transfers = eng.submit(host.id, wire, nbytes, headers, timeout_s, self.userpwd, self.trust_env)
-        pendings = [Pending(t, u, nbytes) for t, u in zip(transfers, urls)]
+        pendings = [Pending(t, u, nbytes, host) for t, u in zip(transfers, urls)]
         state = _STATE
         with state.lock:
             entry = state.stoppable.get(id(stop))

@@ -552,7 +552,7 @@ class Source:
         by_host: dict[int, tuple[HostLimit, builtins.list[int]]] = {}
         for k, item in enumerate(items):
             limit = self.limit_of(item.url)
-            if limit is None:
+            if limit is None or curl.broken(limit):
                 return None
             by_host.setdefault(id(limit), (limit, []))[1].append(k)
         out: builtins.list[Any] = [None] * len(items)

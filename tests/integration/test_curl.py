@@ -194,3 +194,32 @@ def test_a_cancelled_or_dropped_get_leaves_nothing_queued(tmp_path: Path, nginx_
     eng.set_permits(host, 0)
     with pytest.raises(ConnectionRefusedError, match="libcurl error 7"):
         curl._answer(dead[0].result(), "http://127.0.0.1:9/x", 10)
+
+
+class _FailedTransfer:
+    """A finished transfer whose libcurl code says the host cannot be spoken to (a bad certificate)."""
+
+    def done(self) -> bool:
+        return True
+
+    def cancel(self) -> bool:
+        return False
+
+    def result(self) -> tuple[Any, ...]:
+        return (60, 0, b"", None, None, None, None, None, None, False, "SSL peer certificate or SSH remote key was not OK")
+
+
+def test_a_host_libcurl_cannot_speak_to_goes_to_aiohttp_for_good(tmp_path: Path, py_server: Any) -> None:
+    files = _files(tmp_path / "www", 2, 100)
+    server = py_server(tmp_path / "www")
+    src = Source(server.url + "/", settings=Settings(cache_dir=tmp_path / "c"))
+    limit = src.host_limit
+    assert limit is not None and src.route is not None
+    host = curl._host(limit)
+    with pytest.raises(ConnectionError, match="libcurl error 60"):
+        curl.Pending(_FailedTransfer(), server.url + "/f00.bin", 100, host).result(timeout=1)
+    assert "libcurl error 60" in curl.broken(limit)
+    items = [RemoteItem(f"{server.url}/{n}", -1, "") for n in files]
+    assert src.start_first_many(items, 1 << 20) is not None  # aiohttp's futures now
+    assert not any(isinstance(f, curl.Pending) for f in src.start_first_many(items, 1 << 20) or [])
+    assert [d for _, d in src.read_first_many(items, 1 << 20)] == list(files.values())
