@@ -16,7 +16,12 @@ Scope: the first-block GET of a sizeless HTTP item, fetched ahead
 Listing pages, HEADs, later blocks and streamed objects stay on fsspec's session.
 A Source uses curl only where its ``storage_options`` map onto curl (headers,
 basic auth, ``trust_env``; :func:`route_for`), and ``Settings.http_client``
-(``FASTLOAD_HTTP_CLIENT``) can turn it off. Any answer this path does not take
+(``FASTLOAD_HTTP_CLIENT``) can turn it off. A host that closes its connection
+after each answer (HTTP/1.0, as ``python -m http.server``; ``HostLimit.closing``)
+goes back to aiohttp once that is seen: there every GET waits for a new
+connection, at most ``CLOSING_MAX`` at once, so the CPU per GET is not the
+limit, and in ``benchmarks/ordinary_server`` libcurl staged at 0.82 of the link
+where aiohttp staged at 0.89 (each GET took ~2 ms longer; not explained). Any answer this path does not take
 as it is (an error status, a failed transfer, a body without a length) is
 redone by :meth:`Source.read_first` on aiohttp, whose retries, backoff and error
 messages are the ones users see.

@@ -552,8 +552,8 @@ class Source:
         by_host: dict[int, tuple[HostLimit, builtins.list[int]]] = {}
         for k, item in enumerate(items):
             limit = self.limit_of(item.url)
-            if limit is None or curl.broken(limit):
-                return None
+            if limit is None or limit.closing or curl.broken(limit):
+                return None  # a host that closes its connections stays on aiohttp (fastload.curl)
             by_host.setdefault(id(limit), (limit, []))[1].append(k)
         out: builtins.list[Any] = [None] * len(items)
         for limit, ks in by_host.values():
