@@ -89,15 +89,18 @@ def test_a_finalized_read_ahead_waits_for_its_reads_but_joins_no_thread(monkeypa
     # A finalizer runs wherever a collection starts: once inside Thread.start's own
     # bookkeeping, which holds a lock that ending a thread takes again; the join in it
     # hung the whole suite. Running reads are still waited for (their records land here).
-    gate = threading.Event()
+    gate, running = threading.Event(), threading.Event()
 
     def read(idx: list[int]) -> list[int]:
         if idx == [1]:
+            running.set()
             gate.wait(5)
         return list(idx)
 
     reads = ReadAhead(iter([[0], [1]]), read, lambda b: b, auto_collation=True, threads=2, ahead=1)
     assert next(reads) == [0]
+    # Only a read that has started is waited for (a queued one is cancelled): wait for it to run.
+    assert running.wait(5), "the read of batch 1 never started"
     joins: list[str] = []
     real = threading.Thread.join
     monkeypatch.setattr(threading.Thread, "join", lambda self, timeout=None: joins.append(self.name) or real(self, timeout))
