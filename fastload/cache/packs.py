@@ -129,6 +129,28 @@ def gaps(size: int, live: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, in
     return out, at
 
 
+# One payload: whole, or as its parts (codec.Encoded.parts), written one after another.
+Payload = bytes | Sequence[bytes | memoryview]
+
+
+def _size(payload: Payload) -> int:
+    return len(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else sum(len(p) for p in payload)
+
+
+def write_all(fd: int, parts: Sequence[bytes | memoryview], offset: int) -> None:
+    """Write ``parts`` one after another at ``offset`` of ``fd``: one ``pwritev`` (no joined copy),
+    continued where the kernel wrote less."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
 class PackWriter:
     """The packs one process appends to in one cache (see :func:`writer`)."""
 
@@ -149,7 +171,7 @@ class PackWriter:
                 self._start_pack()
             return bool(self.usable)
 
-    def append(self, payloads: Sequence[bytes]) -> list[tuple[str, int]] | None:
+    def append(self, payloads: Sequence[Payload]) -> list[tuple[str, int]] | None:
         """Write ``payloads`` to this process's pack; their ``(pack, offset)``, or None when
         packs cannot be used here (the caller writes whole files).
 
@@ -160,7 +182,8 @@ class PackWriter:
         """
         for attempt in (1, 2):
             with self._lock:
-                total = sum(aligned(len(p)) for p in payloads)
+                sizes = [_size(p) for p in payloads]
+                total = sum(aligned(n) for n in sizes)
                 # A new pack: the first, after one failed to start (ENOSPC), or at the rotation size.
                 if self.usable is None or self._rel is None or (self._tail and self._tail + total > self.rotate_bytes):
                     self._start_pack()
@@ -170,9 +193,9 @@ class PackWriter:
                 self._tail += total
                 self._pending[rel] = self._pending.get(rel, 0) + len(payloads)
             out = []
-            for p in payloads:
+            for n in sizes:
                 out.append((rel, at))
-                at += aligned(len(p))
+                at += aligned(n)
             try:
                 self._write(rel, out, payloads)
                 return out
@@ -186,17 +209,15 @@ class PackWriter:
                 if attempt == 2:
                     raise
             except BaseException:
-                self.give_back(out, [len(p) for p in payloads])
+                self.give_back(out, sizes)
                 raise
         return None  # not reached
 
-    def _write(self, rel: str, out: Sequence[tuple[str, int]], payloads: Sequence[bytes]) -> None:
+    def _write(self, rel: str, out: Sequence[tuple[str, int]], payloads: Sequence[Payload]) -> None:
         fd = os.open(self.folder.parent / rel, os.O_WRONLY | os.O_CLOEXEC)
         try:
             for (_, offset), payload in zip(out, payloads):
-                view = memoryview(payload)
-                while view:
-                    view = view[os.pwrite(fd, view, offset + len(payload) - len(view)) :]
+                write_all(fd, (payload,) if isinstance(payload, (bytes, bytearray, memoryview)) else payload, offset)
         finally:
             os.close(fd)
 

@@ -72,10 +72,10 @@ class CacheWrites(CacheReads):
         limit = s.cache_limit_bytes
         out = self.entries_for([key for key, *_ in items])
         todo = list({items[i][0]: i for i, e in enumerate(out) if e is None}.values())
-        payloads: dict[int, bytes] = {}
+        payloads: dict[int, codec.Encoded] = {}
         for i in todo:  # only blocks not cached yet: an LZ4 attempt costs ~30 us per 100 KB
             _, raw, url, block = items[i]
-            payload = codec.encode(raw, chunk_bytes=s.chunk_bytes, level=s.lz4_level, min_saving=s.min_saving, meta=meta)
+            payload = codec.encode_parts(raw, chunk_bytes=s.chunk_bytes, level=s.lz4_level, min_saving=s.min_saving, meta=meta)
             need = _charged(len(payload), len(payload) <= s.pack_max_bytes)
             if need > limit:
                 raise CacheLimitError(
@@ -105,7 +105,7 @@ class CacheWrites(CacheReads):
                 out[i] = self.entry(items[i][0])
         return [e for e in out if e is not None]
 
-    def _publish(self, batch: list[tuple[tuple[str, bytes, str, int], bytes]],
+    def _publish(self, batch: list[tuple[tuple[str, bytes, str, int], codec.Encoded]],
                  rows: Mapping[str, Any] | None = None) -> list[Entry]:
         """Reserve, write and index payloads of distinct keys; the first writer of a key wins.
 
@@ -117,7 +117,7 @@ class CacheWrites(CacheReads):
         small = [pack is not None and len(payload) <= self.settings.pack_max_bytes for _, payload in batch]
         total = sum(_charged(len(payload), k) for k, (_, payload) in zip(small, batch))
         token = self._reserve(total, url0)
-        packed: list[bytes] = []  # the payloads appended to the pack, in batch order
+        packed: list[codec.Encoded] = []  # the payloads appended to the pack, in batch order
         appended: list[tuple[str, int]] = []  # their pack locations
         files: list[str] = []  # whole files this call wrote
         entries: list[Entry] = []
@@ -128,7 +128,7 @@ class CacheWrites(CacheReads):
             if pack is not None and any(small):
                 packed = [payload for k, (_, payload) in zip(small, batch) if k]
                 try:
-                    locations = pack.append(packed)
+                    locations = pack.append([p.parts for p in packed])
                 except OSError as err:
                     raise self._write_error(err, url0) from err
                 if locations is None:  # packs turned out unusable here: whole files
@@ -144,10 +144,9 @@ class CacheWrites(CacheReads):
                     rel = f"{key[:2]}/{key}-{uuid.uuid4().hex[:12]}.flp"
                     self._write_file(rel, payload, url)
                     files.append(rel)
-                info = codec.parse_header(payload)
                 # A packed entry records when it was written: its pack's mtime is not its own.
-                entries.append(Entry(key, rel, len(payload), len(raw), info.codec, info.checksum, url, block,
-                                     codec.checksum(payload), offset, now if k else None))
+                entries.append(Entry(key, rel, len(payload), len(raw), payload.codec, payload.checksum, url, block,
+                                     payload.stored_checksum(), offset, now if k else None))
             with self.index.transact():
                 if rows:
                     self.index.set_many(rows)
@@ -207,7 +206,7 @@ class CacheWrites(CacheReads):
             return self.unwritable_error(err, f"caching {url!r}")
         return CacheError(f"cannot write cache entry for {url!r} under {self.root}: {err}")
 
-    def _write_file(self, rel: str, payload: bytes, url: str) -> None:
+    def _write_file(self, rel: str, payload: codec.Encoded, url: str) -> None:
         final = self.data_dir / rel
         folder = rel.split("/", 1)[0]
         # Written next to its final name: a rename between two folders takes the
@@ -225,9 +224,7 @@ class CacheWrites(CacheReads):
                 # os.open/os.write: open()'s buffered file object cost more than the write.
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
-                    view = memoryview(payload)
-                    while view:
-                        view = view[os.write(fd, view) :]
+                    packs.write_all(fd, payload.parts, 0)
                 finally:
                     os.close(fd)
                 os.replace(tmp, final)

@@ -227,3 +227,27 @@ def test_a_limit_below_a_packed_payloads_aligned_size_is_a_clear_error(tmp_path:
     with pytest.raises(CacheLimitError, match=r"cache limit .* is smaller than item 'mem://k'"):
         cache.put("k", os.urandom(4500), url="mem://k")  # 4.5 KB stored, 8 KiB counted in a pack
     assert cache.volume() == 0 and cache.entry("k") is None
+
+
+def test_write_all_finishes_parts_the_kernel_wrote_only_in_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.pwritev
+
+    def short(fd: int, buffers: list[memoryview], offset: int) -> int:  # at most 7 bytes per call
+        left, out = 7, []
+        for b in buffers:
+            out.append(b[:left])
+            left -= len(out[-1])
+            if not left:
+                break
+        return real(fd, out, offset)
+
+    monkeypatch.setattr(os, "pwritev", short)
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    parts = [b"head-", memoryview(os.urandom(50)), b"", b"-tail"]
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        packs.write_all(fd, parts, 3)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"\0\0\0" + b"".join(bytes(p) for p in parts)

@@ -147,3 +147,15 @@ def test_already_compressed_formats_are_stored_raw_without_trying_lz4(monkeypatc
     assert codec.parse_header(payload).codec == codec.RAW and codec.decode(payload) == jpeg and calls == []
     wav = b"RIFF\x00\x00\x00\x00WAVE" + b"\x00" * 50_000  # RIFF, but not a compressed kind
     assert codec.parse_header(codec.encode(wav)).codec == codec.LZ4 and calls
+
+
+@pytest.mark.parametrize("raw", [os.urandom(5000), b"\xff\xd8\xff" + os.urandom(5000), b"abc" * 4000, b""])
+def test_encoded_parts_are_the_payload_and_a_raw_body_is_not_copied(raw: bytes) -> None:
+    parts = codec.encode_parts(raw, chunk_bytes=4096, meta={"url": "u"})
+    whole = codec.encode(raw, chunk_bytes=4096, meta={"url": "u"})
+    assert bytes(parts) == whole and len(parts) == len(whole)
+    assert parts.stored_checksum() == codec.checksum(whole)
+    info = codec.parse_header(whole)
+    assert (parts.codec, parts.checksum) == (info.codec, info.checksum)
+    if parts.codec == codec.RAW:
+        assert parts.body is raw  # written as it is (os.pwritev), never joined into a copy
