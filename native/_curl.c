@@ -9,7 +9,9 @@
  * ate the gain. Here no Python runs per transfer on the transfer thread at all:
  * requests are handed over in batches (Engine.submit), libcurl's headers and body
  * land in C buffers, and Python collects finished answers when it asks for them
- * (Engine.wait, Transfer.result), releasing the GIL while it waits.
+ * (Engine.wait, Transfer.result), releasing the GIL while it waits. The thread waits in
+ * epoll on the sockets libcurl names (curl_multi_socket_action), so a wake-up costs
+ * the sockets that are ready, not every transfer in flight.
  *
  * Requests in flight per host are bounded by permits that Python leases from its
  * HostLimit (fastload/hostlimit.py, the one home of that number) and hands over
@@ -29,6 +31,8 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -79,6 +83,17 @@ typedef struct {
 #define I_HTTP_VERSION (0x200000 + 46)
 #define I_CONNECT_TIME_T (0x600000 + 52)
 #define M_MAXCONNECTS 6
+#define M_SOCKETFUNCTION (OPT_FUNC + 1)
+#define M_SOCKETDATA (OPT_PTR + 2)
+#define M_TIMERFUNCTION (OPT_FUNC + 4)
+#define M_TIMERDATA (OPT_PTR + 5)
+#define POLL_IN 1
+#define POLL_OUT 2
+#define POLL_REMOVE 4
+#define CSELECT_IN 1
+#define CSELECT_OUT 2
+#define CSELECT_ERR 4
+#define SOCKET_TIMEOUT (-1)
 #define MSG_DONE 1
 #define GLOBAL_DEFAULT 3
 #define HTTP_VERSION_1_0 1
@@ -95,9 +110,7 @@ static struct {
     int (*multi_setopt)(CURLM *, int, ...);
     int (*multi_add_handle)(CURLM *, CURL *);
     int (*multi_remove_handle)(CURLM *, CURL *);
-    int (*multi_perform)(CURLM *, int *);
-    int (*multi_poll)(CURLM *, void *, unsigned, int, int *);
-    int (*multi_wakeup)(CURLM *);
+    int (*multi_socket_action)(CURLM *, int, int, int *);
     CURLMsg *(*multi_info_read)(CURLM *, int *);
     struct curl_slist *(*slist_append)(struct curl_slist *, const char *);
     void (*slist_free_all)(struct curl_slist *);
@@ -120,7 +133,7 @@ static int load_libcurl(void) {
     do {                                                                                    \
         *(void **)(&lib.field) = dlsym(h, name);                                            \
         if (!lib.field) {                                                                   \
-            snprintf(lib_error, sizeof lib_error, "libcurl lacks %s (older than 7.68?)", name); \
+            snprintf(lib_error, sizeof lib_error, "libcurl lacks %s", name);                \
             return lib_state = -1;                                                          \
         }                                                                                   \
     } while (0)
@@ -134,9 +147,7 @@ static int load_libcurl(void) {
     SYM(multi_setopt, "curl_multi_setopt");
     SYM(multi_add_handle, "curl_multi_add_handle");
     SYM(multi_remove_handle, "curl_multi_remove_handle");
-    SYM(multi_perform, "curl_multi_perform");
-    SYM(multi_poll, "curl_multi_poll");
-    SYM(multi_wakeup, "curl_multi_wakeup");
+    SYM(multi_socket_action, "curl_multi_socket_action");
     SYM(multi_info_read, "curl_multi_info_read");
     SYM(slist_append, "curl_slist_append");
     SYM(slist_free_all, "curl_slist_free_all");
@@ -212,6 +223,8 @@ struct Engine {
     int nspare, spare_cap;
     char *cainfo, *capath;
     int sweep; /* a queued request was cancelled */
+    int epfd, wakefd; /* epoll over libcurl's sockets, and an eventfd that wakes the thread */
+    double deadline; /* when libcurl wants socket_action(TIMEOUT) next; < 0: no timer */
     double last_drain; /* when Python last took the outcomes (Engine.outcomes) */
 };
 
@@ -489,47 +502,101 @@ static void admit(Engine *e) {
     e->sweep = 0;
 }
 
+/* libcurl's socket callback: watch what it asks for on the epoll set (the transfer thread). */
+static int on_socket(CURL *easy, int fd, int what, void *userp, void *socketp) {
+    Engine *e = userp;
+    if (what == POLL_REMOVE) {
+        epoll_ctl(e->epfd, EPOLL_CTL_DEL, fd, NULL);
+        return 0;
+    }
+    struct epoll_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.events = (what & POLL_IN ? EPOLLIN : 0) | (what & POLL_OUT ? EPOLLOUT : 0);
+    ev.data.fd = fd;
+    if (epoll_ctl(e->epfd, EPOLL_CTL_MOD, fd, &ev) != 0 && errno == ENOENT)
+        epoll_ctl(e->epfd, EPOLL_CTL_ADD, fd, &ev);
+    return 0;
+}
+
+/* libcurl's timer callback: when to call socket_action(TIMEOUT) (-1: never). */
+static int on_timer(CURLM *multi, long timeout_ms, void *userp) {
+    Engine *e = userp;
+    e->deadline = timeout_ms < 0 ? -1.0 : now_s() + timeout_ms / 1000.0;
+    return 0;
+}
+
+/* Finished transfers to their requests; whether there were any. */
+static int reap(Engine *e) {
+    int left = 0, finished = 0;
+    CURLMsg *m;
+    while ((m = lib.multi_info_read(e->multi, &left))) {
+        if (m->msg != MSG_DONE)
+            continue;
+        CURL *c = m->easy_handle;
+        int code = m->data.result;
+        Req *r = NULL;
+        lib.easy_getinfo(c, I_PRIVATE, (char **)&r);
+        long status = 0, version = 0, connects = 0;
+        int64_t connect_us = 0;
+        lib.easy_getinfo(c, I_RESPONSE_CODE, &status);
+        lib.easy_getinfo(c, I_HTTP_VERSION, &version);
+        lib.easy_getinfo(c, I_NUM_CONNECTS, &connects);
+        lib.easy_getinfo(c, I_CONNECT_TIME_T, &connect_us);
+        lib.multi_remove_handle(e->multi, c);
+        pthread_mutex_lock(&e->mu);
+        give_easy(e, c);
+        if (r && r->state == ACTIVE) {
+            r->easy = NULL;
+            r->status = status;
+            r->http_version = version;
+            r->connects = connects;
+            r->connect_us = connect_us;
+            if (code == E_WRITE_ERROR && r->full)
+                code = 0; /* ended on purpose by on_write: it had what was asked */
+            finish(e, r, code);
+        }
+        pthread_mutex_unlock(&e->mu);
+        finished = 1;
+    }
+    return finished;
+}
+
+/* The transfer thread: epoll on the sockets libcurl names (socket_action serves only the
+ * ready ones; curl_multi_poll and curl_multi_perform looked at every transfer on each
+ * wake-up), the eventfd for new work and cancels, and libcurl's timer. */
 static void *serve(void *arg) {
     Engine *e = arg;
+    struct epoll_event evs[64];
+    int running = 0;
     for (;;) {
         pthread_mutex_lock(&e->mu);
         admit(e);
         pthread_mutex_unlock(&e->mu);
-        int running = 0, left = 0, finished = 0;
-        lib.multi_perform(e->multi, &running);
-        CURLMsg *m;
-        while ((m = lib.multi_info_read(e->multi, &left))) {
-            if (m->msg != MSG_DONE)
-                continue;
-            CURL *c = m->easy_handle;
-            int code = m->data.result;
-            Req *r = NULL;
-            lib.easy_getinfo(c, I_PRIVATE, (char **)&r);
-            long status = 0, version = 0, connects = 0;
-            int64_t connect_us = 0;
-            lib.easy_getinfo(c, I_RESPONSE_CODE, &status);
-            lib.easy_getinfo(c, I_HTTP_VERSION, &version);
-            lib.easy_getinfo(c, I_NUM_CONNECTS, &connects);
-            lib.easy_getinfo(c, I_CONNECT_TIME_T, &connect_us);
-            lib.multi_remove_handle(e->multi, c);
-            pthread_mutex_lock(&e->mu);
-            give_easy(e, c);
-            if (r && r->state == ACTIVE) {
-                r->easy = NULL;
-                r->status = status;
-                r->http_version = version;
-                r->connects = connects;
-                r->connect_us = connect_us;
-                if (code == E_WRITE_ERROR && r->full)
-                    code = 0; /* ended on purpose by on_write: it had what was asked */
-                finish(e, r, code);
-            }
-            pthread_mutex_unlock(&e->mu);
-            finished = 1;
+        if (e->deadline >= 0 && now_s() >= e->deadline) {
+            e->deadline = -1;
+            lib.multi_socket_action(e->multi, SOCKET_TIMEOUT, 0, &running);
         }
-        if (finished)
+        if (reap(e))
             continue; /* their permits may start queued requests before the next wait */
-        lib.multi_poll(e->multi, NULL, 0, 1000, NULL);
+        int wait_ms = 1000;
+        if (e->deadline >= 0) {
+            double left = (e->deadline - now_s()) * 1000.0;
+            wait_ms = left <= 0 ? 0 : (left >= 1000 ? 1000 : (int)left + 1);
+        }
+        int n = epoll_wait(e->epfd, evs, 64, wait_ms);
+        for (int i = 0; i < n; i++) {
+            int fd = evs[i].data.fd;
+            if (fd == e->wakefd) {
+                uint64_t count;
+                if (read(e->wakefd, &count, sizeof count) < 0) { /* EAGAIN: woken already */
+                }
+                continue;
+            }
+            uint32_t got = evs[i].events;
+            int mask = (got & EPOLLIN ? CSELECT_IN : 0) | (got & EPOLLOUT ? CSELECT_OUT : 0) |
+                       (got & (EPOLLERR | EPOLLHUP) ? CSELECT_ERR : 0);
+            lib.multi_socket_action(e->multi, fd, mask, &running);
+        }
     }
     return NULL;
 }
@@ -552,7 +619,11 @@ static PyObject *header_or_none(const char *s) {
     return PyUnicode_DecodeLatin1(s, (Py_ssize_t)strlen(s), "replace");
 }
 
-static void wake(Engine *e) { lib.multi_wakeup(e->multi); }
+static void wake(Engine *e) {
+    uint64_t one = 1;
+    if (write(e->wakefd, &one, sizeof one) < 0) { /* EAGAIN: a wake-up is pending already */
+    }
+}
 
 static PyObject *Transfer_result(Transfer *self, PyObject *unused) {
     if (self->answer) {
@@ -684,6 +755,21 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         return NULL;
     }
     lib.multi_setopt(e->multi, M_MAXCONNECTS, 256L); /* idle connections kept for reuse */
+    e->deadline = -1;
+    e->epfd = epoll_create1(EPOLL_CLOEXEC);
+    e->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    struct epoll_event wev;
+    memset(&wev, 0, sizeof wev);
+    wev.events = EPOLLIN;
+    wev.data.fd = e->wakefd;
+    if (e->epfd < 0 || e->wakefd < 0 || epoll_ctl(e->epfd, EPOLL_CTL_ADD, e->wakefd, &wev) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return NULL; /* e is leaked, as any engine: never freed */
+    }
+    lib.multi_setopt(e->multi, M_SOCKETFUNCTION, on_socket);
+    lib.multi_setopt(e->multi, M_SOCKETDATA, e);
+    lib.multi_setopt(e->multi, M_TIMERFUNCTION, on_timer);
+    lib.multi_setopt(e->multi, M_TIMERDATA, e);
     pthread_t th;
     pthread_attr_t ta;
     pthread_attr_init(&ta);
