@@ -277,6 +277,19 @@ def wait(futures: Sequence[Any], timeout_s: float) -> list[Any]:
     return [*mine, *others]
 
 
+def settle(futures: Sequence[Any], stop: threading.Event, timeout_s: float) -> None:
+    """Wait for ``futures`` together (Pending or concurrent): until all are done, ``stop`` is
+    set, or ``timeout_s`` passes; ``stop`` is looked at every STOP_POLL_S.
+
+    One wait for a chunk wakes its thread once, not once per answer (a switch and a GIL
+    handoff each): fetch.Fetcher and Source.read_first_many both wait this way.
+    """
+    pending = [f for f in futures if not f.done()]
+    deadline = time.monotonic() + timeout_s
+    while pending and not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+        pending = wait(pending, min(STOP_POLL_S, left))
+
+
 def _answer(res: tuple[Any, ...], url: str, nbytes: int) -> tuple[dict[str, Any], bytes]:
     """An engine answer as _http_get_first's (info, body), or the error it stands for."""
     from fastload.source import first_info

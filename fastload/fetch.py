@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 from fastload import curl
 from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError, StoppedError
-from fastload.hostlimit import STOP_POLL_S
 from fastload.source import RemoteItem, Source
 
 if TYPE_CHECKING:
@@ -240,14 +239,7 @@ class Fetcher:
         Waiting on each in turn woke the read thread once per object as its answer came
         in, a thread switch and a GIL handoff each; this wakes it once per chunk.
         """
-        pending = [f for f in futures if not f.done()]
-        stop = self.reader.stop
-        deadline = time.monotonic() + 2 * self.reader.settings.request_timeout_s  # as Source.finish_first
-        while pending and not stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            pending = curl.wait(pending, min(STOP_POLL_S, left))
+        curl.settle(futures, self.reader.stop, 2 * self.reader.settings.request_timeout_s)  # as Source.finish_first
 
     def _wait_s(self) -> float:
         """How long a thread waits for another's fetch: its request's timeout, retries and backoff."""

@@ -498,9 +498,7 @@ class Source:
             return [self.read_first(i, nbytes) for i in items]
         started = self._curl_first(items, nbytes)
         if started is not None:
-            pending, deadline = started, time.monotonic() + 2 * self.settings.request_timeout_s  # as finish_first
-            while pending and not self.stop.is_set() and (left := deadline - time.monotonic()) > 0:
-                pending = curl.wait(pending, min(STOP_POLL_S, left))
+            curl.settle(started, self.stop, 2 * self.settings.request_timeout_s)  # as finish_first
             if self.stop.is_set():
                 for p in started:
                     p.cancel()
