@@ -55,6 +55,11 @@ from fastload.hostlimit import SLOW_CONNECT_S, STOP_POLL_S, HostLimit
 PUMP_S = 0.005  # a reader waiting on GETs hands finished ones to the controller at least this often
 _CURL_CODES = {28: TimeoutError, 7: ConnectionRefusedError, 52: ConnectionResetError, 55: ConnectionResetError,
                56: ConnectionResetError}  # libcurl's CURLE_* -> what aiohttp's errors read as (hostlimit.congestion)
+# libcurl's codes that say it cannot speak to the host at all, whatever the network does: an
+# unsupported protocol or malformed URL (1, 3, 4), TLS set-up, certificates and keys (53, 54,
+# 58, 59, 60, 64, 66, 77, 80, 82, 83, 90, 91). Any other failure (a cut body, 18; a reset) is
+# one GET's, redone on aiohttp.
+_CANNOT_SPEAK = {1, 3, 4, 53, 54, 58, 59, 60, 64, 66, 77, 80, 82, 83, 90, 91}
 _PLAIN_URL = re.compile(r"[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]*\Z")  # what libcurl takes as it is
 
 
@@ -78,8 +83,9 @@ def broken(limit: HostLimit) -> str:
     """Why this host's GETs no longer go through libcurl ("" while they do).
 
     A failure that is not the network's (libcurl could not verify a certificate,
-    speak the protocol, or parse the URL) would fail every GET there, each then
-    redone on aiohttp: one such failure sends the host's GETs to aiohttp for good.
+    speak the protocol, or parse the URL: ``_CANNOT_SPEAK``) would fail every GET
+    there, each then redone on aiohttp: one such failure sends the host's GETs to
+    aiohttp for good. A cut body or a reset does not.
     """
     host = _STATE.hosts.get(id(limit))
     return host.broken if host is not None and host.limit is limit else ""
@@ -241,6 +247,10 @@ class Pending:
     def done(self) -> bool:
         return bool(self.transfer.done())
 
+    def started(self) -> bool:
+        """Whether it holds a slot yet (running or done); until then it waits in its host's queue."""
+        return bool(self.transfer.started())
+
     def cancel(self) -> bool:
         cancelled = bool(self.transfer.cancel())
         pump()  # its permit may now be idle
@@ -250,7 +260,7 @@ class Pending:
         if not wait([self], 1e9 if timeout is None else timeout) == []:
             raise concurrent.futures.TimeoutError(f"{self.url}: no answer within {timeout} s")
         res = self.transfer.result()
-        if res[0] > 0 and res[0] not in _CURL_CODES and self.host is not None:
+        if res[0] in _CANNOT_SPEAK and self.host is not None:
             self.host.broken = self.host.broken or f"libcurl error {res[0]}: {res[-1]}"
         return _answer(res, self.url, self.nbytes)
 

@@ -46,6 +46,7 @@ from fastload.errors import (
     StoppedError,
 )
 from fastload.hostlimit import (
+    SLOT_WAIT_S,
     STOP_POLL_S,
     HostLimit,
     aiohttp_client,
@@ -581,8 +582,16 @@ class Source:
         return self.read_first(item, nbytes)
 
     def _wait(self, future: concurrent.futures.Future[T], timeout_s: float, url: str) -> T:
-        """``future.result(timeout_s)``, but a stop cancels it and raises StoppedError (as :meth:`_sync`)."""
-        deadline = time.monotonic() + timeout_s
+        """``future.result(timeout_s)``, but a stop cancels it and raises StoppedError (as :meth:`_sync`).
+
+        A GET still queued for its host's slot on libcurl's thread (fastload.curl) is
+        waited for until it runs, as a coroutine's timeout starts once it holds its
+        slot (bounded by SLOT_WAIT_S): redoing it on aiohttp would only queue it again
+        for the same slots, and each reader doing so kept the engine from leasing any
+        (with the limit cut to 1 on a flaky remote, a batch took > 120 s).
+        """
+        now = time.monotonic()
+        deadline, queue_end = now + timeout_s, now + SLOT_WAIT_S
         while True:
             try:
                 return future.result(timeout=min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
@@ -590,7 +599,11 @@ class Source:
                 if self.stop.is_set():
                     future.cancel()
                     raise StoppedError(f"{url}: stopped; its request was cancelled") from None
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if isinstance(future, curl.Pending) and not future.started() and now < queue_end:
+                    deadline = max(deadline, now + timeout_s)
+                    continue
+                if now >= deadline:
                     raise
 
     def _item(self, info: dict[str, Any]) -> RemoteItem:

@@ -659,6 +659,18 @@ static PyObject *Transfer_result(Transfer *self, PyObject *unused) {
     return self->answer;
 }
 
+static PyObject *Transfer_started(Transfer *self, PyObject *unused) {
+    if (self->answer)
+        Py_RETURN_TRUE;
+    Engine *e = self->eng;
+    if (stale(e))
+        return NULL;
+    pthread_mutex_lock(&e->mu);
+    int started = self->req->state == ACTIVE || self->req->state == DONE;
+    pthread_mutex_unlock(&e->mu);
+    return PyBool_FromLong(started);
+}
+
 static PyObject *Transfer_done(Transfer *self, PyObject *unused) {
     if (self->answer)
         Py_RETURN_TRUE;
@@ -717,6 +729,7 @@ static PyMethodDef Transfer_methods[] = {
      "None while it runs; then (code, status, body, content_range, content_length, etag, last_modified, "
      "content_md5, digest, closes, message). code: libcurl's (0 ok, -1 cancelled)."},
     {"done", (PyCFunction)Transfer_done, METH_NOARGS, "Whether it finished (or was cancelled)."},
+    {"started", (PyCFunction)Transfer_started, METH_NOARGS, "Whether it left its host's queue (running or done)."},
     {"cancel", (PyCFunction)Transfer_cancel, METH_NOARGS, "End it; True if it had not finished."},
     {NULL, NULL, 0, NULL},
 };

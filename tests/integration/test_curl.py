@@ -6,6 +6,7 @@ cannot take as it is goes back to aiohttp; the host limit's slots it leases come
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.server
 import os
 import threading
@@ -19,7 +20,7 @@ import pytest
 from fastload import curl, hostlimit
 from fastload.config import Settings
 from fastload.dataset import FileDataset
-from fastload.errors import ConfigError
+from fastload.errors import ConfigError, StoppedError
 from fastload.source import RemoteItem, Source, _http_get_first
 
 pytestmark = [
@@ -205,7 +206,10 @@ def test_a_cancelled_or_dropped_get_leaves_nothing_queued(tmp_path: Path, nginx_
 
 
 class _FailedTransfer:
-    """A finished transfer whose libcurl code says the host cannot be spoken to (a bad certificate)."""
+    """A finished transfer that failed with libcurl's ``code``."""
+
+    def __init__(self, code: int = 60, message: str = "SSL peer certificate or SSH remote key was not OK") -> None:
+        self.code, self.message = code, message
 
     def done(self) -> bool:
         return True
@@ -214,7 +218,7 @@ class _FailedTransfer:
         return False
 
     def result(self) -> tuple[Any, ...]:
-        return (60, 0, b"", None, None, None, None, None, None, False, "SSL peer certificate or SSH remote key was not OK")
+        return (self.code, 0, b"", None, None, None, None, None, None, False, self.message)
 
 
 def test_a_host_libcurl_cannot_speak_to_goes_to_aiohttp_for_good(tmp_path: Path, py_server: Any) -> None:
@@ -224,6 +228,10 @@ def test_a_host_libcurl_cannot_speak_to_goes_to_aiohttp_for_good(tmp_path: Path,
     limit = src.host_limit
     assert limit is not None and src.route is not None
     host = curl._host(limit)
+    # A body cut short (a flaky proxy) is one GET's failure: the host stays on libcurl.
+    with pytest.raises(ConnectionError, match="libcurl error 18"):
+        curl.Pending(_FailedTransfer(18, "Transferred a partial file"), server.url + "/f00.bin", 100, host).result(timeout=1)
+    assert curl.broken(limit) == ""
     with pytest.raises(ConnectionError, match="libcurl error 60"):
         curl.Pending(_FailedTransfer(), server.url + "/f00.bin", 100, host).result(timeout=1)
     assert "libcurl error 60" in curl.broken(limit)
@@ -231,3 +239,41 @@ def test_a_host_libcurl_cannot_speak_to_goes_to_aiohttp_for_good(tmp_path: Path,
     assert src.start_first_many(items, 1 << 20) is not None  # aiohttp's futures now
     assert not any(isinstance(f, curl.Pending) for f in src.start_first_many(items, 1 << 20) or [])
     assert [d for _, d in src.read_first_many(items, 1 << 20)] == list(files.values())
+
+
+class _Queued(curl.Pending):
+    """A GET that waits in its host's queue until ``runs_at``, then answers at once (``None``: never runs)."""
+
+    def __init__(self, runs_at: float | None, started: bool = False) -> None:
+        self.runs_at, self.always_started = runs_at, started
+
+    def started(self) -> bool:
+        return self.always_started or (self.runs_at is not None and time.monotonic() >= self.runs_at)
+
+    def done(self) -> bool:
+        return self.runs_at is not None and time.monotonic() >= self.runs_at
+
+    def cancel(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> tuple[dict[str, Any], bytes]:
+        end = time.monotonic() + (timeout or 0)
+        while not self.done():
+            if time.monotonic() >= end:
+                raise concurrent.futures.TimeoutError
+            time.sleep(0.005)
+        return {"name": "u", "size": 1}, b"x"
+
+
+def test_a_get_queued_for_its_slot_is_waited_for_past_the_request_timeout(tmp_path: Path) -> None:
+    # The timeout of a GET starts once it holds a slot, as a coroutine's does: redoing a queued
+    # one on aiohttp queued it for the same slots, and readers doing so starved the engine.
+    src = Source(str(tmp_path), settings=Settings(cache_dir=tmp_path / "c"))
+    t0 = time.monotonic()
+    assert src._wait(_Queued(t0 + 0.4), 0.05, "u") == ({"name": "u", "size": 1}, b"x")
+    assert time.monotonic() - t0 >= 0.4
+    with pytest.raises(concurrent.futures.TimeoutError):  # once running, its own timeout holds
+        src._wait(_Queued(None, started=True), 0.05, "u")
+    src.stop.set()
+    with pytest.raises(StoppedError):  # and a stop still ends the wait for a queued one
+        src._wait(_Queued(None), 0.05, "u")
