@@ -659,29 +659,22 @@ static PyObject *Transfer_result(Transfer *self, PyObject *unused) {
     return self->answer;
 }
 
-static PyObject *Transfer_started(Transfer *self, PyObject *unused) {
+/* Whether the request has reached `state` (states only move forward); None on error. */
+static PyObject *reached(Transfer *self, int state) {
     if (self->answer)
         Py_RETURN_TRUE;
     Engine *e = self->eng;
     if (stale(e))
         return NULL;
     pthread_mutex_lock(&e->mu);
-    int started = self->req->state == ACTIVE || self->req->state == DONE;
+    int yes = self->req->state >= state;
     pthread_mutex_unlock(&e->mu);
-    return PyBool_FromLong(started);
+    return PyBool_FromLong(yes);
 }
 
-static PyObject *Transfer_done(Transfer *self, PyObject *unused) {
-    if (self->answer)
-        Py_RETURN_TRUE;
-    Engine *e = self->eng;
-    if (stale(e))
-        return NULL;
-    pthread_mutex_lock(&e->mu);
-    int done = self->req->state == DONE;
-    pthread_mutex_unlock(&e->mu);
-    return PyBool_FromLong(done);
-}
+static PyObject *Transfer_started(Transfer *self, PyObject *unused) { return reached(self, ACTIVE); }
+
+static PyObject *Transfer_done(Transfer *self, PyObject *unused) { return reached(self, DONE); }
 
 /* Under mu: ask the transfer thread to end r (queued or active). */
 static void cancel_locked(Engine *e, Req *r) {
