@@ -34,6 +34,7 @@ import asyncio
 import collections
 import functools
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -481,10 +482,15 @@ def congestion(err: BaseException) -> str:
         if type(e).__name__ in _CONGESTION_NAMES:
             return type(e).__name__
     for e in _chain(err):
-        text = str(e)
-        if any(s in text for s in ("SlowDown", "Throttl", "429", "503", "Too Many Requests", "Service Unavailable")):
+        # URLs out first: a port or a name holding "429" or "503" (127.0.0.1:42951) is not a status.
+        text = _URL.sub("", str(e))
+        if _THROTTLE_TEXT.search(text):
             return type(e).__name__
     return ""
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S*")
+_THROTTLE_TEXT = re.compile(r"SlowDown|Throttl|\b429\b|\b503\b|Too Many Requests|Service Unavailable")
 
 
 _LIMITS: dict[str, HostLimit] = {}

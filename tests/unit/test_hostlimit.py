@@ -235,3 +235,14 @@ def test_slow_start_doubles_the_limit_each_round_trip(monkeypatch: pytest.Monkey
 def test_slow_start_grows_only_on_answers_that_did_not_queue_and_only_under_demand(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _rounds(monkeypatch, [0.02, 0.05, 0.05]) == [8, 8, 8]  # answers now take 2.5x the fastest: queueing
     assert _rounds(monkeypatch, [0.02, 0.02], requests=3) == [4, 4]  # nobody waits: nothing to grow for
+
+
+def test_a_status_in_a_url_is_not_a_congestion_signal() -> None:
+    # A 404 from a server on port 42951 read as "429" (the text fallback matched the URL): the
+    # missing object was retried as throttling and reported as "failed after 2 attempts".
+    class ClientResponseError(Exception):
+        pass
+
+    assert hostlimit.congestion(ClientResponseError("404, message='Not Found', url='http://127.0.0.1:42951/503.bin'")) == ""
+    assert hostlimit.congestion(ClientResponseError("503, message='Service Unavailable', url='http://h/x'")) == "ClientResponseError"
+    assert hostlimit.congestion(OSError("Please reduce your request rate. (SlowDown)")) == "OSError"
