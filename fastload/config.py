@@ -110,7 +110,7 @@ class Settings:
         backoff_s: First retry delay; doubles per attempt, with full jitter.
         backoff_max_s: Cap on a single retry delay.
         request_timeout_s: Per-request timeout for remote reads.
-        http_client: Who carries the first-block GET of each HTTP object: ``"auto"``
+        http_client: Who carries the first-block GET of each HTTP object and listing pages: ``"auto"``
             (default): libcurl (``fastload._curl``) where it is built, libcurl is
             installed and the storage_options map onto it, else fsspec's aiohttp
             session; ``"curl"``: the same, but a missing engine is an error;

@@ -15,9 +15,12 @@ from __future__ import annotations
 import asyncio
 import builtins
 import concurrent.futures
+import importlib
+import importlib.util
 import os
 import random
 import re
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
@@ -199,24 +202,38 @@ class Source:
         self._root_path = ""
         self.url = url
         self._folder_hint = url.endswith("/")
-        fs = self.fs  # fail early on unknown protocols and missing packages
-        self.url = fs.unstrip_protocol(self._root_path).rstrip("/") if self._root_path else url
-        # Local files have no host to flood: their reads take no slot.
-        local = bool({"file", "local", "memory"} & set(fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)))
-        self._local = local
+        # fsspec's HTTP filesystem keeps URLs as they are. It needs aiohttp, whose import
+        # (~0.1 s) is most of the time before the first request of a cold epoch: it runs on
+        # a thread (warm_http) while the listing and first blocks go through libcurl, and
+        # the filesystem opens on first use (fs).
+        self._http = url.split("://", 1)[0] in ("http", "https")
+        if self._http:
+            if importlib.util.find_spec("aiohttp") is None:
+                raise ConfigError(f"URL {url!r} needs a package that is missing (aiohttp); fix: {_INSTALL_HINTS['http']}")
+            warm_http()
+            self._root_path = url
+            self.url = url.rstrip("/")
+            self._local = False
+        else:
+            fs = self.fs  # fail early on unknown protocols and missing packages
+            self.url = fs.unstrip_protocol(self._root_path).rstrip("/") if self._root_path else url
+            # Local files have no host to flood: their reads take no slot.
+            self._local = bool({"file", "local", "memory"} & set(fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)))
         # Hosts whose answer to a ranged GET was the whole object (Python's http.server
         # ignores Range): the fetch stage then asks for each object once, whole (fastload.fetch).
         self._rangeless: set[str] = set()
-        self._route: tuple[Any, CurlRoute | None] | None = None  # (the fs it was made for, route)
+        self._route: tuple[CurlRoute | None] | None = None
 
     @property
     def route(self) -> CurlRoute | None:
-        """libcurl's route for this HTTP source's first-block GETs, or None: aiohttp (fastload.curl)."""
-        fs = self.fs
-        if self._route is None or self._route[0] is not fs:
-            route = route_for(fs, self.settings.http_client) if isinstance(fs, _http_fs_class()) else None
-            self._route = (fs, route)
-        return self._route[1]
+        """libcurl's route for this HTTP source's listing pages and first-block GETs, or None:
+        aiohttp (fastload.curl)."""
+        if self._route is None:
+            self._route = (route_for(self.storage_options, self.settings.http_client, self._encode) if self._http else None,)
+        return self._route[0]
+
+    def _encode(self, url: str) -> Any:
+        return self.fs.encode_url(url)  # type: ignore[attr-defined]
 
     def __getstate__(self) -> dict[str, Any]:
         # Settings travel; the filesystem (sockets, event loop) is reopened in the child.
@@ -314,8 +331,11 @@ class Source:
 
     def canonical(self, url: str) -> str:
         """The canonical form of ``url`` on this source's filesystem (stable cache identity)."""
-        fs = self.fs
-        return fs.unstrip_protocol(fs._strip_protocol(url))
+        return self._unstrip(url if self._http else self.fs._strip_protocol(url))
+
+    def _unstrip(self, path: str) -> str:
+        """``path`` as a URL of this source's filesystem (fsspec's HTTP paths are URLs already)."""
+        return path if self._http else self.fs.unstrip_protocol(path)
 
     def scrub(self, text: str) -> str:
         """Replace every secret from ``storage_options`` in ``text`` with ``***``."""
@@ -366,7 +386,7 @@ class Source:
 
         ``pattern`` filters nothing here; it only says the root is meant as a folder.
         """
-        if isinstance(self.fs, _http_fs_class()):
+        if self._http:
             return self._http_list(pattern)
         return self._find(pattern)
 
@@ -405,15 +425,17 @@ class Source:
         A folder's index page (Python's "Directory listing for", nginx's "Index of")
         is never an item: an empty folder lists as empty, not as one HTML file.
         """
-        fs: Any = self.fs
         timeout_s, limit = self.settings.request_timeout_s, self.host_limit
 
         def get_page(url: str) -> _Page:
             # _call holds the request's slot: a second one taken inside it (_held) waited
             # for itself once the limit was cut to 1 (tests/reliability/test_flaky_remote.py hung).
-            return self._call(lambda: self._sync(_http_page, fs, url, timeout_s), url)
+            return self._call(lambda: self._sync(_http_page, self.fs, url, timeout_s), url)
 
-        root = get_page(self.url + "/" if self._folder_hint else self.url)
+        root_url = self.url + "/" if self._folder_hint else self.url
+        got = self._pages([root_url], limit)[0]
+        # A failed page is retried alone on aiohttp: backoff, then a named error.
+        root = get_page(root_url) if isinstance(got, BaseException) else got
         # A folder: its URL ends in "/" (as asked, or after a redirect), or it is an index
         # page, or an HTML page with links below it where a folder was likely meant.
         folder = root.final.endswith("/")
@@ -435,10 +457,31 @@ class Source:
                 subfolders |= got_dirs - seen
             seen |= subfolders
             todo = sorted(subfolders)
-            pages = self._sync(_http_pages, fs, todo, timeout_s, limit) if todo else []
-            # A failed page is retried alone: backoff, then a named error.
+            pages = self._pages(todo, limit) if todo else []
             level = [get_page(url) if isinstance(got, BaseException) else got for url, got in zip(todo, pages)]
         return {u[len(base) :] if u.startswith(base) else u: RemoteItem(u, -1, "") for u in files}, len(seen) - 1
+
+    def _pages(self, urls: builtins.list[str], limit: HostLimit | None) -> builtins.list[Any]:
+        """One GET of each folder page, together, a failure in its place: on libcurl where this
+        source routes there (fastload.curl; no wait for aiohttp's import), else on fsspec's session."""
+        timeout_s, route = self.settings.request_timeout_s, self.route
+        if route is None or limit is None or limit.closing or curl.broken(limit):
+            return self._sync(_http_pages, self.fs, urls, timeout_s, limit)
+        self._stopped(urls[0])
+        pending = route.start_pages(urls, timeout_s, limit, self.stop)
+        curl.settle(pending, self.stop, 2 * timeout_s + SLOT_WAIT_S)  # a GET's timeout starts once it runs
+        if self.stop.is_set():
+            for p in pending:
+                p.cancel()
+            raise StoppedError(f"{urls[0]}: stopped; its requests were cancelled")
+        out: builtins.list[Any] = []
+        for p in pending:
+            try:
+                out.append(_Page(*p.result(0)))
+            except Exception as err:  # redone on aiohttp by the caller
+                p.cancel()
+                out.append(err)
+        return out
 
     def complete(self, item: RemoteItem) -> RemoteItem:
         """``item`` with its size and version filled in (one HEAD if the listing lacked them)."""
@@ -474,14 +517,13 @@ class Source:
         the same ETag / Last-Modified headers a HEAD reports, so the cache identity is
         the one :meth:`complete` would give. Other stores complete first, then read.
         """
-        fs: Any = self.fs
-        if item.size >= 0 or not isinstance(fs, _http_fs_class()):
+        if item.size >= 0 or not self._http:
             done = self.complete(item)
             return done, self.read(done.url, 0, min(nbytes, done.size), expect=min(nbytes, done.size))
         timeout_s = self.settings.request_timeout_s
 
         def once() -> tuple[dict[str, Any], bytes]:
-            return self._sync(_http_get_first, fs, item.url, nbytes, timeout_s)
+            return self._sync(_http_get_first, self.fs, item.url, nbytes, timeout_s)
 
         info, data = self._call(once, item.url)  # _call holds the slot
         return self._item(info), data
@@ -494,8 +536,7 @@ class Source:
         GIL and the cache index. Here one thread keeps a whole batch in flight. An item
         whose GET fails is retried alone through :meth:`read_first` (backoff, translation).
         """
-        fs: Any = self.fs
-        if len(items) < 2 or not isinstance(fs, _http_fs_class()) or any(i.size >= 0 for i in items):
+        if len(items) < 2 or not self._http or any(i.size >= 0 for i in items):
             return [self.read_first(i, nbytes) for i in items]
         started = self._curl_first(items, nbytes)
         if started is not None:
@@ -506,7 +547,7 @@ class Source:
                 raise StoppedError(f"{items[0].url}: stopped; its requests were cancelled")
             return [self.finish_first(item, nbytes, p) for item, p in zip(items, started)]
         urls = [i.url for i in items]
-        results = self._sync(_gather_first, fs, urls, nbytes, self.settings.request_timeout_s, self.limit_of)
+        results = self._sync(_gather_first, self.fs, urls, nbytes, self.settings.request_timeout_s, self.limit_of)
         return [self.read_first(item, nbytes) if isinstance(res, BaseException) else (self._item(res[0]), res[1])
                 for item, res in zip(items, results)]
 
@@ -519,15 +560,14 @@ class Source:
         with :meth:`finish_first`; each request holds its host's slot while it runs.
         """
         self._stopped(items[0].url if items else self.url)
-        fs: Any = self.fs
-        if not items or not getattr(fs, "async_impl", False) or getattr(fs, "loop", None) is None:
+        if not items or (not self._http and any(i.size < 0 for i in items)):
             return None
-        http = isinstance(fs, _http_fs_class())
-        if not http and any(i.size < 0 for i in items):
-            return None
-        started = self._curl_first(items, nbytes) if http else None
+        started = self._curl_first(items, nbytes) if self._http else None
         if started is not None:
             return started
+        fs: Any = self.fs
+        if not getattr(fs, "async_impl", False) or getattr(fs, "loop", None) is None:
+            return None
         timeout_s = self.settings.request_timeout_s
 
         def maker(item: RemoteItem) -> Callable[[], Coroutine[Any, Any, Any]]:
@@ -616,7 +656,7 @@ class Source:
                 "caches sized objects; fix: if it is a folder, end the URL with '/' or pass a pattern; if it is a "
                 "file, serve it with a Content-Length (a static file server such as nginx does)"
             )
-        return RemoteItem(self.fs.unstrip_protocol(info["name"]), int(size), _version_of(info))
+        return RemoteItem(self._unstrip(info["name"]), int(size), _version_of(info))
 
     # -- reading --------------------------------------------------------------
 
@@ -702,7 +742,7 @@ class Source:
         sizes = [min(block_bytes, item.size - start) for start in range(0, max(item.size, 1), block_bytes)]
 
         def once() -> None:
-            if not isinstance(fs, _http_fs_class()):
+            if not self._http:
                 with fs.open(fs._strip_protocol(item.url), "rb") as f:
                     for block, n in enumerate(sizes):
                         data = f.read(n)
@@ -929,10 +969,41 @@ def _page_links(page_url: str, text: str) -> tuple[set[str], set[str]]:
     return files, folders
 
 
-def _http_fs_class() -> type[Any]:
-    from fsspec.implementations.http import HTTPFileSystem
+_WARM_LOCK = threading.Lock()
+_warming: threading.Thread | None = None
 
-    return HTTPFileSystem
+
+def warm_http() -> None:
+    """Import fsspec's HTTP filesystem (and aiohttp) on a thread, once per process.
+
+    Whoever needs it meanwhile (Source.fs) waits for that import to finish, as
+    Python's import lock does; listing pages and first blocks on libcurl do not
+    need it. A fork waits for it first: a child must not inherit a module lock
+    held by a thread that is not there.
+    """
+    global _warming
+    if _warming is not None or "fsspec.implementations.http" in sys.modules:
+        return
+    with _WARM_LOCK:
+        if _warming is None:
+            _warming = threading.Thread(target=_import_http, name="fastload-import-http", daemon=True)
+            _warming.start()
+
+
+def _import_http() -> None:
+    try:
+        importlib.import_module("fsspec.implementations.http")
+    except Exception:  # noqa: S110 - Source.fs imports it again and reports what is wrong
+        pass
+
+
+def _join_warming() -> None:
+    if _warming is not None and _warming is not threading.current_thread():
+        _warming.join()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_join_warming)
 
 
 def _identity_get(fs: Any, headers: dict[str, str] | None = None) -> tuple[dict[str, str], dict[str, Any]]:

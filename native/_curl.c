@@ -77,6 +77,7 @@ typedef struct {
 #define O_PRIVATE (OPT_PTR + 103)
 #define O_TIMEOUT_MS 155
 #define O_CONNECTTIMEOUT_MS 156
+#define I_EFFECTIVE_URL (0x100000 + 1)
 #define I_RESPONSE_CODE (0x200000 + 2)
 #define I_PRIVATE (0x100000 + 21)
 #define I_NUM_CONNECTS (0x200000 + 26)
@@ -162,8 +163,8 @@ static int load_libcurl(void) {
 /* ---- requests --------------------------------------------------------------- */
 
 enum { INCOMING, QUEUED, ACTIVE, DONE };
-enum { H_RANGE, H_LENGTH, H_ETAG, H_MODIFIED, H_MD5, H_DIGEST, N_HEADERS };
-static const char *const header_names[N_HEADERS] = {"content-range", "content-length", "etag", "last-modified", "content-md5", "digest"};
+enum { H_RANGE, H_LENGTH, H_ETAG, H_MODIFIED, H_MD5, H_DIGEST, H_TYPE, N_HEADERS };
+static const char *const header_names[N_HEADERS] = {"content-range", "content-length", "etag", "last-modified", "content-md5", "digest", "content-type"};
 #define CANCELLED (-1) /* Req.code of a request cancelled before it finished */
 #define RECV_BUFFER (256 * 1024) /* libcurl's receive buffer: fewer recv() calls per answer */
 
@@ -180,7 +181,8 @@ typedef struct Req {
     Engine *eng;
     CURL *easy;
     int host, state, abandoned, cancel, closes, full;
-    char *url, *userpwd;
+    int page; /* a listing page: the body is kept only if the answer is HTML (page_wanted) */
+    char *url, *userpwd, *final; /* final: the URL answered, after redirects */
     int trust_env;
     struct curl_slist *headers;
     long timeout_ms;
@@ -243,6 +245,7 @@ static double now_s(void) {
 
 static void req_free(Req *r) {
     free(r->url);
+    free(r->final);
     free(r->userpwd);
     free(r->buf);
     for (int i = 0; i < N_HEADERS; i++)
@@ -291,8 +294,29 @@ static size_t on_header(char *line, size_t size, size_t n, void *ud) {
     return len;
 }
 
+/* A listing page's body is read only when it is HTML, as fastload.source._http_page does on
+ * aiohttp: a Content-Type of text/html, or none and a final URL ending in "/". */
+static int page_wanted(Req *r) {
+    const char *type = r->h[H_TYPE];
+    if (type) {
+        while (*type == ' ' || *type == '\t')
+            type++;
+        size_t n = strcspn(type, "; \t");
+        if (n)
+            return n == 9 && strncasecmp(type, "text/html", 9) == 0;
+    }
+    char *eff = NULL;
+    lib.easy_getinfo(r->easy, I_EFFECTIVE_URL, &eff);
+    size_t n = eff ? strlen(eff) : 0;
+    return n && eff[n - 1] == '/';
+}
+
 static size_t on_write(char *data, size_t size, size_t n, void *ud) {
     Req *r = ud;
+    if (r->page && r->got == 0 && !r->full && !page_wanted(r)) {
+        r->full = 1; /* a data file, not a folder page: its body is not the listing's business */
+        return 0;
+    }
     size_t len = size * n, room = r->max_bytes - r->got, take = len < room ? len : room;
     size_t need = r->got + take;
     if (need > r->cap) {
@@ -542,6 +566,9 @@ static int reap(Engine *e) {
         lib.easy_getinfo(c, I_HTTP_VERSION, &version);
         lib.easy_getinfo(c, I_NUM_CONNECTS, &connects);
         lib.easy_getinfo(c, I_CONNECT_TIME_T, &connect_us);
+        char *eff = NULL;
+        lib.easy_getinfo(c, I_EFFECTIVE_URL, &eff);
+        char *final = eff ? strdup(eff) : NULL; /* owned by c, which is reset below */
         lib.multi_remove_handle(e->multi, c);
         pthread_mutex_lock(&e->mu);
         give_easy(e, c);
@@ -551,11 +578,15 @@ static int reap(Engine *e) {
             r->http_version = version;
             r->connects = connects;
             r->connect_us = connect_us;
+            free(r->final);
+            r->final = final;
+            final = NULL;
             if (code == E_WRITE_ERROR && r->full)
                 code = 0; /* ended on purpose by on_write: it had what was asked */
             finish(e, r, code);
         }
         pthread_mutex_unlock(&e->mu);
+        free(final); /* not taken: the request was cancelled meanwhile */
         finished = 1;
     }
     return finished;
@@ -645,11 +676,11 @@ static PyObject *Transfer_result(Transfer *self, PyObject *unused) {
     if (!body)
         return NULL;
     const char *message = r->code > 0 ? lib.easy_strerror(r->code) : (r->code == CANCELLED ? "cancelled" : "");
-    self->answer = Py_BuildValue("(iiNNNNNNNNs)", r->code, (int)r->status, body, header_or_none(r->h[H_RANGE]),
+    self->answer = Py_BuildValue("(iiNNNNNNNNsNN)", r->code, (int)r->status, body, header_or_none(r->h[H_RANGE]),
                                  header_or_none(r->h[H_LENGTH]), header_or_none(r->h[H_ETAG]),
                                  header_or_none(r->h[H_MODIFIED]), header_or_none(r->h[H_MD5]),
                                  header_or_none(r->h[H_DIGEST]), PyBool_FromLong(r->closes || r->http_version == HTTP_VERSION_1_0),
-                                 message);
+                                 message, header_or_none(r->h[H_TYPE]), header_or_none(r->final));
     if (!self->answer)
         return NULL;
     free(r->buf); /* the bytes now live in the answer */
@@ -720,7 +751,7 @@ static void Transfer_dealloc(Transfer *self) {
 static PyMethodDef Transfer_methods[] = {
     {"result", (PyCFunction)Transfer_result, METH_NOARGS,
      "None while it runs; then (code, status, body, content_range, content_length, etag, last_modified, "
-     "content_md5, digest, closes, message). code: libcurl's (0 ok, -1 cancelled)."},
+     "content_md5, digest, closes, message, content_type, final_url). code: libcurl's (0 ok, -1 cancelled)."},
     {"done", (PyCFunction)Transfer_done, METH_NOARGS, "Whether it finished (or was cancelled)."},
     {"started", (PyCFunction)Transfer_started, METH_NOARGS, "Whether it left its host's queue (running or done)."},
     {"cancel", (PyCFunction)Transfer_cancel, METH_NOARGS, "End it; True if it had not finished."},
@@ -827,14 +858,14 @@ static char *dup_utf8(PyObject *s) {
 }
 
 static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"host", "urls", "max_bytes", "headers", "timeout_s", "userpwd", "trust_env", NULL};
-    int host, trust_env = 0;
+    static char *kwlist[] = {"host", "urls", "max_bytes", "headers", "timeout_s", "userpwd", "trust_env", "page", NULL};
+    int host, trust_env = 0, page = 0;
     PyObject *urls, *headers;
     Py_ssize_t max_bytes;
     double timeout_s;
     const char *userpwd = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!nO!d|zp", kwlist, &host, &PyList_Type, &urls, &max_bytes,
-                                     &PyList_Type, &headers, &timeout_s, &userpwd, &trust_env))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!nO!d|zpp", kwlist, &host, &PyList_Type, &urls, &max_bytes,
+                                     &PyList_Type, &headers, &timeout_s, &userpwd, &trust_env, &page))
         return NULL;
     if (stale(e))
         return NULL;
@@ -875,6 +906,7 @@ static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
         r->max_bytes = (size_t)max_bytes;
         r->timeout_ms = (long)(timeout_s * 1000);
         r->trust_env = trust_env;
+        r->page = page;
         r->url = dup_utf8(PyList_GET_ITEM(urls, i));
         r->userpwd = userpwd ? strdup(userpwd) : NULL;
         if (!r->url)
@@ -1087,8 +1119,8 @@ static PyObject *Engine_set_permits(Engine *e, PyObject *args) {
 static PyMethodDef Engine_methods[] = {
     {"host", (PyCFunction)Engine_host, METH_NOARGS, "A new host: its id (no permits yet)."},
     {"submit", (PyCFunction)(void (*)(void))Engine_submit, METH_VARARGS | METH_KEYWORDS,
-     "submit(host, urls, max_bytes, headers, timeout_s, userpwd=None, trust_env=False) -> [Transfer]: "
-     "queue one GET per URL; each body is cut at max_bytes."},
+     "submit(host, urls, max_bytes, headers, timeout_s, userpwd=None, trust_env=False, page=False) -> [Transfer]: "
+     "queue one GET per URL; each body is cut at max_bytes; with page, kept only if it is HTML (a folder page)."},
     {"wait", (PyCFunction)Engine_wait, METH_VARARGS,
      "wait(transfers, timeout_s, pump_s=-1) -> bool: until all are done (True) or timeout_s passed; with "
      "pump_s >= 0 also once outcomes have waited pump_s untaken (Engine.outcomes). Releases the GIL."},

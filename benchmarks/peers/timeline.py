@@ -18,7 +18,7 @@ tail (last answer to last batch). ``--pythonpath A,B`` alternates checkouts in
 one link session, so before/after runs see the same link and load.
 
 The instruments wrap fastload internals by name (``Source._http_list``,
-``source._http_get_first``, ``HostLimit._release`` and ``account``, ``Fetcher._store``); one
+``Source._pages``, ``source._http_get_first``, ``HostLimit._release`` and ``account``, ``Fetcher._store``); one
 that no longer exists is reported as missing, not guessed. They cost the epoch
 a little CPU (the byte sampler runs every 5 ms), so compare runs of this tool
 with each other, not with bench.py's figures.
@@ -93,10 +93,12 @@ def _child(spec: dict[str, Any], out: Path) -> None:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    cpu0 = _cpu_s()
     t0 = clock()
     ds = fastload.FileDataset(spec["url"], pattern="**/*.jpg", label="parent", settings=Settings(cache_dir=Path(spec["cache_dir"])))
     events["dataset"] = clock()
     loader = fastload.DataLoader(ds, batch_size=BATCH, collate_fn=lambda s: s)
+    events["loader"] = clock()
     batches = []
     samples = nbytes = 0
     for batch in loader:
@@ -104,18 +106,28 @@ def _child(spec: dict[str, Any], out: Path) -> None:
         nbytes += sum(len(s["data"]) for s in batch)
         batches.append(clock())
     events["epoch_end"] = clock()
+    cpu_s = _cpu_s() - cpu0
     done.set()
     sampler.join()
     rel = {k: v - t0 for k, v in events.items()}
     out.write_text(json.dumps({
-        "events": rel, "samples": samples, "bytes": nbytes, "missing_instruments": missing,
+        "events": rel, "samples": samples, "bytes": nbytes, "missing_instruments": missing, "cpu_s": cpu_s,
         "batches": [t - t0 for t in batches], "requests": sorted((a - t0, b - t0, n) for a, b, n in requests),
         "limits": [(t - t0, lim, n) for t, lim, n in limits], "stores": [(a - t0, b - t0, n) for a, b, n in stores],
         "wire": [(t - t0, b) for t, b in wire],
     }))
 
 
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process (the byte sampler's share included: ~5%)."""
+    import resource
+
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return me.ru_utime + me.ru_stime
+
+
 def _instrument(events: dict[str, float], requests: list[Any], limits: list[Any], stores: list[Any], clock: Any) -> list[str]:
+    import fastload.curl as curl
     import fastload.fetch as fetch
     import fastload.hostlimit as hostlimit
     import fastload.source as source
@@ -138,15 +150,13 @@ def _instrument(events: dict[str, float], requests: list[Any], limits: list[Any]
                 events["list_end"] = clock()
         return run
 
-    def timed(kind: int) -> Any:
-        def make(inner: Any) -> Any:
-            async def run(*args: Any, **kwargs: Any) -> Any:
-                t = clock()
-                res = await inner(*args, **kwargs)
-                requests.append((t, clock(), len(res[1]) if kind else -1))
-                return res
-            return run
-        return make
+    def timed(inner: Any) -> Any:
+        async def run(*args: Any, **kwargs: Any) -> Any:
+            t = clock()
+            res = await inner(*args, **kwargs)
+            requests.append((t, clock(), len(res[1])))
+            return res
+        return run
 
     def release(inner: Any) -> Any:
         def run(self: Any, outcome: Any) -> None:
@@ -157,11 +167,29 @@ def _instrument(events: dict[str, float], requests: list[Any], limits: list[Any]
     def accounted(inner: Any) -> Any:
         # GETs on libcurl's thread (fastload.curl) reach Python only as outcomes, at most
         # ~PUMP_S after their answer: each is placed by its latency, ending when it was taken.
+        # Those taken before the listing ended are its pages (timed by `pages`).
         def run(self: Any, results: Any) -> None:
             inner(self, results)
             now = clock()
-            requests.extend((now - latency, now, nbytes) for latency, nbytes, _, ok in results if ok)
+            if "list_end" in events:
+                requests.extend((now - latency, now, nbytes) for latency, nbytes, _, ok in results if ok)
             limits.append((now, self.limit, self.in_flight))
+        return run
+
+    def pages(inner: Any) -> Any:
+        # One level's pages go out together (libcurl or aiohttp): each is timed as the level.
+        def run(self: Any, urls: Any, *args: Any, **kwargs: Any) -> Any:
+            t = clock()
+            try:
+                return inner(self, urls, *args, **kwargs)
+            finally:
+                requests.extend((t, clock(), -1) for _ in urls)
+        return run
+
+    def handed(inner: Any) -> Any:  # first blocks handed to libcurl: when the first batch of them was
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            events.setdefault("first_handed", clock())
+            return inner(self, *args, **kwargs)
         return run
 
     def store(inner: Any) -> Any:
@@ -174,8 +202,9 @@ def _instrument(events: dict[str, float], requests: list[Any], limits: list[Any]
         return run
 
     wrap(source.Source, "_http_list", listing)
-    wrap(source, "_http_page", timed(0))
-    wrap(source, "_http_get_first", timed(1))
+    wrap(source.Source, "_pages", pages)
+    wrap(curl.CurlRoute, "start", handed)
+    wrap(source, "_http_get_first", timed)
     wrap(hostlimit.HostLimit, "_release", release)
     wrap(hostlimit.HostLimit, "account", accounted)
     wrap(fetch.Fetcher, "_store", store)
@@ -205,6 +234,7 @@ def summarize(run: dict[str, Any], link_bytes_s: float, total: int) -> dict[str,
     out = {
         "seconds": round(end, 3), "ideal_s": round(total / link_bytes_s, 3), "share": round(total / link_bytes_s / end, 3),
         "setup_s": round(first_get, 3) if first_get is not None else None,
+        "cpu_ms_per_object": round(run["cpu_s"] / run["samples"] * 1e3, 3) if run.get("samples") else None,
         "listing_s": round(e["list_end"] - e["list_start"], 3) if "list_end" in e else None,
         "before_listing_s": round(e["list_start"], 3) if "list_start" in e else None,
         "ramp_s": round(at_mark - mark / link_bytes_s - first_get, 3) if at_mark is not None and first_get is not None else None,

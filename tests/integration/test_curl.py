@@ -1,7 +1,8 @@
-"""First-block GETs on libcurl's thread (fastload.curl, native/_curl.c), against real servers.
+"""First-block GETs and listing pages on libcurl's thread (fastload.curl, native/_curl.c), against real servers.
 
-What the aiohttp GET gives (size, version, bytes), this path must give too; what it
-cannot take as it is goes back to aiohttp; the host limit's slots it leases come back.
+What the aiohttp GET gives (size, version, bytes; a folder's files), this path must
+give too; what it cannot take as it is goes back to aiohttp; the host limit's slots
+it leases come back; none of it waits for aiohttp to import.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 import concurrent.futures
 import http.server
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,8 +24,10 @@ import pytest
 from fastload import curl, hostlimit
 from fastload.config import Settings
 from fastload.dataset import FileDataset
-from fastload.errors import ConfigError, StoppedError
+from fastload.errors import ConfigError, RemoteNotFoundError, StoppedError
 from fastload.source import RemoteItem, Source, _http_get_first
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.integration,
@@ -38,10 +44,11 @@ def _until(cond: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
 
 class _Server:
     """ThreadingHTTPServer (no Range support) that records each request's headers and answers
-    ``status`` to the first ``refuse`` file GETs; HTTP/1.1 keep-alive, or ``http10`` as
-    ``python -m http.server`` (a connection per answer)."""
+    ``status`` to the first ``refuse`` file GETs (folder pages with ``pages``); HTTP/1.1
+    keep-alive, or ``http10`` as ``python -m http.server`` (a connection per answer)."""
 
-    def __init__(self, root: Path, *, refuse: int = 0, status: int = 503, http10: bool = False) -> None:
+    def __init__(self, root: Path, *, refuse: int = 0, status: int = 503, http10: bool = False,
+                 pages: bool = False) -> None:
         self.lock = threading.Lock()
         self.seen: list[dict[str, str]] = []
         self.refuse = refuse
@@ -53,7 +60,7 @@ class _Server:
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 with server.lock:
                     server.seen.append(dict(self.headers))
-                    refuse = server.refuse > 0 and not self.path.endswith("/")
+                    refuse = server.refuse > 0 and self.path.endswith("/") == pages
                     if refuse:
                         server.refuse -= 1
                 if refuse:
@@ -178,8 +185,8 @@ def test_http_client_curl_where_it_cannot_run_is_a_config_error(tmp_path: Path, 
     state.reason = "libcurl not found (test)"
     monkeypatch.setattr(curl, "_STATE", state)
     with pytest.raises(ConfigError, match="http_client='curl' cannot run here: libcurl not found"):
-        curl.route_for(object(), "curl")
-    assert curl.route_for(object(), "auto") is None
+        curl.route_for({}, "curl", str)
+    assert curl.route_for({}, "auto", str) is None
 
 
 def test_a_cancelled_or_dropped_get_leaves_nothing_queued(tmp_path: Path, nginx_server: Any) -> None:
@@ -218,7 +225,7 @@ class _FailedTransfer:
         return False
 
     def result(self) -> tuple[Any, ...]:
-        return (self.code, 0, b"", None, None, None, None, None, None, False, self.message)
+        return (self.code, 0, b"", None, None, None, None, None, None, False, self.message, None, None)
 
 
 def test_a_host_libcurl_cannot_speak_to_goes_to_aiohttp_for_good(tmp_path: Path, py_server: Any) -> None:
@@ -277,3 +284,155 @@ def test_a_get_queued_for_its_slot_is_waited_for_past_the_request_timeout(tmp_pa
     src.stop.set()
     with pytest.raises(StoppedError):  # and a stop still ends the wait for a queued one
         src._wait(_Queued(None), 0.05, "u")
+
+
+def _tree(root: Path) -> None:
+    for rel in ("train/a/1.jpg", "train/a/2.jpg", "train/b/c/3.jpg", "train/b/4.jpg"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(os.urandom(500))
+    (root / "train/empty").mkdir()
+    (root / "big.bin").write_bytes(os.urandom(1 << 20))
+
+
+def _listed(url: str, client: str, tmp_path: Path) -> list[tuple[str, int]]:
+    src = Source(url, settings=Settings(cache_dir=tmp_path / "c", http_client=client))
+    return sorted((i.url, i.size) for i in src.list(pattern="**/*.jpg", complete=False))
+
+
+def test_a_listing_over_libcurl_gives_what_aiohttp_gives(tmp_path: Path, nginx_server: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    _tree(tmp_path / "www")
+    server = nginx_server(tmp_path / "www")
+    want = {url: _listed(url, "aiohttp", tmp_path) for url in (server.url + "/train/", server.url + "/train")}
+    assert [u for u, _ in want[server.url + "/train/"]] == [f"{server.url}/train/{r}" for r in
+                                                             ("a/1.jpg", "a/2.jpg", "b/4.jpg", "b/c/3.jpg")]
+    pages: list[str] = []
+    start_pages = curl.CurlRoute.start_pages
+
+    def counted(self: Any, urls: Any, *args: Any, **kwargs: Any) -> Any:
+        pages.extend(urls)
+        return start_pages(self, urls, *args, **kwargs)
+
+    def no_aiohttp(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a listing page went to aiohttp")
+
+    monkeypatch.setattr(curl.CurlRoute, "start_pages", counted)
+    monkeypatch.setattr("fastload.source._http_page", no_aiohttp)
+    for url, listed in want.items():  # "/train" is redirected to "/train/" (followed, its final URL kept)
+        assert _listed(url, "auto", tmp_path) == listed
+    assert sorted(set(pages)) == sorted({server.url + "/train", *(f"{server.url}/train/{d}/" for d in ("a", "b", "b/c", "empty")),
+                                         server.url + "/train/"})
+    monkeypatch.undo()
+    # A missing folder is the error aiohttp's listing gives (its page is redone there).
+    with pytest.raises(RemoteNotFoundError, match="nope"):
+        Source(server.url + "/nope/", settings=Settings(cache_dir=tmp_path / "c")).list()
+
+
+def test_a_data_file_met_as_a_page_is_not_downloaded(tmp_path: Path, nginx_server: Any) -> None:
+    _tree(tmp_path / "www")
+    server = nginx_server(tmp_path / "www")
+    src = Source(server.url + "/big.bin", settings=Settings(cache_dir=tmp_path / "c"))
+    limit, route = src.host_limit, src.route
+    assert limit is not None and route is not None
+    folder, data = route.start_pages([server.url + "/train/", server.url + "/big.bin"], 10.0, limit, src.stop)
+    final, size, text = folder.result(timeout=10)
+    assert final == server.url + "/train/" and text is not None and 'href="a/"' in text
+    assert data.result(timeout=10) == (server.url + "/big.bin", 1 << 20, None)
+    assert data.transfer.result()[2] == b""  # its megabyte was not read: the transfer ended at the headers
+    assert src.list() == [src.info(server.url + "/big.bin")]  # the root is one object
+
+
+def test_a_refused_page_is_read_again_on_aiohttp(tmp_path: Path, py_server: Any) -> None:
+    _tree(tmp_path / "www")
+    server = py_server(tmp_path / "www", refuse=1, pages=True)
+    src = Source(server.url + "/train/", settings=Settings(cache_dir=tmp_path / "c"))
+    assert src.route is not None
+    got = sorted(i.url for i in src.list(pattern="**/*.jpg", complete=False))
+    assert got == [f"{server.url}/train/{r}" for r in ("a/1.jpg", "a/2.jpg", "b/4.jpg", "b/c/3.jpg")]
+    limit = src.host_limit
+    assert limit is not None and limit.last_cut == "HTTP 503"  # libcurl's 503 reached the controller
+    assert server.refuse == 0
+
+
+def _python(code: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+# Holds the import of aiohttp on fastload's import thread until RELEASE is set (or 30 s pass;
+# RAN once its module ran, on any thread):
+# its module runs only then, while the thread holds the module locks of that import, as a
+# slow import does. (A finder that waited in find_spec would hold Python's global import
+# lock instead, and stall every import of every thread.)
+_HOLD_AIOHTTP = """
+    import importlib.abc, importlib.machinery, sys, threading
+    RELEASE, RAN = threading.Event(), threading.Event()
+    class Held(importlib.abc.Loader):
+        def __init__(self, real):
+            self.real = real
+        def create_module(self, spec):
+            return self.real.create_module(spec)
+        def exec_module(self, module):
+            if threading.current_thread().name == "fastload-import-http":
+                RELEASE.wait(30)
+            self.real.exec_module(module)
+            RAN.set()
+    class Hold(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name != "aiohttp":
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            spec.loader = Held(spec.loader)
+            return spec
+    sys.meta_path.insert(0, Hold())
+"""
+
+
+def test_the_listing_and_first_blocks_do_not_wait_for_aiohttp_to_import(tmp_path: Path, nginx_server: Any) -> None:
+    _tree(tmp_path / "www")
+    server = nginx_server(tmp_path / "www")
+    proc = _python(_HOLD_AIOHTTP + f"""
+    import time
+    from pathlib import Path
+    from fastload.config import Settings
+    from fastload.source import Source
+    t0 = time.monotonic()
+    src = Source("{server.url}/train/", settings=Settings(cache_dir=Path("{tmp_path}/c")))
+    items = src.list(pattern="**/*.jpg", complete=False)
+    got = src.read_first_many(items, 1 << 20)
+    assert not RAN.is_set(), "the listing or a first block waited for aiohttp"
+    assert time.monotonic() - t0 < 25, "it waited for the held import"
+    assert [len(data) for _, data in got] == [500] * 4 and all(i.size == 500 and i.version for i, _ in got)
+    RELEASE.set()
+    assert src.info(items[0].url).size == 500  # a HEAD: on aiohttp, once it imported
+    print("ok", len(items))
+    """)
+    assert proc.returncode == 0 and "ok 4" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_fork_during_the_aiohttp_import_waits_for_it(tmp_path: Path) -> None:
+    # A child forked while fastload's thread holds the import's module locks would wait on
+    # them for good (their owner is not in the child): the fork waits for the import first.
+    proc = _python(_HOLD_AIOHTTP + """
+    import os, time
+    from fastload.source import Source
+    Source("http://127.0.0.1:9/data/")  # starts the import thread; no request is sent
+    time.sleep(0.3)  # it now holds the import of fsspec.implementations.http
+    threading.Timer(1.0, RELEASE.set).start()
+    pid = os.fork()
+    if pid == 0:
+        import fsspec.implementations.http
+        os._exit(0)
+    for _ in range(200):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        raise SystemExit("the child hung importing fsspec's HTTP filesystem")
+    print("ok", os.waitstatus_to_exitcode(status))
+    """)
+    assert proc.returncode == 0 and "ok 0" in proc.stdout, proc.stdout + proc.stderr
