@@ -222,7 +222,7 @@ class Source:
         # Hosts whose answer to a ranged GET was the whole object (Python's http.server
         # ignores Range): the fetch stage then asks for each object once, whole (fastload.fetch).
         self._rangeless: set[str] = set()
-        self._route: tuple[CurlRoute | None] | None = None
+        self._route: tuple[CurlRoute | None] | None = None  # (route,) once decided: None routes to aiohttp
 
     @property
     def route(self) -> CurlRoute | None:

@@ -17,6 +17,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import resource
 import shutil
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                                       settings=Settings(cache_dir=work / "cache"))
             loader = fastload.DataLoader(ds, batch_size=64, collate_fn=_as_list, read_threads=args.read_threads,
                                          num_workers=args.num_workers)
+            # The dataset's setup stays out of the epochs, aiohttp's import included: it runs on a
+            # thread of fastload's (source.warm_http), and this import waits for it to finish.
+            importlib.import_module("fsspec.implementations.http")
             out = {"cold": _epoch(loader), "warm": _epoch(loader), "read_threads": loader.read_threads,
                    "num_workers": args.num_workers}
     finally:
