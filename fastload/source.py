@@ -355,6 +355,14 @@ class Source:
             )
         if isinstance(err, FileNotFoundError) or "NoSuchBucket" in cause:
             return RemoteNotFoundError(f"{url}: not found ({cause}); fix: check the bucket, path and spelling")
+        status = getattr(err, "status", None)  # aiohttp's ClientResponseError
+        if self._http and status in (401, 403):
+            return CredentialsError(
+                f"{url}: the server refused the request (HTTP {status}: no login, or a wrong one; "
+                f"{cause}); fix: pass the login in storage_options, e.g. "
+                "--storage-options '{\"headers\": {\"Authorization\": \"Basic ...\"}}' (or "
+                "client_kwargs={'auth': aiohttp.BasicAuth(user, password)} from Python)"
+            )
         if isinstance(err, FastloadError):
             return err
         return SourceError(f"{url}: read failed ({cause}); fix: check the URL, storage_options and that the store is reachable")

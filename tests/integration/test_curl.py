@@ -7,6 +7,7 @@ it leases come back; none of it waits for aiohttp to import.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import http.server
 import os
@@ -24,7 +25,7 @@ import pytest
 from fastload import curl, hostlimit
 from fastload.config import Settings
 from fastload.dataset import FileDataset
-from fastload.errors import ConfigError, RemoteNotFoundError, StoppedError
+from fastload.errors import ConfigError, CredentialsError, RemoteNotFoundError, StoppedError
 from fastload.source import RemoteItem, Source, _http_get_first
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,10 +46,11 @@ def _until(cond: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
 class _Server:
     """ThreadingHTTPServer (no Range support) that records each request's headers and answers
     ``status`` to the first ``refuse`` file GETs (folder pages with ``pages``); HTTP/1.1
-    keep-alive, or ``http10`` as ``python -m http.server`` (a connection per answer)."""
+    keep-alive, or ``http10`` as ``python -m http.server`` (a connection per answer); with
+    ``login`` ("user:password") every request needs that Basic login, else 401."""
 
     def __init__(self, root: Path, *, refuse: int = 0, status: int = 503, http10: bool = False,
-                 pages: bool = False) -> None:
+                 pages: bool = False, login: str | None = None) -> None:
         self.lock = threading.Lock()
         self.seen: list[dict[str, str]] = []
         self.refuse = refuse
@@ -58,6 +60,12 @@ class _Server:
             protocol_version = "HTTP/1.0" if http10 else "HTTP/1.1"
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if login is not None and self.headers.get("Authorization") != "Basic " + base64.b64encode(login.encode()).decode():
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Basic realm="data"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 with server.lock:
                     server.seen.append(dict(self.headers))
                     refuse = server.refuse > 0 and self.path.endswith("/") == pages
@@ -436,3 +444,24 @@ def test_a_fork_during_the_aiohttp_import_waits_for_it(tmp_path: Path) -> None:
     print("ok", os.waitstatus_to_exitcode(status))
     """)
     assert proc.returncode == 0 and "ok 0" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_login_reaches_the_server_on_both_clients_and_a_wrong_one_is_a_credentials_error(
+        tmp_path: Path, py_server: Any) -> None:
+    _tree(tmp_path / "www")
+    server = py_server(tmp_path / "www", login="reader:s3cret-pw")
+    token = "Basic " + base64.b64encode(b"reader:s3cret-pw").decode()
+    want = [f"{server.url}/train/{r}" for r in ("a/1.jpg", "a/2.jpg", "b/4.jpg", "b/c/3.jpg")]
+    for client in ("auto", "aiohttp"):
+        src = Source(server.url + "/train/", {"headers": {"Authorization": token}},
+                     settings=Settings(cache_dir=tmp_path / "c", http_client=client))
+        assert (src.route is not None) == (client == "auto")
+        items = sorted(src.list(pattern="**/*.jpg", complete=False), key=lambda i: i.url)
+        assert [i.url for i in items] == want
+        assert [len(data) for _, data in src.read_first_many(items, 1 << 20)] == [500] * 4
+    wrong = {"headers": {"Authorization": "Basic " + base64.b64encode(b"reader:wrong-pw").decode()}}
+    for opts in (wrong, {}):
+        with pytest.raises(CredentialsError, match=r"/train/: the server refused the request \(HTTP 401") as err:
+            Source(server.url + "/train/", opts, settings=Settings(cache_dir=tmp_path / "c")).list()
+        assert "storage_options" in str(err.value)  # the fix
+        assert "wrong-pw" not in str(err.value) and wrong["headers"]["Authorization"] not in str(err.value)
