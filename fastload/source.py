@@ -357,11 +357,14 @@ class Source:
             return RemoteNotFoundError(f"{url}: not found ({cause}); fix: check the bucket, path and spelling")
         status = getattr(err, "status", None)  # aiohttp's ClientResponseError
         if self._http and status in (401, 403):
+            # nginx without autoindex answers a folder with 403, as it does a missing login.
+            folder = status == 403 and url.endswith("/")
             return CredentialsError(
-                f"{url}: the server refused the request (HTTP {status}: no login, or a wrong one; "
-                f"{cause}); fix: pass the login in storage_options, e.g. "
-                "--storage-options '{\"headers\": {\"Authorization\": \"Basic ...\"}}' (or "
+                f"{url}: the server refused the request (HTTP {status}: no login, or a wrong one"
+                f"{'; or it does not list folders' if folder else ''}; {cause}); fix: pass the login in "
+                "storage_options, e.g. --storage-options '{\"headers\": {\"Authorization\": \"Basic ...\"}}' (or "
                 "client_kwargs={'auth': aiohttp.BasicAuth(user, password)} from Python)"
+                + ("; or pass the objects' URLs as a list (--url-list; docs/storage.md)" if folder else "")
             )
         if isinstance(err, FastloadError):
             return err

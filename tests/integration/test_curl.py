@@ -47,10 +47,11 @@ class _Server:
     """ThreadingHTTPServer (no Range support) that records each request's headers and answers
     ``status`` to the first ``refuse`` file GETs (folder pages with ``pages``); HTTP/1.1
     keep-alive, or ``http10`` as ``python -m http.server`` (a connection per answer); with
-    ``login`` ("user:password") every request needs that Basic login, else 401."""
+    ``login`` ("user:password") every request needs that Basic login, else 401; with
+    ``unlisted`` a folder is 403, as nginx without autoindex answers."""
 
     def __init__(self, root: Path, *, refuse: int = 0, status: int = 503, http10: bool = False,
-                 pages: bool = False, login: str | None = None) -> None:
+                 pages: bool = False, login: str | None = None, unlisted: bool = False) -> None:
         self.lock = threading.Lock()
         self.seen: list[dict[str, str]] = []
         self.refuse = refuse
@@ -65,6 +66,9 @@ class _Server:
                     self.send_header("WWW-Authenticate", 'Basic realm="data"')
                     self.send_header("Content-Length", "0")
                     self.end_headers()
+                    return
+                if unlisted and self.path.endswith("/"):
+                    self.send_error(403)
                     return
                 with server.lock:
                     server.seen.append(dict(self.headers))
@@ -465,3 +469,14 @@ def test_a_login_reaches_the_server_on_both_clients_and_a_wrong_one_is_a_credent
             Source(server.url + "/train/", opts, settings=Settings(cache_dir=tmp_path / "c")).list()
         assert "storage_options" in str(err.value)  # the fix
         assert "wrong-pw" not in str(err.value) and wrong["headers"]["Authorization"] not in str(err.value)
+
+
+def test_a_server_that_lists_no_folders_is_told_apart_in_the_error(tmp_path: Path, py_server: Any) -> None:
+    _tree(tmp_path / "www")
+    server = py_server(tmp_path / "www", unlisted=True)
+    with pytest.raises(CredentialsError, match=r"HTTP 403: no login, or a wrong one; or it does not list folders") as err:
+        Source(server.url + "/train/", settings=Settings(cache_dir=tmp_path / "c")).list()
+    assert "pass the objects' URLs as a list (--url-list" in str(err.value)
+    # Its objects still read, as a list of URLs.
+    src = Source(server.url + "/train/a/1.jpg", settings=Settings(cache_dir=tmp_path / "c"))
+    assert src.read_first(RemoteItem(src.url, -1, ""), 1 << 20)[0].size == 500
