@@ -981,6 +981,7 @@ def _page_links(page_url: str, text: str) -> tuple[set[str], set[str]]:
 
 
 _WARM_LOCK = threading.Lock()
+WARM_JOIN_S = 60.0  # a fork waits this long at most for the import (it takes ~0.1 s; a hung one must not hang forks)
 _warming: threading.Thread | None = None
 
 
@@ -1010,7 +1011,7 @@ def _import_http() -> None:
 
 def _join_warming() -> None:
     if _warming is not None and _warming is not threading.current_thread():
-        _warming.join()
+        _warming.join(WARM_JOIN_S)
 
 
 if hasattr(os, "register_at_fork"):
