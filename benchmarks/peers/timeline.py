@@ -14,7 +14,8 @@ process, when each thing happened:
 From those it splits the time the epoch took beyond ``bytes / link``: the
 setup before the first GET, the ramp (bytes behind the link at 16 MB, less
 that setup), stalls mid-epoch (0.25 s windows below 0.9 of the link) and the
-tail (last answer to last batch). ``--pythonpath A,B`` alternates checkouts in
+tail (last answer to last batch), and reports the epoch's CPU per object (this
+process's rusage, the sampler included). ``--pythonpath A,B`` alternates checkouts in
 one link session, so before/after runs see the same link and load.
 
 The instruments wrap fastload internals by name (``Source._http_list``,
