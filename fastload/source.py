@@ -204,13 +204,13 @@ class Source:
         self._folder_hint = url.endswith("/")
         # fsspec's HTTP filesystem keeps URLs as they are. It needs aiohttp, whose import
         # (~0.1 s) is most of the time before the first request of a cold epoch: it runs on
-        # a thread (warm_http) while the listing and first blocks go through libcurl, and
+        # a thread (import_http_ahead) while the listing and first blocks go through libcurl, and
         # the filesystem opens on first use (fs).
         self._http = url.split("://", 1)[0] in ("http", "https")
         if self._http:
             if importlib.util.find_spec("aiohttp") is None:
                 raise ConfigError(f"URL {url!r} needs a package that is missing (aiohttp); fix: {_INSTALL_HINTS['http']}")
-            warm_http()
+            import_http_ahead()
             self._root_path = url
             self.url = url.rstrip("/")
             self._local = False
@@ -263,6 +263,8 @@ class Source:
     def _open_fs(self) -> tuple[fsspec.AbstractFileSystem, str]:
         protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
         try:
+            if self._http and _import_failure is not None:
+                raise _import_failure  # the import thread's (import_http_ahead), with its traceback
             fs, path = url_to_fs(self.url, **_with_timeouts(protocol, self.storage_options, self.settings.request_timeout_s))
         except ImportError as err:
             hint = _INSTALL_HINTS.get(protocol, f"install the fsspec backend for {protocol!r}")
@@ -980,42 +982,44 @@ def _page_links(page_url: str, text: str) -> tuple[set[str], set[str]]:
     return files, folders
 
 
-_WARM_LOCK = threading.Lock()
-WARM_JOIN_S = 60.0  # a fork waits this long at most for the import (it takes ~0.1 s; a hung one must not hang forks)
-_warming: threading.Thread | None = None
+_IMPORT_LOCK = threading.Lock()
+IMPORT_JOIN_S = 60.0  # a fork waits this long at most for the import (it takes ~0.1 s; a hung one must not hang forks)
+_importing: threading.Thread | None = None
+_import_failure: BaseException | None = None  # what the thread's import raised; Source._open_fs re-raises it
 
 
-def warm_http() -> None:
-    """Import fsspec's HTTP filesystem (and aiohttp) on a thread, once per process.
+def import_http_ahead() -> None:
+    """Import fsspec's HTTP filesystem (and aiohttp) on a thread, once per process, ahead of its use.
 
     Whoever needs it meanwhile (Source.fs) waits for that import to finish, as
     Python's import lock does; listing pages and first blocks on libcurl do not
     need it. A fork waits for it first: a child must not inherit a module lock
     held by a thread that is not there.
     """
-    global _warming
-    if _warming is not None or "fsspec.implementations.http" in sys.modules:
+    global _importing
+    if _importing is not None or "fsspec.implementations.http" in sys.modules:
         return
-    with _WARM_LOCK:
-        if _warming is None:
-            _warming = threading.Thread(target=_import_http, name="fastload-import-http", daemon=True)
-            _warming.start()
+    with _IMPORT_LOCK:
+        if _importing is None:
+            _importing = threading.Thread(target=_import_http, name="fastload-import-http", daemon=True)
+            _importing.start()
 
 
 def _import_http() -> None:
+    global _import_failure
     try:
         importlib.import_module("fsspec.implementations.http")
-    except Exception:  # noqa: S110 - Source.fs imports it again and reports what is wrong
-        pass
+    except Exception as err:  # kept for the Source that opens the filesystem (_open_fs)
+        _import_failure = err
 
 
-def _join_warming() -> None:
-    if _warming is not None and _warming is not threading.current_thread():
-        _warming.join(WARM_JOIN_S)
+def _join_import() -> None:
+    if _importing is not None and _importing is not threading.current_thread():
+        _importing.join(IMPORT_JOIN_S)
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_join_warming)
+    os.register_at_fork(before=_join_import)
 
 
 def _identity_get(fs: Any, headers: dict[str, str] | None = None) -> tuple[dict[str, str], dict[str, Any]]:

@@ -480,3 +480,26 @@ def test_a_server_that_lists_no_folders_is_told_apart_in_the_error(tmp_path: Pat
     # Its objects still read, as a list of URLs.
     src = Source(server.url + "/train/a/1.jpg", settings=Settings(cache_dir=tmp_path / "c"))
     assert src.read_first(RemoteItem(src.url, -1, ""), 1 << 20)[0].size == 500
+
+
+def test_a_failed_import_on_the_import_thread_reaches_the_source_that_needs_it(tmp_path: Path) -> None:
+    proc = _python("""
+    import importlib.abc, sys, threading
+    class Broken(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "aiohttp" and threading.current_thread().name == "fastload-import-http":
+                raise ImportError("aiohttp is broken here (test)")
+            return None
+    sys.meta_path.insert(0, Broken())
+    from fastload import source
+    from fastload.errors import ConfigError
+    src = source.Source("http://127.0.0.1:9/data/")
+    source._importing.join(30)
+    try:
+        src.fs
+    except ConfigError as err:
+        print("ok", err)
+    """)
+    assert proc.returncode == 0 and "ok URL 'http://127.0.0.1:9/data' needs a package that is missing" in proc.stdout, \
+        proc.stdout + proc.stderr
+    assert "aiohttp is broken here (test)" in proc.stdout and "pip install aiohttp" in proc.stdout
