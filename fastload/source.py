@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import concurrent.futures
+import functools
 import importlib
 import importlib.util
 import os
@@ -222,15 +223,26 @@ class Source:
         # Hosts whose answer to a ranged GET was the whole object (Python's http.server
         # ignores Range): the fetch stage then asks for each object once, whole (fastload.fetch).
         self._rangeless: set[str] = set()
-        self._route: tuple[CurlRoute | None] | None = None  # (route,) once decided: None routes to aiohttp
 
-    @property
+    @functools.cached_property
     def route(self) -> CurlRoute | None:
         """libcurl's route for this HTTP source's listing pages and first-block GETs, or None:
         aiohttp (fastload.curl)."""
-        if self._route is None:
-            self._route = (route_for(self.storage_options, self.settings.http_client, self._encode) if self._http else None,)
-        return self._route[0]
+        return route_for(self.storage_options, self.settings.http_client, self._encode) if self._http else None
+
+    @staticmethod
+    def _curl_takes(limit: HostLimit) -> bool:
+        """Whether libcurl carries GETs to ``limit``'s host (where a Source has a route): not to one
+        that closes its connections, nor to one libcurl cannot speak to (fastload.curl)."""
+        return not limit.closing and not curl.broken(limit)
+
+    def _settle(self, pending: Sequence[Any], timeout_s: float) -> None:
+        """Wait for ``pending`` together (curl.settle); on a stop, cancel them and raise StoppedError."""
+        curl.settle(pending, self.stop, timeout_s)
+        if self.stop.is_set():
+            for p in pending:
+                p.cancel()
+            raise StoppedError(f"{pending[0].url if pending else self.url}: stopped; its requests were cancelled")
 
     def _encode(self, url: str) -> Any:
         return self.fs.encode_url(url)  # type: ignore[attr-defined]
@@ -478,15 +490,11 @@ class Source:
         """One GET of each folder page, together, a failure in its place: on libcurl where this
         source routes there (fastload.curl; no wait for aiohttp's import), else on fsspec's session."""
         timeout_s, route = self.settings.request_timeout_s, self.route
-        if route is None or limit is None or limit.closing or curl.broken(limit):
+        if route is None or limit is None or not self._curl_takes(limit):
             return self._sync(_http_pages, self.fs, urls, timeout_s, limit)
         self._stopped(urls[0])
         pending = route.start_pages(urls, timeout_s, limit, self.stop)
-        curl.settle(pending, self.stop, 2 * timeout_s + SLOT_WAIT_S)  # a GET's timeout starts once it runs
-        if self.stop.is_set():
-            for p in pending:
-                p.cancel()
-            raise StoppedError(f"{urls[0]}: stopped; its requests were cancelled")
+        self._settle(pending, 2 * timeout_s + SLOT_WAIT_S)  # a GET's timeout starts once it runs
         out: builtins.list[Any] = []
         for p in pending:
             try:
@@ -553,11 +561,7 @@ class Source:
             return [self.read_first(i, nbytes) for i in items]
         started = self._curl_first(items, nbytes)
         if started is not None:
-            curl.settle(started, self.stop, 2 * self.settings.request_timeout_s)  # as finish_first
-            if self.stop.is_set():
-                for p in started:
-                    p.cancel()
-                raise StoppedError(f"{items[0].url}: stopped; its requests were cancelled")
+            self._settle(started, 2 * self.settings.request_timeout_s)  # as finish_first
             return [self.finish_first(item, nbytes, p) for item, p in zip(items, started)]
         urls = [i.url for i in items]
         results = self._sync(_gather_first, self.fs, urls, nbytes, self.settings.request_timeout_s, self.limit_of)
@@ -604,8 +608,8 @@ class Source:
         by_host: dict[int, tuple[HostLimit, builtins.list[int]]] = {}
         for k, item in enumerate(items):
             limit = self.limit_of(item.url)
-            if limit is None or limit.closing or curl.broken(limit):
-                return None  # a host that closes its connections stays on aiohttp (fastload.curl)
+            if limit is None or not self._curl_takes(limit):
+                return None  # e.g. a host that closes its connections stays on aiohttp (fastload.curl)
             by_host.setdefault(id(limit), (limit, []))[1].append(k)
         out: builtins.list[Any] = [None] * len(items)
         for limit, ks in by_host.values():
