@@ -203,6 +203,12 @@ class Settings:
 HTTP_CLIENTS = ("auto", "curl", "aiohttp")
 
 
+def pure_python() -> bool:
+    """Whether ``FASTLOAD_PURE_PYTHON`` (any value but "" or "0") turns off the C extensions: both
+    ``fastload._native`` (fastload.gather) and ``fastload._curl`` (fastload.curl) ask here."""
+    return os.environ.get("FASTLOAD_PURE_PYTHON", "") not in ("", "0")
+
+
 def default_read_threads() -> int:
     """The DataLoader's default ``read_threads``: this process's CPUs, 2 to 8.
 

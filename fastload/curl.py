@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fastload.config import pure_python
 from fastload.errors import ConfigError
 from fastload.hostlimit import SLOW_CONNECT_S, STOP_POLL_S, HostLimit
 
@@ -132,7 +133,7 @@ def engine() -> Any | None:
         return state.engine
     with state.lock:
         if state.engine is None and not state.reason:
-            if os.environ.get("FASTLOAD_PURE_PYTHON"):
+            if pure_python():
                 state.reason = "FASTLOAD_PURE_PYTHON is set"
                 return None
             try:

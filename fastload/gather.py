@@ -16,8 +16,8 @@ Two implementations produce identical bytes and identical results:
   finds ``LZ4_decompress_safe`` and ``XXH3_64bits`` at run time in libraries that
   are already installed (:func:`_resolve`), binds them, and self-tests the result.
 * **python** - the fallback below, used when the extension is not built, when
-  binding or the self-test fails, or when ``FASTLOAD_PURE_PYTHON=1`` (read here,
-  once, at import: :func:`_load`).
+  binding or the self-test fails, or when ``FASTLOAD_PURE_PYTHON=1``
+  (:func:`fastload.config.pure_python`, asked once, at import: :func:`_load`).
 
 The output buffer may be any writable C-contiguous buffer: a numpy array, a
 ``bytearray``, or the numpy view of a pinned torch tensor (so a batch can be
@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 import lz4.block
 
 from fastload import codec
+from fastload.config import pure_python
 from fastload.errors import CodecError
 
 __all__ = ["Job", "backend", "gather", "gather_native", "gather_python", "info", "read_payload_file", "use_backend"]
@@ -295,8 +296,8 @@ def _selftest(native: Any) -> None:
 
 
 def _load() -> None:
-    """Pick the implementation once, at import: the one place FASTLOAD_PURE_PYTHON is read."""
-    if os.environ.get("FASTLOAD_PURE_PYTHON", "") not in ("", "0"):
+    """Pick the implementation once, at import (FASTLOAD_PURE_PYTHON: config.pure_python)."""
+    if pure_python():
         _STATE["reason"] = "FASTLOAD_PURE_PYTHON is set"
         return
     try:

@@ -49,3 +49,15 @@ def test_invalid_settings_are_rejected() -> None:
 def test_format_size() -> None:
     assert format_size(1_500_000) == "1.50 MB"
     assert format_size(999) == "999 B"
+
+
+@pytest.mark.parametrize(("value", "pure"), [(None, False), ("", False), ("0", False), ("1", True), ("yes", True)])
+def test_pure_python_is_one_reading_of_the_variable(monkeypatch: pytest.MonkeyPatch, value: str | None, pure: bool) -> None:
+    # gather and curl both ask pure_python(): "0" once kept gather's C path but turned off libcurl's.
+    from fastload.config import pure_python
+
+    if value is None:
+        monkeypatch.delenv("FASTLOAD_PURE_PYTHON", raising=False)
+    else:
+        monkeypatch.setenv("FASTLOAD_PURE_PYTHON", value)
+    assert pure_python() is pure
