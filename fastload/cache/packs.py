@@ -129,12 +129,8 @@ def gaps(size: int, live: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, in
     return out, at
 
 
-# One payload: whole, or as its parts (codec.Encoded.parts), written one after another.
-Payload = bytes | Sequence[bytes | memoryview]
-
-
-def _size(payload: Payload) -> int:
-    return len(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else sum(len(p) for p in payload)
+# One payload as its parts (codec.Encoded.parts), written one after another.
+Payload = Sequence[bytes | memoryview]
 
 
 def write_all(fd: int, parts: Sequence[bytes | memoryview], offset: int) -> None:
@@ -172,7 +168,7 @@ class PackWriter:
             return bool(self.usable)
 
     def append(self, payloads: Sequence[Payload]) -> list[tuple[str, int]] | None:
-        """Write ``payloads`` to this process's pack; their ``(pack, offset)``, or None when
+        """Write ``payloads`` (each as its parts) to this process's pack; their ``(pack, offset)``, or None when
         packs cannot be used here (the caller writes whole files).
 
         Each location is pending until :meth:`done` (published) or :meth:`give_back`.
@@ -182,7 +178,7 @@ class PackWriter:
         """
         for attempt in (1, 2):
             with self._lock:
-                sizes = [_size(p) for p in payloads]
+                sizes = [sum(len(part) for part in p) for p in payloads]
                 total = sum(aligned(n) for n in sizes)
                 # A new pack: the first, after one failed to start (ENOSPC), or at the rotation size.
                 if self.usable is None or self._rel is None or (self._tail and self._tail + total > self.rotate_bytes):
@@ -217,7 +213,7 @@ class PackWriter:
         fd = os.open(self.folder.parent / rel, os.O_WRONLY | os.O_CLOEXEC)
         try:
             for (_, offset), payload in zip(out, payloads):
-                write_all(fd, (payload,) if isinstance(payload, (bytes, bytearray, memoryview)) else payload, offset)
+                write_all(fd, payload, offset)
         finally:
             os.close(fd)
 

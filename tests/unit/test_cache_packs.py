@@ -141,7 +141,7 @@ def _child_appends_and_dies(settings: Settings, publish: bool) -> None:
     if publish:
         cache.put("kept", b"x" * SMALL, url="mem://kept")
     # Bytes appended but never published: what a SIGKILL between write and COMMIT leaves.
-    packs.writer(cache.data_dir / packs.FOLDER).append([os.urandom(SMALL), os.urandom(SMALL)])
+    packs.writer(cache.data_dir / packs.FOLDER).append([(os.urandom(SMALL),), (os.urandom(SMALL),)])
     os.kill(os.getpid(), signal.SIGKILL)
 
 
