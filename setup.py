@@ -1,22 +1,24 @@
 """Builds the optional C extensions ``fastload._native`` (native/_native.c) and
 ``fastload._curl`` (native/_curl.c).
 
-Everything else about the package lives in pyproject.toml. The extension is
-``optional``: when it cannot be compiled (no C compiler, no Python headers), the
-install still succeeds and fastload runs its pure-Python fallback
-(fastload/gather.py). It links nothing but libc and pthreads; LZ4 and xxh3 are
-resolved at run time from the installed ``lz4`` and ``xxhash`` packages (see
-native/README.md).
+Everything else about the package lives in pyproject.toml. Both extensions are
+``optional``: when they cannot be compiled (no C compiler, no Python headers), the
+install still succeeds and fastload runs its pure-Python fallbacks
+(fastload/gather.py; aiohttp for every HTTP request, fastload/curl.py).
+``_native`` links nothing but libc and pthreads; LZ4 and xxh3 are resolved at
+run time from the installed ``lz4`` and ``xxhash`` packages (see native/README.md).
 """
 
 from setuptools import Extension, setup
+
+CFLAGS = ["-O2", "-std=gnu11", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 
 setup(
     ext_modules=[
         Extension(
             "fastload._native",
             sources=["native/_native.c"],
-            extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_compile_args=CFLAGS,
             extra_link_args=["-pthread"],
             optional=True,
         ),
@@ -25,7 +27,7 @@ setup(
         Extension(
             "fastload._curl",
             sources=["native/_curl.c"],
-            extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_compile_args=CFLAGS,
             extra_link_args=["-pthread"],
             libraries=["dl"],
             optional=True,
