@@ -285,6 +285,8 @@ static size_t on_header(char *line, size_t size, size_t n, void *ud) {
         return len;
     }
     for (int i = 0; i < N_HEADERS; i++) {
+        if (i == H_TYPE && !r->page)
+            continue; /* only a listing page's type is read (page_wanted, fastload.curl._page_answer) */
         if (strlen(header_names[i]) == name_len && strncasecmp(line, header_names[i], name_len) == 0) {
             free(r->h[i]);
             r->h[i] = strndup(line + v, end - v);
@@ -566,9 +568,11 @@ static int reap(Engine *e) {
         lib.easy_getinfo(c, I_HTTP_VERSION, &version);
         lib.easy_getinfo(c, I_NUM_CONNECTS, &connects);
         lib.easy_getinfo(c, I_CONNECT_TIME_T, &connect_us);
-        char *eff = NULL;
-        lib.easy_getinfo(c, I_EFFECTIVE_URL, &eff);
-        char *final = eff ? strdup(eff) : NULL; /* owned by c, which is reset below */
+        char *eff = NULL, *final = NULL;
+        if (r && r->page) { /* a listing page's final URL (after redirects); set before submit returned */
+            lib.easy_getinfo(c, I_EFFECTIVE_URL, &eff);
+            final = eff ? strdup(eff) : NULL; /* owned by c, which is reset below */
+        }
         lib.multi_remove_handle(e->multi, c);
         pthread_mutex_lock(&e->mu);
         give_easy(e, c);
@@ -751,7 +755,8 @@ static void Transfer_dealloc(Transfer *self) {
 static PyMethodDef Transfer_methods[] = {
     {"result", (PyCFunction)Transfer_result, METH_NOARGS,
      "None while it runs; then (code, status, body, content_range, content_length, etag, last_modified, "
-     "content_md5, digest, closes, message, content_type, final_url). code: libcurl's (0 ok, -1 cancelled)."},
+     "content_md5, digest, closes, message, content_type, final_url); the last two for a page only, else None. "
+     "code: libcurl's (0 ok, -1 cancelled)."},
     {"done", (PyCFunction)Transfer_done, METH_NOARGS, "Whether it finished (or was cancelled)."},
     {"started", (PyCFunction)Transfer_started, METH_NOARGS, "Whether it left its host's queue (running or done)."},
     {"cancel", (PyCFunction)Transfer_cancel, METH_NOARGS, "End it; True if it had not finished."},
