@@ -72,9 +72,10 @@ _PLAIN_URL = re.compile(r"[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]*\Z")  # what lib
 class HttpStatusError(OSError):
     """An HTTP answer this path does not take (status >= 400 but 404, or a 1xx/3xx left over)."""
 
-    def __init__(self, status: int, url: str) -> None:
+    def __init__(self, status: int, url: str, body: bytes = b"") -> None:
         super().__init__(f"HTTP {status} for {url}")
-        self.status = status  # read by hostlimit.congestion: 429 and 503 cut the limit
+        self.status = status  # read by failures.congestion: 429 and 503 cut the limit
+        self.body = body[:4096]  # an object store's error document names its code (source.s3.refusal)
 
 
 class _Host:
@@ -241,7 +242,7 @@ def _congestion(code: int, status: int) -> str:
 class Pending:
     """One GET handed to the engine; finished like a future (``done``, ``cancel``, ``result``).
 
-    ``result()`` gives what :func:`fastload.source._http_get_first` gives: the
+    ``result()`` gives what :func:`fastload.source.aio.http_get_first` gives: the
     HEAD-like info and the first ``nbytes`` bytes, or raises the error it stands for.
     """
 
@@ -321,12 +322,12 @@ def _failed(code: int, status: int, message: str, url: str) -> None:
 
 def _answer(res: tuple[Any, ...], url: str, nbytes: int) -> tuple[dict[str, Any], bytes]:
     """An engine answer as _http_get_first's (info, body), or the error it stands for."""
-    from fastload.source import first_info
+    from fastload.answers import first_info
 
     code, status, body, content_range, content_length, etag, modified, md5, digest, _closes, message, _, _ = res
     _failed(code, status, message, url)
     if status not in (200, 206, 416):
-        raise HttpStatusError(status, url)
+        raise HttpStatusError(status, url, body)
     if status == 200 and content_length is None and len(body) >= nbytes:
         raise HttpStatusError(status, url)  # no length, and cut at nbytes: its size is unknown here
     headers = _Headers({"content-range": content_range, "content-length": content_length, "etag": etag,
@@ -335,7 +336,7 @@ def _answer(res: tuple[Any, ...], url: str, nbytes: int) -> tuple[dict[str, Any]
 
 
 def _page_answer(res: tuple[Any, ...], url: str) -> tuple[str, int | None, str | None]:
-    """A folder page's answer as ``(final_url, size, text)``, as ``source._http_page`` reads one on
+    """A folder page's answer as ``(final_url, size, text)``, as ``fastload.source.aio.http_page`` reads one on
     aiohttp: the text only for HTML (the engine kept no other body), or the error it stands for."""
     code, status, body, _, content_length, _, _, _, _, _, message, content_type, final = res
     _failed(code, status, message, url)
@@ -377,7 +378,8 @@ class _Headers(dict):  # type: ignore[type-arg]
 
 @dataclass(frozen=True)
 class CurlRoute:
-    """How a Source's first-block GETs go through curl: its session's headers and login."""
+    """How a Source's first-block GETs go through curl: its session's headers and login (an S3 source's
+    signed GETs: :class:`fastload.source.s3.S3Route`)."""
 
     headers: tuple[str, ...]  # "Name: value" lines
     userpwd: str | None
@@ -395,14 +397,24 @@ class CurlRoute:
         HTML); each Pending's result is ``(final_url, size, text or None)``."""
         return self._submit(urls, PAGE_MAX, [], timeout_s, limit, stop, True)
 
+    def wire(self, url: str) -> str:
+        """The URL libcurl requests for ``url``."""
+        return url if _PLAIN_URL.match(url) else str(self.encode(url))
+
+    def login(self) -> tuple[str | None, list[str], str | None]:
+        """The next batch's login: (``user:password`` or None, header lines, CURLOPT_AWS_SIGV4 or None)."""
+        return self.userpwd, [], None
+
     def _submit(self, urls: Sequence[str], max_bytes: int, extra: list[str], timeout_s: float, limit: HostLimit,
                 stop: threading.Event, page: bool) -> list[Pending]:
         eng = engine()
-        assert eng is not None  # route_for checked
+        if eng is None:
+            raise ConfigError(f"libcurl's engine is not running here: {unavailable()}")  # route_for checked
         host = _host(limit)
-        wire = [u if _PLAIN_URL.match(u) else str(self.encode(u)) for u in urls]
-        headers = [*self.headers, *extra, "Accept-Encoding: identity"]
-        transfers = eng.submit(host.id, wire, max_bytes, headers, timeout_s, self.userpwd, self.trust_env, page)
+        wire = [self.wire(u) for u in urls]
+        userpwd, signed, sigv4 = self.login()
+        headers = [*self.headers, *signed, *extra, "Accept-Encoding: identity"]
+        transfers = eng.submit(host.id, wire, max_bytes, headers, timeout_s, userpwd, self.trust_env, page, sigv4)
         pendings = [Pending(t, u, max_bytes, host, page) for t, u in zip(transfers, urls)]
         state = _STATE
         with state.lock:

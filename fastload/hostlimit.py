@@ -14,7 +14,7 @@ in fastload bounds requests, so this is the one home of that number.
   throughput stops rising; then by one per window while each step pays, taking
   back a step that made throughput fall, and trying one more now and then),
   and halves on a congestion
-  signal (:func:`congestion`): a connect timeout, a reset or refused connection,
+  signal (:func:`fastload.failures.congestion`): a connect timeout, a reset or refused connection,
   HTTP 429 or 503, S3 ``SlowDown``, a TCP connect slower than :data:`SLOW_CONNECT_S` (a server
   whose listen backlog overflows drops SYNs, which TCP retries only after a
   second). Throughput alone never cuts: on a shared machine it dips for reasons
@@ -34,7 +34,6 @@ import asyncio
 import collections
 import functools
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +42,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fastload.errors import SourceError, StoppedError
+from fastload.failures import congestion
 
 START = 4  # requests allowed at first: a small server is never met with a burst
 RISE = 1.05  # a step "pays" when throughput rises by at least this factor
@@ -418,79 +418,6 @@ def _async_waker(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], 
     return wake
 
 
-_CONGESTION_NAMES = {
-    "ClientConnectorError",  # refused / reset while connecting (aiohttp)
-    "ServerDisconnectedError",
-    "ClientOSError",
-    "ConnectTimeoutError",
-    "ServerTimeoutError",  # aiohttp's connect and socket-read timeouts
-    "ConnectionTimeoutError",
-    "SocketTimeoutError",
-    "EndpointConnectionError",
-    "ConnectionClosedError",
-}
-
-
-# Error codes of throttling answers (S3 and other AWS APIs, as botocore reports them).
-_THROTTLE_CODES = {
-    "SlowDown",
-    "ServiceUnavailable",
-    "Throttling",
-    "ThrottlingException",
-    "RequestThrottled",
-    "RequestThrottledException",
-    "TooManyRequestsException",
-    "RequestLimitExceeded",
-    "BandwidthLimitExceeded",
-}
-
-
-def _chain(err: BaseException) -> Iterator[BaseException]:
-    e: BaseException | None = err
-    for _ in range(6):
-        if e is None:
-            return
-        yield e
-        e = e.__cause__ or e.__context__
-
-
-def congestion(err: BaseException) -> str:
-    """What in ``err`` says the host is overloaded ("" if nothing): 429, 503, SlowDown, a connect timeout or reset.
-
-    The structure of the error and its causes decides first: botocore's
-    ``response["Error"]["Code"]`` (s3fs raises ``OSError(EBUSY)`` from it, whose text
-    says only "Please reduce your request rate."), an HTTP status, the exception's
-    class. Message text is the fallback for errors that carry no structure.
-
-    >>> congestion(TimeoutError()), congestion(ValueError("bad range"))
-    ('TimeoutError', '')
-    """
-    for e in _chain(err):
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):  # botocore's ClientError
-            code = (response.get("Error") or {}).get("Code")
-            if code in _THROTTLE_CODES:
-                return str(code)
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if status in (429, 503):
-                return f"HTTP {status}"
-        status = getattr(e, "status", None) or getattr(e, "code", None)
-        if status in (429, 503):
-            return f"HTTP {status}"
-        if isinstance(e, (ConnectionResetError, ConnectionRefusedError, ConnectionAbortedError, TimeoutError, asyncio.TimeoutError)):
-            return type(e).__name__
-        if type(e).__name__ in _CONGESTION_NAMES:
-            return type(e).__name__
-    for e in _chain(err):
-        # URLs out first: a port or a name holding "429" or "503" (127.0.0.1:42951) is not a status.
-        text = _URL.sub("", str(e))
-        if _THROTTLE_TEXT.search(text):
-            return type(e).__name__
-    return ""
-
-
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S*")
-_THROTTLE_TEXT = re.compile(r"SlowDown|Throttl|\b429\b|\b503\b|Too Many Requests|Service Unavailable")
 
 
 _LIMITS: dict[str, HostLimit] = {}

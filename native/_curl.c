@@ -63,6 +63,7 @@ typedef struct {
 #define O_URL (OPT_PTR + 2)
 #define O_PROXY (OPT_PTR + 4)
 #define O_USERPWD (OPT_PTR + 5)
+#define O_AWS_SIGV4 (OPT_PTR + 305) /* libcurl >= 7.75: "aws:amz:<region>:s3" signs the request (SigV4) */
 #define O_WRITEDATA (OPT_PTR + 1)
 #define O_WRITEFUNCTION (OPT_FUNC + 11)
 #define O_HTTPHEADER (OPT_PTR + 23)
@@ -183,6 +184,7 @@ typedef struct Req {
     int host, state, abandoned, cancel, closes, full;
     int page; /* a listing page: the body is kept only if the answer is HTML (page_wanted) */
     char *url, *userpwd, *final; /* final: the URL answered, after redirects */
+    char *sigv4; /* CURLOPT_AWS_SIGV4 (an S3 GET: userpwd holds key:secret), or NULL */
     int trust_env;
     struct curl_slist *headers;
     long timeout_ms;
@@ -247,6 +249,7 @@ static void req_free(Req *r) {
     free(r->url);
     free(r->final);
     free(r->userpwd);
+    free(r->sigv4);
     free(r->buf);
     for (int i = 0; i < N_HEADERS; i++)
         free(r->h[i]);
@@ -443,6 +446,8 @@ static void start(Engine *e, Req *r) {
         lib.easy_setopt(c, O_PROXY, ""); /* as aiohttp without trust_env: no http_proxy from the environment */
     if (r->userpwd)
         lib.easy_setopt(c, O_USERPWD, r->userpwd);
+    if (r->sigv4)
+        lib.easy_setopt(c, O_AWS_SIGV4, r->sigv4);
     if (e->cainfo)
         lib.easy_setopt(c, O_CAINFO, e->cainfo);
     if (e->capath)
@@ -863,14 +868,14 @@ static char *dup_utf8(PyObject *s) {
 }
 
 static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"host", "urls", "max_bytes", "headers", "timeout_s", "userpwd", "trust_env", "page", NULL};
+    static char *kwlist[] = {"host", "urls", "max_bytes", "headers", "timeout_s", "userpwd", "trust_env", "page", "sigv4", NULL};
     int host, trust_env = 0, page = 0;
     PyObject *urls, *headers;
     Py_ssize_t max_bytes;
     double timeout_s;
-    const char *userpwd = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!nO!d|zpp", kwlist, &host, &PyList_Type, &urls, &max_bytes,
-                                     &PyList_Type, &headers, &timeout_s, &userpwd, &trust_env, &page))
+    const char *userpwd = NULL, *sigv4 = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!nO!d|zppz", kwlist, &host, &PyList_Type, &urls, &max_bytes,
+                                     &PyList_Type, &headers, &timeout_s, &userpwd, &trust_env, &page, &sigv4))
         return NULL;
     if (stale(e))
         return NULL;
@@ -914,7 +919,8 @@ static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
         r->page = page;
         r->url = dup_utf8(PyList_GET_ITEM(urls, i));
         r->userpwd = userpwd ? strdup(userpwd) : NULL;
-        if (!r->url)
+        r->sigv4 = sigv4 ? strdup(sigv4) : NULL;
+        if (!r->url || (userpwd && !r->userpwd) || (sigv4 && !r->sigv4))
             goto fail;
         for (Py_ssize_t k = 0; k < nh; k++) {
             const char *line = PyUnicode_AsUTF8(PyList_GET_ITEM(headers, k));
@@ -1124,8 +1130,9 @@ static PyObject *Engine_set_permits(Engine *e, PyObject *args) {
 static PyMethodDef Engine_methods[] = {
     {"host", (PyCFunction)Engine_host, METH_NOARGS, "A new host: its id (no permits yet)."},
     {"submit", (PyCFunction)(void (*)(void))Engine_submit, METH_VARARGS | METH_KEYWORDS,
-     "submit(host, urls, max_bytes, headers, timeout_s, userpwd=None, trust_env=False, page=False) -> [Transfer]: "
-     "queue one GET per URL; each body is cut at max_bytes; with page, kept only if it is HTML (a folder page)."},
+     "submit(host, urls, max_bytes, headers, timeout_s, userpwd=None, trust_env=False, page=False, sigv4=None) -> "
+     "[Transfer]: queue one GET per URL; each body is cut at max_bytes; with page, kept only if it is HTML (a folder "
+     "page); with sigv4 (CURLOPT_AWS_SIGV4), signed with userpwd's key:secret."},
     {"wait", (PyCFunction)Engine_wait, METH_VARARGS,
      "wait(transfers, timeout_s, pump_s=-1) -> bool: until all are done (True) or timeout_s passed; with "
      "pump_s >= 0 also once outcomes have waited pump_s untaken (Engine.outcomes). Releases the GIL."},

@@ -19,7 +19,7 @@ process's rusage, the sampler included). ``--pythonpath A,B`` alternates checkou
 one link session, so before/after runs see the same link and load.
 
 The instruments wrap fastload internals by name (``Source._http_list``,
-``Source._pages``, ``source._http_get_first``, ``HostLimit._release`` and ``account``, ``Fetcher._store``); one
+``listing.pages``, ``aio.http_get_first``, ``HostLimit._release`` and ``account``, ``Fetcher._store``); one
 that no longer exists is reported as missing, not guessed. They cost the epoch
 a little CPU (the byte sampler runs every 5 ms), so compare runs of this tool
 with each other, not with bench.py's figures.
@@ -131,7 +131,8 @@ def _instrument(events: dict[str, float], requests: list[Any], limits: list[Any]
     import fastload.curl as curl
     import fastload.fetch as fetch
     import fastload.hostlimit as hostlimit
-    import fastload.source as source
+    import fastload.source.aio as aio
+    import fastload.source.listing as listing_mod
 
     missing = []
 
@@ -202,10 +203,10 @@ def _instrument(events: dict[str, float], requests: list[Any], limits: list[Any]
                 stores.append((t, clock(), len(fetched)))
         return run
 
-    wrap(source.Source, "_http_list", listing)
-    wrap(source.Source, "_pages", pages)
+    wrap(listing_mod, "http_find", listing)
+    wrap(listing_mod, "pages", pages)
     wrap(curl.CurlRoute, "start", handed)
-    wrap(source, "_http_get_first", timed)
+    wrap(aio, "http_get_first", timed)
     wrap(hostlimit.HostLimit, "_release", release)
     wrap(hostlimit.HostLimit, "account", accounted)
     wrap(fetch.Fetcher, "_store", store)

@@ -27,6 +27,7 @@ from fastload._servers.netns import ShapedLink, shaping_available, shaping_unava
 from fastload._servers.nginx import NginxServer, find_nginx, nginx_available
 from fastload._servers.s3 import (
     MotoServer,
+    SignedMotoServer,
     create_bucket,
     moto_available,
     s3_storage_options,
@@ -38,6 +39,7 @@ __all__ = [
     "NginxServer",
     "ServerError",
     "ShapedLink",
+    "SignedMotoServer",
     "create_bucket",
     "find_nginx",
     "moto_available",

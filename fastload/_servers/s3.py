@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from fastload._servers.errors import ServerError
 
-__all__ = ["MotoServer", "create_bucket", "moto_available", "s3_storage_options", "upload_tree"]
+__all__ = ["MotoServer", "SignedMotoServer", "create_bucket", "moto_available", "s3_storage_options", "upload_tree"]
 
 
 @functools.cache
@@ -135,3 +136,98 @@ def upload_tree(local_dir: Path, endpoint_url: str, bucket: str, prefix: str = "
         fs.put_file(str(path), key)
         urls.append(f"s3://{key}")
     return urls
+
+
+class SignedMotoServer:
+    """moto's S3, IAM and STS in a child process that checks every request's signature.
+
+    moto checks signatures and access keys once ``INITIAL_NO_AUTH_ACTION_COUNT``
+    requests have passed, a setting read when moto imports, so this server runs in
+    its own process. Its first requests make an IAM user with an allow-all policy,
+    its access key, and a role that user may assume (:meth:`start`); from then on
+    a wrong secret, an unknown key or a bad session token is refused as AWS would.
+    Each request is one line of :attr:`log` (werkzeug's access log: ``"GET /b/k HTTP/1.1" 206``).
+    """
+
+    _SETUP_ACTIONS = 6  # the requests start() makes before signatures are checked
+
+    def __init__(self, log: Path, host: str = "127.0.0.1") -> None:
+        self.host, self.log = host, log
+        self.port: int | None = None
+        self.key = self.secret = ""
+        self._proc: Any = None
+
+    @property
+    def endpoint_url(self) -> str:
+        if self.port is None:
+            raise ServerError("SignedMotoServer.endpoint_url is only known after start()")
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> SignedMotoServer:
+        import json
+        import os
+        import socket
+        import subprocess
+        import sys
+        import time
+
+        import boto3
+
+        with socket.socket() as s:
+            s.bind((self.host, 0))
+            self.port = s.getsockname()[1]
+        env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT=str(self._SETUP_ACTIONS))
+        with open(self.log, "wb") as out:
+            self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
+                                          env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection((self.host, self.port), timeout=1).close()
+                break
+            except OSError as err:
+                if time.monotonic() > deadline or self._proc.poll() is not None:
+                    self.stop()
+                    raise ServerError(f"moto's server did not start on port {self.port}") from err
+                time.sleep(0.1)
+        allow = json.dumps({"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]})
+        trust = json.dumps({"Version": "2012-10-17", "Statement": [
+            {"Effect": "Allow", "Principal": {"AWS": "*"}, "Action": "sts:AssumeRole"}]})
+        iam = boto3.client("iam", endpoint_url=self.endpoint_url, aws_access_key_id="setup",
+                           aws_secret_access_key="setup", region_name="us-east-1")
+        iam.create_user(UserName="fastload")
+        key = iam.create_access_key(UserName="fastload")["AccessKey"]
+        iam.put_user_policy(UserName="fastload", PolicyName="all", PolicyDocument=allow)
+        iam.create_role(RoleName="fastload", AssumeRolePolicyDocument=trust)
+        iam.put_role_policy(RoleName="fastload", PolicyName="all", PolicyDocument=allow)
+        self.key, self.secret = key["AccessKeyId"], key["SecretAccessKey"]
+        self.client("s3").create_bucket(Bucket="signed")  # the sixth request
+        return self
+
+    def client(self, service: str, key: str | None = None, secret: str | None = None, token: str | None = None) -> Any:
+        """A boto3 client of this server, signed with the user's key unless others are given."""
+        import boto3
+
+        return boto3.client(service, endpoint_url=self.endpoint_url, aws_access_key_id=key or self.key,
+                            aws_secret_access_key=secret or self.secret, aws_session_token=token,
+                            region_name="us-east-1")
+
+    def requests(self, method: str, path_prefix: str, status: int | None = None) -> int:
+        """How many ``method`` requests for paths under ``path_prefix`` (answered ``status``) the log holds."""
+        needle = f'"{method} {path_prefix}'
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", self.log.read_text(errors="replace"))  # werkzeug colours its lines
+        lines = [line for line in plain.splitlines() if needle in line]
+        if status is not None:
+            lines = [line for line in lines if f'" {status} ' in line]
+        return len(lines)
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except Exception:
+                proc.kill()
+                proc.wait()
+        self.port = None

@@ -26,7 +26,8 @@ from fastload import curl, hostlimit
 from fastload.config import Settings
 from fastload.dataset import FileDataset
 from fastload.errors import ConfigError, CredentialsError, RemoteNotFoundError, StoppedError
-from fastload.source import RemoteItem, Source, _http_get_first
+from fastload.source import RemoteItem, Source
+from fastload.source.aio import http_get_first as _http_get_first
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -329,7 +330,7 @@ def test_a_listing_over_libcurl_gives_what_aiohttp_gives(tmp_path: Path, nginx_s
         raise AssertionError("a listing page went to aiohttp")
 
     monkeypatch.setattr(curl.CurlRoute, "start_pages", counted)
-    monkeypatch.setattr("fastload.source._http_page", no_aiohttp)
+    monkeypatch.setattr("fastload.source.aio.http_page", no_aiohttp)
     for url, listed in want.items():  # "/train" is redirected to "/train/" (followed, its final URL kept)
         assert _listed(url, "auto", tmp_path) == listed
     assert sorted(set(pages)) == sorted({server.url + "/train", *(f"{server.url}/train/{d}/" for d in ("a", "b", "b/c", "empty")),
@@ -491,10 +492,11 @@ def test_a_failed_import_on_the_import_thread_reaches_the_source_that_needs_it(t
                 raise ImportError("aiohttp is broken here (test)")
             return None
     sys.meta_path.insert(0, Broken())
-    from fastload import source
     from fastload.errors import ConfigError
-    src = source.Source("http://127.0.0.1:9/data/")
-    source._importing.join(30)
+    from fastload.source import Source, aio
+    src = Source("http://127.0.0.1:9/data/")
+    assert aio._importing is not None
+    aio._importing.join(30)
     try:
         src.fs
     except ConfigError as err:

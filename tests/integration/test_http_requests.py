@@ -130,13 +130,13 @@ def test_http_misses_of_one_batch_go_out_together_on_the_event_loop(
     items = [reader.stat(f"{server.url}/{rel}") for rel in sorted(files) if not rel.endswith("f00.bin")]
     heads = _requests(server, "HEAD")
     calls: list[int] = []
-    gather = fastload.source._gather_ranges
+    gather = fastload.source.aio.gather_ranges
 
     async def counting(fs: object, ranges: list, *args: object) -> list:
         calls.append(len(ranges))
         return await gather(fs, ranges, *args)
 
-    monkeypatch.setattr(fastload.source, "_gather_ranges", counting)
+    monkeypatch.setattr(fastload.source.aio, "gather_ranges", counting)
     sizes = [i.size for i in items]
     out = bytearray(sum(sizes))
     offsets = [sum(sizes[:k]) for k in range(len(items))]

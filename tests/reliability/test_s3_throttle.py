@@ -72,4 +72,5 @@ def test_an_epoch_over_a_throttling_s3_cuts_the_limit_and_is_bit_exact(
     assert seen == files
     assert proxy.counts()["503"] > 0
     state = loader.stats().concurrency[proxy.url]
-    assert state["cuts"] >= 1 and state["last_cut"] == "SlowDown", state
+    # S3 first blocks signed on libcurl report the status (the engine keeps no error body): "HTTP 503".
+    assert state["cuts"] >= 1 and state["last_cut"] in ("SlowDown", "HTTP 503"), state

@@ -11,7 +11,8 @@ import pytest
 
 import fastload.errors
 from fastload import hostlimit
-from fastload.hostlimit import HostLimit, congestion
+from fastload.failures import congestion
+from fastload.hostlimit import HostLimit
 
 
 def test_threads_and_coroutines_share_one_cap() -> None:

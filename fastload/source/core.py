@@ -1,13 +1,19 @@
-"""Remote storage through fsspec: listing, fingerprints, ranged reads, retries.
+"""The Source core: one fsspec location's identity, fingerprints, and the dispatch of its requests.
 
 A :class:`Source` is built from an fsspec URL plus ``storage_options``; it never
 invents its own storage layer. It pickles its settings, not its filesystem, so a
 worker process reopens the connection in the child (fsspec resets its event loop
 after fork).
 
+Each request goes one of three ways, chosen per source: libcurl's engine
+(:mod:`fastload.curl`; HTTP first blocks and listing pages, and S3 first blocks
+signed there, :mod:`fastload.source.s3`), coroutines on fsspec's aiohttp session
+(:mod:`fastload.source.aio`), or fsspec's filesystem (s3fs, gcsfs, local files: the
+fallback for the rest). Listing is :mod:`fastload.source.listing`.
+
 Errors are translated into :mod:`fastload.errors` classes that name the URL, the
 cause and the fix. ``storage_options`` values are scrubbed from every message, so
-a secret key never reaches a log (tests/integration/test_source_s3.py greps for it).
+a secret key never reaches a log (tests/reliability/test_secrets.py greps for it).
 """
 
 from __future__ import annotations
@@ -16,19 +22,16 @@ import asyncio
 import builtins
 import concurrent.futures
 import functools
-import importlib
 import importlib.util
 import os
 import random
 import re
-import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urlsplit
 
 import fsspec
 import fsspec.asyn
@@ -42,22 +45,23 @@ from fastload.curl import CurlRoute, route_for
 from fastload.errors import (
     ConfigError,
     CredentialsError,
-    EmptyDatasetError,
     FastloadError,
     RemoteChangedError,
     RemoteNotFoundError,
     SourceError,
     StoppedError,
 )
+from fastload.failures import CREDENTIAL_ERRORS, TruncatedBodyError, describe, secrets, transient
 from fastload.hostlimit import (
     SLOT_WAIT_S,
     STOP_POLL_S,
     HostLimit,
     aiohttp_client,
-    congestion,
     host_of,
     limit_for,
 )
+from fastload.source import aio, listing, s3
+from fastload.source.items import RemoteItem, matching, version_of
 
 T = TypeVar("T")
 
@@ -69,94 +73,9 @@ _INSTALL_HINTS = {
     "http": "pip install aiohttp",
     "https": "pip install aiohttp",
 }
-# Exceptions whose class name marks missing or rejected credentials (botocore,
-# google-auth); matched by name so that neither package is a hard dependency.
-_CREDENTIAL_ERRORS = {
-    "NoCredentialsError",
-    "PartialCredentialsError",
-    "CredentialRetrievalError",
-    "DefaultCredentialsError",
-    "RefreshError",
-}
-# Exceptions worth retrying: network failures, timeouts, throttling and 5xx.
-_TRANSIENT_NAMES = {
-    "ClientPayloadError",
-    "ServerDisconnectedError",
-    "ClientConnectorError",
-    "ClientOSError",
-    "ServerTimeoutError",
-    "FSTimeoutError",
-    "ReadTimeoutError",
-    "ConnectTimeoutError",
-    "EndpointConnectionError",
-    "ConnectionClosedError",
-    "IncompleteReadError",
-    "ResponseStreamingError",
-    "TruncatedBodyError",
-}
 
 
 HEAD_CONCURRENCY = 64  # HEADs in flight while completing a sizeless listing (Source.complete_all)
-
-
-class TruncatedBodyError(OSError):
-    """A read returned fewer bytes than asked for (a cut connection); retried."""
-
-
-@dataclass(frozen=True)
-class RemoteItem:
-    """One remote object as listed.
-
-    Attributes:
-        url: Canonical URL with its protocol (``s3://b/k``, ``file:///p``, ``http://h/p``).
-        size: Size in bytes.
-        version: ETag, generation or mtime as a string; "" when the store has none.
-    """
-
-    url: str
-    size: int
-    version: str
-
-    def to_json(self) -> list[Any]:
-        return [self.url, self.size, self.version]
-
-    @classmethod
-    def from_json(cls, row: list[Any]) -> RemoteItem:
-        return cls(str(row[0]), int(row[1]), str(row[2]))
-
-
-def glob_to_regex(pattern: str) -> re.Pattern[str]:
-    """Compile a glob where ``**`` spans folders and ``*`` stays within one.
-
-    >>> bool(glob_to_regex("**/*.jpg").match("a/b/c.jpg")), bool(glob_to_regex("*.jpg").match("a/c.jpg"))
-    (True, False)
-    """
-    out, i = [], 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^/]")
-            i += 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out) + r"\Z")
-
-
-def _version_of(info: dict[str, Any]) -> str:
-    for key in ("ETag", "etag", "generation", "md5Hash", "LastModified", "Last-Modified", "last_modified", "updated", "mtime", "created"):
-        value = info.get(key)
-        if value not in (None, ""):
-            return str(value).strip('"')
-    return ""
 
 
 def _forget_parent_loop(fs: Any) -> None:
@@ -208,10 +127,11 @@ class Source:
         # a thread (import_http_ahead) while the listing and first blocks go through libcurl, and
         # the filesystem opens on first use (fs).
         self._http = url.split("://", 1)[0] in ("http", "https")
+        self._s3 = url.split("://", 1)[0].lower() in ("s3", "s3a")
         if self._http:
             if importlib.util.find_spec("aiohttp") is None:
                 raise ConfigError(f"URL {url!r} needs a package that is missing (aiohttp); fix: {_INSTALL_HINTS['http']}")
-            import_http_ahead()
+            aio.import_http_ahead()
             self._root_path = url
             self.url = url.rstrip("/")
             self._local = False
@@ -226,15 +146,22 @@ class Source:
 
     @functools.cached_property
     def route(self) -> CurlRoute | None:
-        """libcurl's route for this HTTP source's listing pages and first-block GETs, or None:
-        aiohttp (fastload.curl)."""
-        return route_for(self.storage_options, self.settings.http_client, self._encode) if self._http else None
+        """libcurl's route for this source's first-block GETs (and an HTTP source's listing pages), or
+        None: aiohttp for HTTP (fastload.curl), s3fs for S3 (fastload.source.s3), fsspec for the rest."""
+        if self._http:
+            return route_for(self.storage_options, self.settings.http_client, self._encode)
+        if self._s3:
+            route, why = s3.route_for(self.url, self.storage_options, self.settings.http_client)
+            if route is None:
+                s3.note_fallback(self.url, why)
+            return route
+        return None
 
-    @staticmethod
-    def _curl_takes(limit: HostLimit) -> bool:
+    def _curl_takes(self, limit: HostLimit) -> bool:
         """Whether libcurl carries GETs to ``limit``'s host (where a Source has a route): not to one
-        that closes its connections, nor to one libcurl cannot speak to (fastload.curl)."""
-        return not limit.closing and not curl.broken(limit)
+        libcurl cannot speak to (fastload.curl), nor to an HTTP host that closes its connections
+        (aiohttp staged faster there). S3 stays: its other road, s3fs, costs two requests an object."""
+        return (self._s3 or not limit.closing) and not curl.broken(limit)
 
     def _settle(self, pending: Sequence[Any], timeout_s: float) -> None:
         """Wait for ``pending`` together (curl.settle); on a stop, cancel them and raise StoppedError."""
@@ -275,8 +202,8 @@ class Source:
     def _open_fs(self) -> tuple[fsspec.AbstractFileSystem, str]:
         protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
         try:
-            if self._http and _import_failure is not None:
-                raise _import_failure  # the import thread's (import_http_ahead), with its traceback
+            if self._http and aio.import_failure is not None:
+                raise aio.import_failure  # the import thread's (import_http_ahead), with its traceback
             fs, path = url_to_fs(self.url, **_with_timeouts(protocol, self.storage_options, self.settings.request_timeout_s))
         except ImportError as err:
             hint = _INSTALL_HINTS.get(protocol, f"install the fsspec backend for {protocol!r}")
@@ -353,7 +280,7 @@ class Source:
 
     def scrub(self, text: str) -> str:
         """Replace every secret from ``storage_options`` in ``text`` with ``***``."""
-        for value in _secrets(self.storage_options):
+        for value in secrets(self.storage_options):
             text = text.replace(value, "***")
         return text
 
@@ -361,7 +288,7 @@ class Source:
         """Map a backend exception to a FastloadError naming ``url``, the cause and the fix."""
         cause = self.scrub(f"{type(err).__name__}: {err}")
         name = type(err).__name__
-        if name in _CREDENTIAL_ERRORS or isinstance(err, PermissionError):
+        if name in CREDENTIAL_ERRORS or isinstance(err, PermissionError):
             return CredentialsError(
                 f"{url}: access denied or no credentials ({cause}); fix: pass credentials in "
                 "storage_options (e.g. --storage-options '{\"key\": ..., \"secret\": ...}') or the "
@@ -412,7 +339,7 @@ class Source:
         ``pattern`` filters nothing here; it only says the root is meant as a folder.
         """
         if self._http:
-            return self._http_list(pattern)
+            return listing.http_find(self, pattern)
         return self._find(pattern)
 
     def _find(self, pattern: str | None) -> tuple[RemoteItem | dict[str, RemoteItem], int]:
@@ -432,77 +359,8 @@ class Source:
                 continue
             size = detail.get("size")
             rel = path[len(prefix) :] if path.startswith(prefix) else path
-            files[rel] = RemoteItem(fs.unstrip_protocol(path), -1 if size is None else int(size), _version_of(detail))
+            files[rel] = RemoteItem(fs.unstrip_protocol(path), -1 if size is None else int(size), version_of(detail))
         return files, folders
-
-    def _http_list(self, pattern: str | None) -> tuple[RemoteItem | dict[str, RemoteItem], int]:
-        """:meth:`_find` over HTTP: each level of folders fetched together, one page each.
-
-        fsspec walks an HTTP tree one folder page at a time, and asks for the root
-        three times (HEAD, isdir, find), a URL without its trailing slash costing a
-        redirect each time: 50 subfolders took 2.5 s with 20 ms to first byte, 0.24 s
-        this way (both in one run, ThreadingHTTPServer). Here the root is
-        one GET (its redirect, if any, is followed once and its final URL kept), and
-        every folder of the next level goes out at once, as many at a time as the
-        host's limit allows (fastload.hostlimit; tests/integration/test_http_listing.py
-        counts them at the server).
-
-        A folder's index page (Python's "Directory listing for", nginx's "Index of")
-        is never an item: an empty folder lists as empty, not as one HTML file.
-        """
-        timeout_s, limit = self.settings.request_timeout_s, self.host_limit
-
-        def get_page(url: str) -> _Page:
-            # _call holds the request's slot: a second one taken inside it (_held) waited
-            # for itself once the limit was cut to 1 (tests/reliability/test_flaky_remote.py hung).
-            return self._call(lambda: self._sync(_http_page, self.fs, url, timeout_s), url)
-
-        root_url = self.url + "/" if self._folder_hint else self.url
-        got = self._pages([root_url], limit)[0]
-        # A failed page is retried alone on aiohttp: backoff, then a named error.
-        root = get_page(root_url) if isinstance(got, BaseException) else got
-        # A folder: its URL ends in "/" (as asked, or after a redirect), or it is an index
-        # page, or an HTML page with links below it where a folder was likely meant.
-        folder = root.final.endswith("/")
-        if not folder and root.text is not None:
-            links = _page_links(root.final, root.text)
-            likely = self._folder_hint or pattern is not None or root.size is None
-            folder = bool(_INDEX_TITLE.search(root.text)) or (likely and bool(links[0] or links[1]))
-        if not folder:
-            return self.info(self.url), 0
-        base = root.final if root.final.endswith("/") else root.final + "/"
-        files: set[str] = set()
-        seen = {base}
-        level = [root]
-        while level:
-            subfolders: set[str] = set()
-            for page in level:
-                got_files, got_dirs = _page_links(page.final, page.text or "")
-                files |= got_files
-                subfolders |= got_dirs - seen
-            seen |= subfolders
-            todo = sorted(subfolders)
-            pages = self._pages(todo, limit) if todo else []
-            level = [get_page(url) if isinstance(got, BaseException) else got for url, got in zip(todo, pages)]
-        return {u[len(base) :] if u.startswith(base) else u: RemoteItem(u, -1, "") for u in files}, len(seen) - 1
-
-    def _pages(self, urls: builtins.list[str], limit: HostLimit | None) -> builtins.list[Any]:
-        """One GET of each folder page, together, a failure in its place: on libcurl where this
-        source routes there (fastload.curl; no wait for aiohttp's import), else on fsspec's session."""
-        timeout_s, route = self.settings.request_timeout_s, self.route
-        if route is None or limit is None or not self._curl_takes(limit):
-            return self._sync(_http_pages, self.fs, urls, timeout_s, limit)
-        self._stopped(urls[0])
-        pending = route.start_pages(urls, timeout_s, limit, self.stop)
-        self._settle(pending, 2 * timeout_s + SLOT_WAIT_S)  # a GET's timeout starts once it runs
-        out: builtins.list[Any] = []
-        for p in pending:
-            try:
-                out.append(_Page(*p.result(0)))
-            except Exception as err:  # redone on aiohttp by the caller
-                p.cancel()
-                out.append(err)
-        return out
 
     def complete(self, item: RemoteItem) -> RemoteItem:
         """``item`` with its size and version filled in (one HEAD if the listing lacked them)."""
@@ -536,15 +394,24 @@ class Source:
         benchmarks/peers). Over HTTP this is one GET with ``Range: bytes=0-(nbytes-1)``:
         the size comes from its Content-Range (or Content-Length) and the version from
         the same ETag / Last-Modified headers a HEAD reports, so the cache identity is
-        the one :meth:`complete` would give. Other stores complete first, then read.
+        the one :meth:`complete` would give. S3 does the same on libcurl, signed there
+        (fastload.source.s3), for sized items too. Other stores complete first, then read.
         """
+        started = self._curl_first([item], nbytes) if self._s3 else None
+        if started is not None:
+            self._settle(started, 2 * self.settings.request_timeout_s)  # as finish_first
+            return self.finish_first(item, nbytes, started[0])
+        return self._read_first(item, nbytes)
+
+    def _read_first(self, item: RemoteItem, nbytes: int) -> tuple[RemoteItem, bytes]:
+        """:meth:`read_first` through fsspec's session or filesystem: retried, errors translated."""
         if item.size >= 0 or not self._http:
             done = self.complete(item)
             return done, self.read(done.url, 0, min(nbytes, done.size), expect=min(nbytes, done.size))
         timeout_s = self.settings.request_timeout_s
 
         def once() -> tuple[dict[str, Any], bytes]:
-            return self._sync(_http_get_first, self.fs, item.url, nbytes, timeout_s)
+            return self._sync(aio.http_get_first, self.fs, item.url, nbytes, timeout_s)
 
         info, data = self._call(once, item.url)  # _call holds the slot
         return self._item(info), data
@@ -557,14 +424,14 @@ class Source:
         GIL and the cache index. Here one thread keeps a whole batch in flight. An item
         whose GET fails is retried alone through :meth:`read_first` (backoff, translation).
         """
-        if len(items) < 2 or not self._http or any(i.size >= 0 for i in items):
-            return [self.read_first(i, nbytes) for i in items]
-        started = self._curl_first(items, nbytes)
+        started = self._curl_first(items, nbytes) if len(items) >= 2 or self._s3 else None
         if started is not None:
             self._settle(started, 2 * self.settings.request_timeout_s)  # as finish_first
             return [self.finish_first(item, nbytes, p) for item, p in zip(items, started)]
+        if len(items) < 2 or not self._http or any(i.size >= 0 for i in items):
+            return [self.read_first(i, nbytes) for i in items]
         urls = [i.url for i in items]
-        results = self._sync(_gather_first, self.fs, urls, nbytes, self.settings.request_timeout_s, self.limit_of)
+        results = self._sync(aio.gather_first, self.fs, urls, nbytes, self.settings.request_timeout_s, self.limit_of)
         return [self.read_first(item, nbytes) if isinstance(res, BaseException) else (self._item(res[0]), res[1])
                 for item, res in zip(items, results)]
 
@@ -577,11 +444,11 @@ class Source:
         with :meth:`finish_first`; each request holds its host's slot while it runs.
         """
         self._stopped(items[0].url if items else self.url)
-        if not items or (not self._http and any(i.size < 0 for i in items)):
-            return None
-        started = self._curl_first(items, nbytes) if self._http else None
+        started = self._curl_first(items, nbytes) if items and (self._http or self._s3) else None
         if started is not None:
             return started
+        if not items or (not self._http and any(i.size < 0 for i in items)):
+            return None
         fs: Any = self.fs
         if not getattr(fs, "async_impl", False) or getattr(fs, "loop", None) is None:
             return None
@@ -591,19 +458,19 @@ class Source:
             if item.size < 0:
                 def request() -> Awaitable[tuple[dict[str, Any], bytes]]:
                     self._stopped(item.url)  # a stop while it waited for its slot: no request
-                    return _http_get_first(fs, item.url, nbytes, timeout_s)
+                    return aio.http_get_first(fs, item.url, nbytes, timeout_s)
 
-                return lambda: _held(self.limit_of(item.url), request)
+                return lambda: aio.held(self.limit_of(item.url), request)
             ranges: builtins.list[tuple[str, int, int | None]] = [(fs._strip_protocol(item.url), 0, min(nbytes, item.size))]
-            return lambda: _gather_ranges(fs, ranges, timeout_s, self.limit_of, self.stop)
+            return lambda: aio.gather_ranges(fs, ranges, timeout_s, self.limit_of, self.stop)
 
         return submit_all(fs.loop, [maker(item) for item in items])
 
     def _curl_first(self, items: Sequence[RemoteItem], nbytes: int) -> builtins.list[Any] | None:
-        """The first-block GETs of sizeless ``items`` handed to libcurl (fastload.curl), or None
-        where this source's GETs stay on aiohttp (sized items, no route, no host limit)."""
+        """The first-block GETs of ``items`` handed to libcurl (fastload.curl), or None where this
+        source's GETs stay on aiohttp or s3fs (no route, no host limit; sized HTTP items)."""
         route = self.route
-        if route is None or any(i.size >= 0 for i in items):
+        if route is None or (not self._s3 and any(i.size >= 0 for i in items)):
             return None
         by_host: dict[int, tuple[HostLimit, builtins.list[int]]] = {}
         for k, item in enumerate(items):
@@ -623,20 +490,31 @@ class Source:
         is done again by :meth:`read_first` (retries, backoff, error translation)."""
         try:
             res = self._wait(future, self.settings.request_timeout_s * 2, item.url)
-            if item.size < 0:
+            if item.size < 0 or isinstance(future, curl.Pending):  # (info, body): sized by the answer
                 info, data = res
                 done = self._item(info)
+                if item.size >= 0:
+                    done = _unchanged(item, done)
             else:
                 done, data = item, res[0]
                 if isinstance(data, BaseException):
                     raise data
             if len(data) == min(nbytes, done.size):
                 return done, bytes(data)
-        except StoppedError:
+        except (StoppedError, RemoteChangedError):
             raise
+        except curl.HttpStatusError as err:
+            code = s3.refusal(err) if self._s3 else ""
+            if code:  # s3fs would see no code in a HEAD's answer (it has no body), only "400 Bad Request"
+                raise CredentialsError(
+                    f"{item.url}: S3 refused the credentials ({code}, HTTP {err.status}); fix: pass valid ones in "
+                    "storage_options (key, secret, and token for temporary ones), or set AWS_ACCESS_KEY_ID / "
+                    "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or AWS_PROFILE; temporary credentials expire: renew them"
+                ) from None
+            future.cancel()
         except Exception:  # noqa: S110 - redone below, where errors are retried and translated
             future.cancel()
-        return self.read_first(item, nbytes)
+        return self._read_first(item, nbytes)
 
     def _wait(self, future: concurrent.futures.Future[T], timeout_s: float, url: str) -> T:
         """``future.result(timeout_s)``, but a stop cancels it and raises StoppedError (as :meth:`_sync`).
@@ -673,7 +551,7 @@ class Source:
                 "caches sized objects; fix: if it is a folder, end the URL with '/' or pass a pattern; if it is a "
                 "file, serve it with a Content-Length (a static file server such as nginx does)"
             )
-        return RemoteItem(self._unstrip(info["name"]), int(size), _version_of(info))
+        return RemoteItem(self._unstrip(info["name"]), int(size), version_of(info))
 
     # -- reading --------------------------------------------------------------
 
@@ -721,7 +599,7 @@ class Source:
         results: builtins.list[Any] = [None] * len(ranges)
         if len(ranges) > 1 and getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
             paths = [(fs._strip_protocol(url), start, end) for url, start, end in ranges]
-            results = self._sync(_gather_ranges, fs, paths, self.settings.request_timeout_s, self.limit_of, self.stop)
+            results = self._sync(aio.gather_ranges, fs, paths, self.settings.request_timeout_s, self.limit_of, self.stop)
 
         def again(i: int) -> bytes | Exception:
             url, start, end = ranges[i]
@@ -767,7 +645,7 @@ class Source:
                             raise TruncatedBodyError(f"got {len(data)} B of {n} B")
                         sink(block, data)
                 return
-            stream = self._sync(_HttpStream.open, fs, item.url, timeout_s, timeout_s=timeout_s)
+            stream = self._sync(aio.HttpStream.open, fs, item.url, timeout_s, timeout_s=timeout_s)
             try:
                 if stream.length is not None and stream.length != item.size:
                     raise RemoteChangedError(
@@ -796,7 +674,7 @@ class Source:
                     outcome.nbytes = len(result) if isinstance(result, bytes) else 0
                 return result
             except Exception as err:
-                if not _is_transient(err):
+                if not transient(err):
                     raise self.translate(err, url) from err
                 last = err
             attempt += 1
@@ -807,7 +685,7 @@ class Source:
             self.stop.wait(random.uniform(0, delay))  # a stop ends the backoff; the next turn raises
         raise SourceError(
             f"{url}: failed after {settings.retries} attempts; last cause: "
-            f"{self.scrub(_describe(last, settings.request_timeout_s))}; fix: check the server, or raise "
+            f"{self.scrub(describe(last, settings.request_timeout_s))}; fix: check the server, or raise "
             "FASTLOAD_RETRIES / FASTLOAD_TIMEOUT_S"
         ) from last
 
@@ -877,320 +755,15 @@ def _with_timeouts(protocol: str, options: dict[str, Any], timeout_s: float) -> 
     return opts
 
 
-def _describe(err: BaseException, timeout_s: float) -> str:
-    """``Type: message`` of the error worth naming, with the backend error beneath it.
-
-    fsspec's HTTP info() reports a 503 or a reset as ``FileNotFoundError(url)``, and
-    s3fs turns S3's ``SlowDown`` into ``OSError(EBUSY)``: the user needs the error
-    underneath (tests/reliability/test_flaky_remote.py checks the messages).
-    """
-    cause = err.__cause__ or err.__context__
-    while isinstance(err, FileNotFoundError) and cause is not None and _is_transient(cause):
-        err, cause = cause, cause.__cause__ or cause.__context__
-    # Timeouts often carry no message; say what expired instead of printing "".
-    text = str(err) or (
-        f"no answer within request_timeout_s={timeout_s:g} s"
-        if isinstance(err, (TimeoutError, asyncio.TimeoutError)) or "Timeout" in type(err).__name__
-        else "no message"
-    )
-    if err.__cause__ is not None and str(err.__cause__) and str(err.__cause__) not in text:
-        text += f" (from {type(err.__cause__).__name__}: {err.__cause__})"
-    return f"{type(err).__name__}: {text}"
-
-
-def matching(url: str, files: dict[str, RemoteItem], folders: int, pattern: str | None) -> list[RemoteItem]:
-    """The items of ``url``'s listing (by relative path) that ``pattern`` matches, in path order.
+def _unchanged(listed: RemoteItem, now: RemoteItem) -> RemoteItem:
+    """``listed``, if the object still has its size and version (as ``now`` reports them).
 
     Raises:
-        EmptyDatasetError: None does (:func:`nothing_matched`).
+        RemoteChangedError: It has another size or version.
     """
-    regex = glob_to_regex(pattern) if pattern else None
-    items = [item for rel, item in sorted(files.items()) if regex is None or regex.match(rel)]
-    if not items:
-        raise nothing_matched(url, pattern, folders, list(files))
-    return items
-
-
-def nothing_matched(url: str, pattern: str | None, folders: int, files: Sequence[str]) -> EmptyDatasetError:
-    """The error for a listing that yields no item: what was found, and the likely fix."""
-    found = f"{folders} folder{'s' * (folders != 1)} and {len(files)} file{'s' * (len(files) != 1)}"
-    if not files:
-        return EmptyDatasetError(
-            f"{url}: no data items: the listing found {found}"
-            + (f" (pattern {pattern!r})" if pattern else "")
-            + "; fix: check the URL (an empty folder lists as nothing), or put the data there"
+    if now.size != listed.size or (listed.version and now.version and now.version != listed.version):
+        raise RemoteChangedError(
+            f"{listed.url}: remote now has {now.size} B (version {now.version!r}), {listed.size} B "
+            f"(version {listed.version!r}) when listed; the object changed; fix: `fastload cache --refresh` or refresh=True"
         )
-    deep = "**/" + pattern.lstrip("/") if pattern and not pattern.startswith("**") else None
-    if deep and any(glob_to_regex(deep).match(f) for f in files):
-        fix = f"pass --pattern {deep!r} (pattern={deep!r}): '*' stays within one folder, '**/' spans nested folders"
-    else:
-        examples = ", ".join(repr(f) for f in sorted(files)[:3])
-        fix = f"check the pattern against the files' relative paths (e.g. {examples})"
-    return EmptyDatasetError(f"{url}: pattern {pattern!r} matches nothing: the listing found {found}, 0 matching; fix: {fix}")
-
-
-# Titles of a folder's index page: Python's http.server, and nginx / Apache autoindex.
-_INDEX_TITLE = re.compile(r"<title>\s*(?:Directory listing for|Index of)\b", re.IGNORECASE)
-# A link that urljoin would append to the page's URL unchanged: no scheme, no leading
-# "/", no "." or ".." segment (test_page_links.py checks it against urljoin).
-_PLAIN_LINK = re.compile(r"(?![./])(?!.*/\.)[^:]*\Z", re.DOTALL)
-_HREF = re.compile(r"""<a\s[^>]*?href\s*=\s*["']([^"'#]+)["']""", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class _Page:
-    """One HTTP answer while listing: where it ended (after redirects), its size, and its text if HTML."""
-
-    final: str
-    size: int | None
-    text: str | None
-
-
-async def _http_page(fs: Any, url: str, timeout_s: float) -> _Page:
-    """GET ``url`` on fsspec's session; the body is read only when it is HTML (a folder page)."""
-    import aiohttp
-
-    session = await fs.set_session()
-    async with session.get(fs.encode_url(url), timeout=aiohttp.ClientTimeout(total=timeout_s), **fs.kwargs) as r:
-        fs._raise_not_found_for_status(r, url)
-        final = str(r.url)
-        size = int(r.headers["Content-Length"]) if r.headers.get("Content-Length", "").isdigit() else None
-        mimetype = r.headers.get("Content-Type", "").partition(";")[0].strip().lower()
-        if mimetype == "text/html" or (not mimetype and final.endswith("/")):
-            return _Page(final, size, await r.text(errors="ignore"))
-        r.close()  # a data file: its body is not the listing's business
-        return _Page(final, size, None)
-
-
-async def _http_pages(fs: Any, urls: list[str], timeout_s: float, limit: HostLimit | None) -> list[Any]:
-    """:func:`_http_page` of each, as many at once as the host's limit allows; a failure in its place."""
-    def request(url: str) -> Callable[[], Awaitable[_Page]]:
-        return lambda: _http_page(fs, url, timeout_s)
-
-    return await asyncio.gather(*(_held(limit, request(u)) for u in urls), return_exceptions=True)
-
-
-def _page_links(page_url: str, text: str) -> tuple[set[str], set[str]]:
-    """The files and folders (ending in "/") that a folder page links to below itself."""
-    base = page_url if page_url.endswith("/") else page_url + "/"
-    files: set[str] = set()
-    folders: set[str] = set()
-    for link in _HREF.findall(text):
-        if "?" in link:  # sort-order links of autoindex pages
-            continue
-        # A plain relative name ("00017.jpg", "cls/") joins by concatenation: urljoin cost
-        # ~25 us a link, 7 ms per page of 300 files, in a listing made before the first byte.
-        url = base + link if _PLAIN_LINK.match(link) else urljoin(base, link)
-        if url.startswith(base) and url != base:
-            (folders if url.endswith("/") else files).add(url)
-    return files, folders
-
-
-_IMPORT_LOCK = threading.Lock()
-IMPORT_JOIN_S = 60.0  # a fork waits this long at most for the import (it takes ~0.1 s; a hung one must not hang forks)
-_importing: threading.Thread | None = None
-_import_failure: BaseException | None = None  # what the thread's import raised; Source._open_fs re-raises it
-
-
-def import_http_ahead() -> None:
-    """Import fsspec's HTTP filesystem (and aiohttp) on a thread, once per process, ahead of its use.
-
-    Whoever needs it meanwhile (Source.fs) waits for that import to finish, as
-    Python's import lock does; listing pages and first blocks on libcurl do not
-    need it. A fork waits for it first: a child must not inherit a module lock
-    held by a thread that is not there.
-    """
-    global _importing
-    if _importing is not None or "fsspec.implementations.http" in sys.modules:
-        return
-    with _IMPORT_LOCK:
-        if _importing is None:
-            _importing = threading.Thread(target=_import_http, name="fastload-import-http", daemon=True)
-            _importing.start()
-
-
-def _import_http() -> None:
-    global _import_failure
-    try:
-        importlib.import_module("fsspec.implementations.http")
-    except Exception as err:  # kept for the Source that opens the filesystem (_open_fs)
-        _import_failure = err
-
-
-def _join_import() -> None:
-    if _importing is not None and _importing is not threading.current_thread():
-        _importing.join(IMPORT_JOIN_S)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_join_import)
-
-
-def _identity_get(fs: Any, headers: dict[str, str] | None = None) -> tuple[dict[str, str], dict[str, Any]]:
-    """The headers and other arguments of a GET on fsspec's HTTP session: the filesystem's
-    own, plus ``headers``, asking for identity encoding as fsspec's HEAD does (a
-    compressed body's length is not the object's size)."""
-    kwargs = dict(fs.kwargs)
-    return {**(kwargs.pop("headers", None) or {}), **(headers or {}), "Accept-Encoding": "identity"}, kwargs
-
-
-async def _http_get_first(fs: Any, url: str, nbytes: int, timeout_s: float) -> tuple[dict[str, Any], bytes]:
-    """One ranged GET on fsspec's own aiohttp session: (HEAD-like info, first ``nbytes`` bytes)."""
-    import aiohttp
-
-    session = await fs.set_session()
-    headers, kwargs = _identity_get(fs, {"Range": f"bytes=0-{max(nbytes, 1) - 1}"})
-    async with session.get(fs.encode_url(url), headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s), **kwargs) as r:
-        body = b""
-        if r.status != 416:
-            fs._raise_not_found_for_status(r, url)
-            if r.status != 206 and "Content-Length" in r.headers:  # the server ignored the range: read what we asked for
-                size = int(r.headers["Content-Length"])
-                body = await r.content.readexactly(min(nbytes, size))
-                if len(body) < size:
-                    r.close()  # drop the connection rather than drain the rest
-            else:
-                body = await r.read()
-        return first_info(url, nbytes, r.status, r.headers, body)
-
-
-def first_info(url: str, nbytes: int, status: int, headers: Mapping[str, str], body: bytes) -> tuple[dict[str, Any], bytes]:
-    """HEAD-like info of the answer to a first-block GET, and its body (at most ``nbytes``).
-
-    The size comes from the Content-Range of a 206, else the Content-Length of a
-    server that ignored the range, else the body; the version from the same
-    headers a HEAD reports. Shared by aiohttp's GET and libcurl's (fastload.curl);
-    ``headers`` must look names up case-insensitively, as aiohttp's do.
-    """
-    size: int | None
-    ignored = False
-    if status == 416:  # an empty object has no byte 0
-        body, size = b"", 0
-    elif status == 206:
-        total = (headers.get("Content-Range") or "").rpartition("/")[2]
-        size = int(total) if total.isdigit() else None
-    elif (length := headers.get("Content-Length")) is not None:  # the server ignored the range
-        size = int(length)
-        ignored = size > nbytes
-    else:
-        size = len(body)
-    if size is not None and len(body) != min(nbytes, size):
-        raise TruncatedBodyError(f"got {len(body)} B of {min(nbytes, size)} B")
-    info: dict[str, Any] = {"name": url, "size": size, "ignores_ranges": ignored}
-    for field in ("ETag", "Content-MD5", "Digest", "Last-Modified"):  # what fsspec's HEAD keeps
-        if headers.get(field):
-            info[field] = headers[field]
-    return info, body
-
-
-class _HttpStream:
-    """An answer to a GET on fsspec's aiohttp session, read a piece at a time (Source.read_whole)."""
-
-    def __init__(self, response: Any) -> None:
-        self.response = response
-        length = response.headers.get("Content-Length", "")
-        self.length = int(length) if length.isdigit() else None
-
-    @classmethod
-    async def open(cls, fs: Any, url: str, timeout_s: float) -> _HttpStream:
-        import aiohttp
-
-        session = await fs.set_session()
-        headers, kwargs = _identity_get(fs)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
-        response = await session.get(fs.encode_url(url), headers=headers, timeout=timeout, **kwargs)
-        try:
-            fs._raise_not_found_for_status(response, url)
-        except BaseException:
-            response.close()
-            raise
-        return cls(response)
-
-    async def read(self, n: int) -> bytes:
-        return await self.response.content.readexactly(n)  # IncompleteReadError (retried) on a cut answer
-
-    async def close(self) -> None:
-        if self.response.content.at_eof():
-            self.response.release()  # read to its end: the connection can serve another request
-        else:
-            self.response.close()  # drop the connection rather than drain the rest
-
-
-async def _held(limit: HostLimit | None, request: Callable[[], Awaitable[T]]) -> T:
-    """``await request()`` in a slot of ``limit``: every coroutine request passes here."""
-    if limit is None:
-        return await request()
-    async with limit.aslot() as outcome:
-        result = await request()
-        body = result[1] if isinstance(result, tuple) else result
-        outcome.nbytes = len(body) if isinstance(body, (bytes, bytearray)) else 0
-        return result
-
-
-async def _gather_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], timeout_s: float,
-                         limit_of: Callable[[str], HostLimit | None], stop: threading.Event | None = None) -> list[Any]:
-    async def one(path: str, start: int, end: int | None) -> bytes:
-        # Bounded like Source.read's requests (asyncio's own timeout for stores that take no
-        # kwarg); the timeout starts once the request holds its slot.
-        limit = limit_of(fs.unstrip_protocol(path))
-
-        def request() -> Awaitable[bytes]:
-            if stop is not None and stop.is_set():  # stopped while it waited for its slot: no request
-                raise StoppedError(f"{fs.unstrip_protocol(path)}: stopped before its request")
-            if start == 0 and end is None:
-                return asyncio.wait_for(fs._cat_file(path), timeout_s)
-            return asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout_s)
-
-        return await _held(limit, request)
-
-    return await asyncio.gather(*(one(*r) for r in ranges), return_exceptions=True)
-
-
-async def _gather_first(fs: Any, urls: list[str], nbytes: int, timeout_s: float,
-                        limit_of: Callable[[str], HostLimit | None]) -> list[Any]:
-    async def one(url: str) -> tuple[dict[str, Any], bytes]:
-        return await _held(limit_of(url), lambda: _http_get_first(fs, url, nbytes, timeout_s))
-
-    return await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
-
-
-def _is_transient(err: BaseException) -> bool:
-    # fsspec's HTTP info() reports a refused connection as FileNotFoundError; the
-    # network error underneath decides.
-    cause = err.__cause__ or err.__context__
-    if isinstance(err, FileNotFoundError) and cause is not None and _is_transient(cause):
-        return True
-    if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FastloadError)):
-        return False
-    if type(err).__name__ in _CREDENTIAL_ERRORS:
-        return False
-    if isinstance(err, (TimeoutError, asyncio.TimeoutError, ConnectionError, TruncatedBodyError)):
-        return True
-    if congestion(err):  # 429, 503, SlowDown...: worth another try, after backoff
-        return True
-    if type(err).__name__ in _TRANSIENT_NAMES:
-        return True
-    status = getattr(err, "status", None) or getattr(err, "code", None)
-    if isinstance(status, int):
-        return status >= 500  # 429 and 503 were congestion() above
-    text = str(err)
-    if any(s in text for s in ("500 Internal", "RequestTimeout", "Connection reset")):  # throttles: congestion()
-        return True
-    # A bare OSError from a network stack is usually transient; a ValueError is not.
-    return isinstance(err, OSError) and not isinstance(err, FileExistsError)
-
-
-_SECRET_KEY = re.compile(r"key|secret|token|pass|session|cred|auth|sig|sas", re.IGNORECASE)
-
-
-def _secrets(value: Any, secret: bool = False) -> Iterable[str]:
-    """String leaves stored under secret-looking keys (key, secret, token, password...)."""
-    if isinstance(value, str):
-        if secret and len(value) >= 3:
-            yield value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _secrets(v, secret or bool(_SECRET_KEY.search(str(k))))
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _secrets(v, secret)
+    return listed

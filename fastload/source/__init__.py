@@ -1,0 +1,17 @@
+"""Remote storage: listing, fingerprints, and requests, one module per job.
+
+* :mod:`~fastload.source.core`: :class:`Source`, one location's identity and the dispatch of its requests
+  (with retries, backoff and error translation);
+* :mod:`~fastload.source.items`: :class:`RemoteItem` and the glob that filters a listing;
+* :mod:`~fastload.source.listing`: crawling an HTTP server's folder pages;
+* :mod:`~fastload.source.aio`: HTTP on fsspec's aiohttp session;
+* :mod:`~fastload.source.s3`: S3 GETs signed on libcurl's engine (:mod:`fastload.curl`).
+
+What a request's failure means is :mod:`fastload.failures`; how an HTTP answer
+reads is :mod:`fastload.answers`; requests in flight are :mod:`fastload.hostlimit`.
+"""
+
+from fastload.source.core import HEAD_CONCURRENCY, Source
+from fastload.source.items import RemoteItem, glob_to_regex, matching, nothing_matched
+
+__all__ = ["HEAD_CONCURRENCY", "RemoteItem", "Source", "glob_to_regex", "matching", "nothing_matched"]

@@ -1,0 +1,186 @@
+"""HTTP requests on fsspec's aiohttp session, as coroutines on fsspec's event loop.
+
+Every coroutine request holds a slot of its host's limit (:func:`held`). Also the
+import of fsspec's HTTP filesystem (and aiohttp) on a thread, ahead of its first use
+(:func:`import_http_ahead`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastload.answers import Page, first_info
+from fastload.errors import StoppedError
+from fastload.hostlimit import HostLimit
+
+T = TypeVar("T")
+
+async def http_page(fs: Any, url: str, timeout_s: float) -> Page:
+    """GET ``url`` on fsspec's session; the body is read only when it is HTML (a folder page)."""
+    import aiohttp
+
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), timeout=aiohttp.ClientTimeout(total=timeout_s), **fs.kwargs) as r:
+        fs._raise_not_found_for_status(r, url)
+        final = str(r.url)
+        size = int(r.headers["Content-Length"]) if r.headers.get("Content-Length", "").isdigit() else None
+        mimetype = r.headers.get("Content-Type", "").partition(";")[0].strip().lower()
+        if mimetype == "text/html" or (not mimetype and final.endswith("/")):
+            return Page(final, size, await r.text(errors="ignore"))
+        r.close()  # a data file: its body is not the listing's business
+        return Page(final, size, None)
+
+
+async def http_pages(fs: Any, urls: list[str], timeout_s: float, limit: HostLimit | None) -> list[Any]:
+    """:func:`_http_page` of each, as many at once as the host's limit allows; a failure in its place."""
+    def request(url: str) -> Callable[[], Awaitable[Page]]:
+        return lambda: http_page(fs, url, timeout_s)
+
+    return await asyncio.gather(*(held(limit, request(u)) for u in urls), return_exceptions=True)
+
+
+_IMPORT_LOCK = threading.Lock()
+IMPORT_JOIN_S = 60.0  # a fork waits this long at most for the import (it takes ~0.1 s; a hung one must not hang forks)
+_importing: threading.Thread | None = None
+import_failure: BaseException | None = None  # what the thread's import raised; Source._open_fs re-raises it
+
+
+def import_http_ahead() -> None:
+    """Import fsspec's HTTP filesystem (and aiohttp) on a thread, once per process, ahead of its use.
+
+    Whoever needs it meanwhile (Source.fs) waits for that import to finish, as
+    Python's import lock does; listing pages and first blocks on libcurl do not
+    need it. A fork waits for it first: a child must not inherit a module lock
+    held by a thread that is not there.
+    """
+    global _importing
+    if _importing is not None or "fsspec.implementations.http" in sys.modules:
+        return
+    with _IMPORT_LOCK:
+        if _importing is None:
+            _importing = threading.Thread(target=_import_http, name="fastload-import-http", daemon=True)
+            _importing.start()
+
+
+def _import_http() -> None:
+    global import_failure
+    try:
+        importlib.import_module("fsspec.implementations.http")
+    except Exception as err:  # kept for the Source that opens the filesystem (_open_fs)
+        import_failure = err
+
+
+def _join_import() -> None:
+    if _importing is not None and _importing is not threading.current_thread():
+        _importing.join(IMPORT_JOIN_S)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_join_import)
+
+
+def identity_get(fs: Any, headers: dict[str, str] | None = None) -> tuple[dict[str, str], dict[str, Any]]:
+    """The headers and other arguments of a GET on fsspec's HTTP session: the filesystem's
+    own, plus ``headers``, asking for identity encoding as fsspec's HEAD does (a
+    compressed body's length is not the object's size)."""
+    kwargs = dict(fs.kwargs)
+    return {**(kwargs.pop("headers", None) or {}), **(headers or {}), "Accept-Encoding": "identity"}, kwargs
+
+
+async def http_get_first(fs: Any, url: str, nbytes: int, timeout_s: float) -> tuple[dict[str, Any], bytes]:
+    """One ranged GET on fsspec's own aiohttp session: (HEAD-like info, first ``nbytes`` bytes)."""
+    import aiohttp
+
+    session = await fs.set_session()
+    headers, kwargs = identity_get(fs, {"Range": f"bytes=0-{max(nbytes, 1) - 1}"})
+    async with session.get(fs.encode_url(url), headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s), **kwargs) as r:
+        body = b""
+        if r.status != 416:
+            fs._raise_not_found_for_status(r, url)
+            if r.status != 206 and "Content-Length" in r.headers:  # the server ignored the range: read what we asked for
+                size = int(r.headers["Content-Length"])
+                body = await r.content.readexactly(min(nbytes, size))
+                if len(body) < size:
+                    r.close()  # drop the connection rather than drain the rest
+            else:
+                body = await r.read()
+        return first_info(url, nbytes, r.status, r.headers, body)
+
+
+
+class HttpStream:
+    """An answer to a GET on fsspec's aiohttp session, read a piece at a time (Source.read_whole)."""
+
+    def __init__(self, response: Any) -> None:
+        self.response = response
+        length = response.headers.get("Content-Length", "")
+        self.length = int(length) if length.isdigit() else None
+
+    @classmethod
+    async def open(cls, fs: Any, url: str, timeout_s: float) -> HttpStream:
+        import aiohttp
+
+        session = await fs.set_session()
+        headers, kwargs = identity_get(fs)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+        response = await session.get(fs.encode_url(url), headers=headers, timeout=timeout, **kwargs)
+        try:
+            fs._raise_not_found_for_status(response, url)
+        except BaseException:
+            response.close()
+            raise
+        return cls(response)
+
+    async def read(self, n: int) -> bytes:
+        return await self.response.content.readexactly(n)  # IncompleteReadError (retried) on a cut answer
+
+    async def close(self) -> None:
+        if self.response.content.at_eof():
+            self.response.release()  # read to its end: the connection can serve another request
+        else:
+            self.response.close()  # drop the connection rather than drain the rest
+
+
+async def held(limit: HostLimit | None, request: Callable[[], Awaitable[T]]) -> T:
+    """``await request()`` in a slot of ``limit``: every coroutine request passes here."""
+    if limit is None:
+        return await request()
+    async with limit.aslot() as outcome:
+        result = await request()
+        body = result[1] if isinstance(result, tuple) else result
+        outcome.nbytes = len(body) if isinstance(body, (bytes, bytearray)) else 0
+        return result
+
+
+async def gather_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], timeout_s: float,
+                         limit_of: Callable[[str], HostLimit | None], stop: threading.Event | None = None) -> list[Any]:
+    async def one(path: str, start: int, end: int | None) -> bytes:
+        # Bounded like Source.read's requests (asyncio's own timeout for stores that take no
+        # kwarg); the timeout starts once the request holds its slot.
+        limit = limit_of(fs.unstrip_protocol(path))
+
+        def request() -> Awaitable[bytes]:
+            if stop is not None and stop.is_set():  # stopped while it waited for its slot: no request
+                raise StoppedError(f"{fs.unstrip_protocol(path)}: stopped before its request")
+            if start == 0 and end is None:
+                return asyncio.wait_for(fs._cat_file(path), timeout_s)
+            return asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout_s)
+
+        return await held(limit, request)
+
+    return await asyncio.gather(*(one(*r) for r in ranges), return_exceptions=True)
+
+
+async def gather_first(fs: Any, urls: list[str], nbytes: int, timeout_s: float,
+                        limit_of: Callable[[str], HostLimit | None]) -> list[Any]:
+    async def one(url: str) -> tuple[dict[str, Any], bytes]:
+        return await held(limit_of(url), lambda: http_get_first(fs, url, nbytes, timeout_s))
+
+    return await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
+

@@ -1,0 +1,215 @@
+"""S3 GETs signed on libcurl (fastload.source.s3) against a moto server that checks every signature.
+
+Each test reads objects through the user's road (FileDataset + DataLoader, or
+staging) and counts the requests in the server's own log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import fastload
+from fastload import _servers, curl
+from fastload.config import Settings
+from fastload.errors import CredentialsError
+from fastload.source import RemoteItem, Source
+
+pytestmark = pytest.mark.integration
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.SignedMotoServer]:
+    if not _servers.moto_available():
+        pytest.skip("moto server missing: pip install 'moto[server]'")
+    if curl.engine() is None:
+        pytest.skip(f"libcurl's engine cannot run here: {curl.unavailable()}")
+    server = _servers.SignedMotoServer(tmp_path_factory.mktemp("moto") / "requests.log").start()
+    s3 = server.client("s3")
+    for i in range(N):
+        s3.put_object(Bucket="signed", Key=f"keys/{i:03d} x+y.bin", Body=bytes([i]) * (5000 + i))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def no_aws_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION",
+                "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def _urls(prefix: str = "keys/") -> list[str]:
+    return [f"s3://signed/{prefix}{i:03d} x+y.bin" for i in range(N)]
+
+
+def _epoch(tmp_path: Path, options: dict[str, Any], urls: list[str], **loader: Any) -> list[bytes]:
+    settings = Settings(cache_dir=tmp_path / "cache", retries=2)
+    ds = fastload.FileDataset(urls, storage_options=options, settings=settings)
+    got: list[bytes] = []
+    for batch in fastload.DataLoader(ds, batch_size=4, **loader):
+        got.extend(batch["data"])
+    return got
+
+
+def _expected() -> list[bytes]:
+    return [bytes([i]) * (5000 + i) for i in range(N)]
+
+
+def _options(server: _servers.SignedMotoServer, **creds: Any) -> dict[str, Any]:
+    return {**creds, "client_kwargs": {"endpoint_url": server.endpoint_url, "region_name": "us-east-1"}}
+
+
+def test_key_list_takes_one_signed_get_per_object_and_no_head(
+        tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None) -> None:
+    heads, gets = signed.requests("HEAD", "/signed/keys/"), signed.requests("GET", "/signed/keys/")
+    got = _epoch(tmp_path, _options(signed, key=signed.key, secret=signed.secret), _urls())
+    assert got == _expected()
+    assert signed.requests("HEAD", "/signed/keys/") == heads  # sized by the GET's Content-Range
+    assert signed.requests("GET", "/signed/keys/") - gets == N
+
+
+def test_listed_prefix_reads_each_object_with_one_get(
+        tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None) -> None:
+    heads, gets = signed.requests("HEAD", "/signed/keys/"), signed.requests("GET", "/signed/keys/")
+    settings = Settings(cache_dir=tmp_path / "cache", retries=2)
+    ds = fastload.FileDataset("s3://signed/keys/", storage_options=_options(signed, key=signed.key, secret=signed.secret),
+                              settings=settings)
+    got = [d for batch in fastload.DataLoader(ds, batch_size=4) for d in batch["data"]]
+    assert got == _expected()
+    assert signed.requests("HEAD", "/signed/keys/") == heads
+    assert signed.requests("GET", "/signed/keys/") - gets == N
+
+
+def test_wrong_secret_is_a_credentials_error_without_the_secret(
+        tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None) -> None:
+    secret = "WrongSecret-5d1e0b9a"
+    with pytest.raises(CredentialsError) as info:
+        _epoch(tmp_path, _options(signed, key=signed.key, secret=secret), _urls()[:2])
+    assert "signed/keys/000" in str(info.value) and "credentials" in str(info.value)
+    assert secret not in str(info.value)
+
+
+def test_session_token_is_sent_and_a_bad_one_refused(
+        tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None) -> None:
+    creds = signed.client("sts").assume_role(RoleArn="arn:aws:iam::123456789012:role/fastload",
+                                             RoleSessionName="fastload-test")["Credentials"]
+    options = _options(signed, key=creds["AccessKeyId"], secret=creds["SecretAccessKey"], token=creds["SessionToken"])
+    assert _epoch(tmp_path / "a", options, _urls()) == _expected()
+    with pytest.raises(CredentialsError):
+        _epoch(tmp_path / "b", {**options, "token": "not-the-token"}, _urls()[:2])
+
+
+def test_credentials_from_environment_variables(
+        tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", signed.key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", signed.secret)
+    options = _options(signed)
+    assert Source(_urls()[0], options).route is not None  # signed on libcurl, not s3fs
+    assert _epoch(tmp_path, options, _urls()) == _expected()
+
+
+def test_credentials_from_a_profile_file(
+        tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "credentials"
+    path.write_text(f"[training]\naws_access_key_id = {signed.key}\naws_secret_access_key = {signed.secret}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(path))
+    options = _options(signed, profile="training")
+    assert Source(_urls()[0], options).route is not None
+    assert _epoch(tmp_path, options, _urls()) == _expected()
+
+
+def test_expiring_credentials_are_refreshed_in_the_middle_of_an_epoch(
+        tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profile whose credential_process hands out credentials that expire within botocore's refresh
+    window, so botocore asks the process again before each batch of GETs. Half-way through, the key in
+    use is deleted at the server and a new one handed out: every byte arrives and no GET is refused."""
+    iam = signed.client("iam")
+    iam.create_user(UserName="rotating")
+    allow = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+    iam.put_user_policy(UserName="rotating", PolicyName="all", PolicyDocument=json.dumps(allow))
+    keys = [iam.create_access_key(UserName="rotating")["AccessKey"] for _ in range(2)]
+
+    def hand_out(key: dict[str, Any]) -> None:
+        expires = datetime.now(timezone.utc) + timedelta(seconds=60)
+        current.write_text(json.dumps({"Version": 1, "AccessKeyId": key["AccessKeyId"],
+                                       "SecretAccessKey": key["SecretAccessKey"], "Expiration": expires.isoformat()}))
+
+    current, calls, script = tmp_path / "current.json", tmp_path / "calls", tmp_path / "issue.py"
+    hand_out(keys[0])
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        with open({str(calls)!r}, "a") as f:
+            f.write("x")
+        sys.stdout.write(open({str(current)!r}).read())
+    """))
+    config = tmp_path / "config"
+    config.write_text(f"[profile rotating]\ncredential_process = {sys.executable} {script}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    settings = Settings(cache_dir=tmp_path / "cache", retries=2)
+    ds = fastload.FileDataset(_urls(), storage_options=_options(signed, profile="rotating"), settings=settings)
+    refused = signed.requests("GET", "/signed/keys/", status=403)
+    got: list[bytes] = []
+    half = list(range(N // 2))
+    try:
+        # The DataLoader fetches a whole small epoch ahead at once: the rotation falls between two
+        # loaders over the same dataset (one Source, one botocore credentials object), at the half.
+        for batch in fastload.DataLoader(ds, batch_size=2, sampler=half):
+            got.extend(batch["data"])
+        hand_out(keys[1])
+        iam.delete_access_key(UserName="rotating", AccessKeyId=keys[0]["AccessKeyId"])
+        before = len(calls.read_text())
+        for batch in fastload.DataLoader(ds, batch_size=2, sampler=range(N // 2, N)):
+            got.extend(batch["data"])
+    finally:
+        for key in keys:
+            try:
+                iam.delete_access_key(UserName="rotating", AccessKeyId=key["AccessKeyId"])
+            except Exception:  # the first is gone already
+                pass
+    assert got == _expected()
+    assert len(calls.read_text()) > before  # asked again after the rotation
+    assert signed.requests("GET", "/signed/keys/", status=403) == refused  # no GET went out with the deleted key
+
+
+def test_workers_fork_and_sign_in_the_child(
+        tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None, capfd: pytest.CaptureFixture[str]) -> None:
+    got = _epoch(tmp_path, _options(signed, key=signed.key, secret=signed.secret), _urls(), num_workers=2)
+    assert sorted(got) == sorted(_expected())
+    assert "Unclosed client session" not in capfd.readouterr().err
+
+
+def test_an_unknown_option_keeps_gets_on_s3fs_and_says_which(
+        signed: _servers.SignedMotoServer, caplog: pytest.LogCaptureFixture) -> None:
+    options = _options(signed, key=signed.key, secret=signed.secret) | {"version_aware": True}
+    with caplog.at_level("INFO", logger="fastload"):
+        src = Source(_urls()[0], options)
+        assert src.route is None
+    assert "'version_aware'" in caplog.text and "s3fs" in caplog.text
+    item = src.read_first(RemoteItem(_urls()[0], -1, ""), 100)
+    assert item[0].size == 5000 and item[1] == bytes(100)
+
+
+def test_region_from_aws_region_and_virtual_hosting_on_aws(no_aws_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    if curl.engine() is None:
+        pytest.skip(f"libcurl's engine cannot run here: {curl.unavailable()}")
+    monkeypatch.setenv("AWS_REGION", "eu-west-2")
+    route = Source("s3://my-bucket/a/b c.jpg", {"key": "k", "secret": "s"}).route
+    assert route is not None and route.wire("s3://my-bucket/a/b c.jpg") == "https://my-bucket.s3.eu-west-2.amazonaws.com/a/b%20c.jpg"
+    assert route.login()[2] == "aws:amz:eu-west-2:s3"
+    monkeypatch.delenv("AWS_REGION")
+    assert Source("s3://my-bucket/x", {"key": "k", "secret": "s"}).route is None  # no region: s3fs finds it
+    os.environ.pop("AWS_REGION", None)
