@@ -341,12 +341,12 @@ def _page_answer(res: tuple[Any, ...], url: str) -> tuple[str, int | None, str |
     code, status, body, _, content_length, _, _, _, _, _, message, content_type, final = res
     _failed(code, status, message, url)
     if not 200 <= status < 300:
-        raise HttpStatusError(status, url)
+        raise HttpStatusError(status, url, body)
     final = final or url
     size = int(content_length) if content_length and content_length.isdigit() else None
     mimetype, _, params = (content_type or "").partition(";")
     mimetype = mimetype.strip().lower()
-    if not (mimetype == "text/html" or (not mimetype and final.endswith("/"))):
+    if not (mimetype in ("text/html", "application/xml") or (not mimetype and final.endswith("/"))):
         return final, size, None
     if len(body) >= PAGE_MAX:
         raise OSError(f"{url}: folder page of {PAGE_MAX} B or more; read on aiohttp, whole")

@@ -32,14 +32,33 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastload import curl
+from fastload.cache import Cache
+from fastload.config import Settings
 from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError, StoppedError
 from fastload.source import RemoteItem, Source
 
-if TYPE_CHECKING:
-    from fastload.reader import Reader
+
+class Reader(Protocol):
+    """What a Fetcher uses of its :class:`~fastload.reader.Reader` (described here, not imported:
+    reader.py imports this module, and layers point one way)."""
+
+    settings: Settings
+    cache: Cache
+    stop: threading.Event
+
+    def source(self, url: str) -> Source: ...
+    @staticmethod
+    def pins_of(items: list[RemoteItem]) -> dict[str, tuple[int, str]]: ...
+    def pinned(self, items: list[RemoteItem]) -> list[RemoteItem]: ...
+    def blocks(self, item: RemoteItem) -> range: ...
+    def block_span(self, item: RemoteItem, block: int) -> tuple[int, int]: ...
+    def key(self, item: RemoteItem, block: int) -> str: ...
+    def read_block(self, item: RemoteItem, block: int) -> bytes: ...
+    def warn_streaming(self, why: str) -> None: ...
+    def record(self, stage: str, items: int, nbytes: int, t0: float) -> None: ...
 
 AHEAD_ITEMS = 512  # first blocks fetched ahead per Fetcher, at most (memory bound)
 AHEAD_ITEM_BYTES = 1 << 20  # larger objects are not fetched ahead: their transfer, not latency, dominates

@@ -91,6 +91,8 @@ class NginxServer:
             (:attr:`unix_socket_path`). A proxy inside a shaped namespace reaches
             nginx through it without the bytes crossing the shaped loopback twice
             (benchmarks/peers).
+        locations: Extra ``location`` blocks for the server (nginx syntax), ahead of
+            the catch-all static one: benchmarks/s3 answers S3 listings from files.
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class NginxServer:
         workers: int = 2,
         start_timeout_s: float = 15.0,
         unix_socket: bool = False,
+        locations: str = "",
     ) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
@@ -113,6 +116,7 @@ class NginxServer:
         self.workers = workers
         self.start_timeout_s = start_timeout_s
         self.unix_socket = unix_socket
+        self.locations = locations
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmp: Path | None = None
 
@@ -223,6 +227,7 @@ http {{
         listen {self.host}:{int(self.port or 0)};{unix_listen}
         server_name localhost;
         root {_nginx_quote(self.root)};
+{self.locations}
         location / {{ autoindex on; autoindex_format html; etag on; }}
     }}
 }}

@@ -18,25 +18,21 @@ a secret key never reaches a log (tests/reliability/test_secrets.py greps for it
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import concurrent.futures
 import functools
 import importlib.util
 import os
 import random
-import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import fsspec
 import fsspec.asyn
 from fsspec.core import url_to_fs
-from fsspec.registry import known_implementations
 
 from fastload import curl
 from fastload._loop import submit_all
@@ -44,56 +40,30 @@ from fastload.config import Settings
 from fastload.curl import CurlRoute, route_for
 from fastload.errors import (
     ConfigError,
-    CredentialsError,
     FastloadError,
     RemoteChangedError,
-    RemoteNotFoundError,
     SourceError,
     StoppedError,
 )
-from fastload.failures import CREDENTIAL_ERRORS, TruncatedBodyError, describe, secrets, transient
+from fastload.failures import describe, secrets, transient
 from fastload.hostlimit import (
     SLOT_WAIT_S,
     STOP_POLL_S,
     HostLimit,
-    aiohttp_client,
     host_of,
     limit_for,
 )
-from fastload.source import aio, listing, s3
+from fastload.source import aio, errors, fallback, listing, s3
+from fastload.source.fallback import FsspecRoad
 from fastload.source.items import RemoteItem, matching, version_of
 
 T = TypeVar("T")
-
-_INSTALL_HINTS = {
-    "s3": "pip install 'fastload[s3]'",
-    "s3a": "pip install 'fastload[s3]'",
-    "gs": "pip install 'fastload[gcs]'",
-    "gcs": "pip install 'fastload[gcs]'",
-    "http": "pip install aiohttp",
-    "https": "pip install aiohttp",
-}
 
 
 HEAD_CONCURRENCY = 64  # HEADs in flight while completing a sizeless listing (Source.complete_all)
 
 
-def _forget_parent_loop(fs: Any) -> None:
-    """In a forked child, mark the parent's fsspec event loop as not running here.
-
-    The copied loop object still says it runs (its thread id is the parent's), so
-    when an inherited HTTP filesystem is collected, fsspec's ``close_session``
-    submits ``session.close`` to a loop no thread runs in this process and waits
-    its 0.1 s timeout, on whichever thread the collection happened: in DataLoader
-    workers that was fsspec's own loop thread, stalling every request of the
-    worker (profile.md, round 4). Not running, it closes the connector directly.
-    """
-    loop = getattr(fs, "_loop", None)
-    if loop is not None and getattr(loop, "_thread_id", None) is not None:
-        loop._thread_id = None
-
-
-class Source:
+class Source(FsspecRoad):
     """Reads one fsspec location (a prefix, folder or single object).
 
     Args:
@@ -112,7 +82,7 @@ class Source:
             shown = repr(url) if len(repr(url)) <= 60 else f"{repr(url)[:57]}... ({type(url).__name__})"
             raise ConfigError(f"URL {shown} is not a string; pass e.g. 's3://bucket/prefix/' or '/data/train' "
                               "(a list of URLs goes to the datasets or fastload.stage, not to Source)")
-        _check_url(url)
+        errors.check_url(url)
         self.storage_options = dict(storage_options or {})
         self.settings = settings or Settings.from_env()
         self.stop = stop or threading.Event()
@@ -130,7 +100,7 @@ class Source:
         self._s3 = url.split("://", 1)[0].lower() in ("s3", "s3a")
         if self._http:
             if importlib.util.find_spec("aiohttp") is None:
-                raise ConfigError(f"URL {url!r} needs a package that is missing (aiohttp); fix: {_INSTALL_HINTS['http']}")
+                raise ConfigError(f"URL {url!r} needs a package that is missing (aiohttp); fix: {errors.INSTALL_HINTS['http']}")
             aio.import_http_ahead()
             self._root_path = url
             self.url = url.rstrip("/")
@@ -191,7 +161,7 @@ class Source:
             # one may have been held by a parent thread at fork time).
             # tests/reliability/test_train_kill.py trains over HTTP with 2 workers.
             self._lock = threading.Lock()
-            _forget_parent_loop(self._fs)
+            fallback.forget_parent_loop(self._fs)
             self._fs, self._pid = None, os.getpid()
         if self._fs is None:
             with self._lock:
@@ -204,9 +174,9 @@ class Source:
         try:
             if self._http and aio.import_failure is not None:
                 raise aio.import_failure  # the import thread's (import_http_ahead), with its traceback
-            fs, path = url_to_fs(self.url, **_with_timeouts(protocol, self.storage_options, self.settings.request_timeout_s))
+            fs, path = url_to_fs(self.url, **fallback.with_timeouts(protocol, self.storage_options, self.settings.request_timeout_s))
         except ImportError as err:
-            hint = _INSTALL_HINTS.get(protocol, f"install the fsspec backend for {protocol!r}")
+            hint = errors.INSTALL_HINTS.get(protocol, f"install the fsspec backend for {protocol!r}")
             raise ConfigError(f"URL {self.url!r} needs a package that is missing ({err}); fix: {hint}") from err
         except ValueError as err:
             raise ConfigError(f"URL {self.url!r} is not usable: {self.scrub(str(err))}; check the protocol and spelling") from err
@@ -238,32 +208,6 @@ class Source:
         """Record that ``url``'s host answers ranged GETs with the whole object."""
         self._rangeless.add(host_of(url, self.storage_options))
 
-    def _sync(self, func: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> T:
-        """``await func(*args, **kwargs)`` on fsspec's event loop, from this thread, within ``timeout_s``.
-
-        As ``fsspec.asyn.sync``, but the wait ends when :attr:`stop` is set (or this
-        thread is interrupted): the coroutine is then cancelled, its slot given back,
-        and StoppedError raised. Staging's threads once kept retrying held requests
-        for tens of seconds after a Ctrl-C (tests/integration/test_stage_interrupt.py).
-        """
-        coro = func(*args, **kwargs)
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s) if timeout_s else coro, self.fs.loop)
-        try:
-            while True:
-                try:
-                    return future.result(timeout=STOP_POLL_S)
-                except concurrent.futures.TimeoutError:
-                    if future.done():
-                        raise  # the coroutine's own timeout
-                    if self.stop.is_set():
-                        raise StoppedError(f"{self.url}: stopped; its request was cancelled") from None
-        finally:
-            future.cancel()  # no-op once done
-
-    @staticmethod
-    def _async(fs: Any) -> bool:
-        return bool(getattr(fs, "async_impl", False)) and getattr(fs, "loop", None) is not None
-
     def _stopped(self, url: str) -> None:
         if self.stop.is_set():
             raise StoppedError(f"{url}: stopped before its request")
@@ -285,33 +229,9 @@ class Source:
         return text
 
     def translate(self, err: BaseException, url: str) -> FastloadError:
-        """Map a backend exception to a FastloadError naming ``url``, the cause and the fix."""
-        cause = self.scrub(f"{type(err).__name__}: {err}")
-        name = type(err).__name__
-        if name in CREDENTIAL_ERRORS or isinstance(err, PermissionError):
-            return CredentialsError(
-                f"{url}: access denied or no credentials ({cause}); fix: pass credentials in "
-                "storage_options (e.g. --storage-options '{\"key\": ..., \"secret\": ...}') or the "
-                "provider's environment variables"
-            )
-        if isinstance(err, FileNotFoundError) or "NoSuchBucket" in cause:
-            return RemoteNotFoundError(f"{url}: not found ({cause}); fix: check the bucket, path and spelling")
-        status = getattr(err, "status", None)  # aiohttp's ClientResponseError
-        if self._http and status in (401, 403):
-            # nginx without autoindex answers a folder with 403, as it does a missing login.
-            folder = status == 403 and url.endswith("/")
-            return CredentialsError(
-                f"{url}: the server refused the request (HTTP {status}: no login, or a wrong one"
-                f"{'; or it does not list folders' if folder else ''}; {cause}); fix: pass the login in "
-                "storage_options, e.g. --storage-options '{\"headers\": {\"Authorization\": \"Basic ...\"}}' (or "
-                "client_kwargs={'auth': aiohttp.BasicAuth(user, password)} from Python)"
-                + ("; or pass the objects' URLs as a list (--url-list; docs/storage.md)" if folder else "")
-            )
-        if isinstance(err, FastloadError):
-            return err
-        return SourceError(f"{url}: read failed ({cause}); fix: check the URL, storage_options and that the store is reachable")
+        """Map a backend exception to a FastloadError naming ``url``, the cause and the fix (errors.translate)."""
+        return errors.translate(err, url, self.scrub, self._http)
 
-    # -- listing --------------------------------------------------------------
 
     def list(self, pattern: str | None = None, *, complete: bool = True) -> list[RemoteItem]:
         """List every object under the root (or the root itself if it is an object).
@@ -340,27 +260,12 @@ class Source:
         """
         if self._http:
             return listing.http_find(self, pattern)
+        route = self.route
+        if isinstance(route, s3.S3Route):
+            found = listing.s3_find(self, route, pattern)
+            if found is not None:
+                return found
         return self._find(pattern)
-
-    def _find(self, pattern: str | None) -> tuple[RemoteItem | dict[str, RemoteItem], int]:
-        """The root as one item, or its files by relative path and its folder count (fsspec find)."""
-        fs, root = self.fs, self._root_path
-        info = self._call(lambda: fs.info(root), self.url)
-        maybe_dir = info.get("size") is None or self._folder_hint or pattern is not None
-        is_dir = info.get("type") == "directory" or (maybe_dir and self._call(lambda: fs.isdir(root), self.url))
-        if not is_dir:
-            return self._item(info), 0
-        found = self._call(lambda: fs.find(root, detail=True, withdirs=True), self.url)
-        prefix = root.rstrip("/") + "/"
-        files, folders = {}, 0
-        for path, detail in found.items():
-            if detail.get("type") == "directory":
-                folders += path.rstrip("/") != root.rstrip("/")
-                continue
-            size = detail.get("size")
-            rel = path[len(prefix) :] if path.startswith(prefix) else path
-            files[rel] = RemoteItem(fs.unstrip_protocol(path), -1 if size is None else int(size), version_of(detail))
-        return files, folders
 
     def complete(self, item: RemoteItem) -> RemoteItem:
         """``item`` with its size and version filled in (one HEAD if the listing lacked them)."""
@@ -382,7 +287,7 @@ class Source:
     def info(self, url: str) -> RemoteItem:
         """Fetch one object's current size and version (one round trip)."""
         fs: Any = self.fs
-        if self._async(fs):  # cancellable on a stop
+        if fallback.has_loop(fs):  # cancellable on a stop
             return self._item(self._call(lambda: self._sync(fs._info, url), url))
         return self._item(self._call(lambda: fs.info(url), url))
 
@@ -494,7 +399,7 @@ class Source:
                 info, data = res
                 done = self._item(info)
                 if item.size >= 0:
-                    done = _unchanged(item, done)
+                    done = errors.unchanged(item, done)
             else:
                 done, data = item, res[0]
                 if isinstance(data, BaseException):
@@ -506,11 +411,7 @@ class Source:
         except curl.HttpStatusError as err:
             code = s3.refusal(err) if self._s3 else ""
             if code:  # s3fs would see no code in a HEAD's answer (it has no body), only "400 Bad Request"
-                raise CredentialsError(
-                    f"{item.url}: S3 refused the credentials ({code}, HTTP {err.status}); fix: pass valid ones in "
-                    "storage_options (key, secret, and token for temporary ones), or set AWS_ACCESS_KEY_ID / "
-                    "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or AWS_PROFILE; temporary credentials expire: renew them"
-                ) from None
+                raise errors.refused(item.url, code, err.status) from None
             future.cancel()
         except Exception:  # noqa: S110 - redone below, where errors are retried and translated
             future.cancel()
@@ -555,110 +456,6 @@ class Source:
 
     # -- reading --------------------------------------------------------------
 
-    def read(self, url: str, start: int = 0, end: int | None = None, *, expect: int | None = None) -> bytes:
-        """Read ``url[start:end]`` with retries, backoff and a per-request timeout.
-
-        Args:
-            url: The object.
-            start: First byte.
-            end: One past the last byte, or None for the end of the object.
-            expect: The byte count the caller knows it must get; a short body is
-                treated as a cut connection and retried.
-        """
-        fs = self.fs
-        path = fs._strip_protocol(url)
-        timeout_s = self.settings.request_timeout_s
-
-        def once() -> bytes:
-            if self._async(fs):  # cancellable on a stop
-                whole = start == 0 and end is None
-                data = self._sync(fs._cat_file, path, timeout_s=timeout_s) if whole else \
-                    self._sync(fs._cat_file, path, start=start, end=end, timeout_s=timeout_s)
-            elif start == 0 and end is None:
-                data = fs.cat_file(path)
-            else:
-                data = fs.cat_file(path, start=start, end=end)
-            if expect is not None and len(data) != expect:
-                raise TruncatedBodyError(f"got {len(data)} B of {expect} B")
-            return bytes(data)
-
-        return self._call(once, url)
-
-    def read_many(self, ranges: builtins.list[tuple[str, int, int | None]]) -> builtins.list[bytes | Exception]:
-        """``url[start:end]`` (``end`` None: to the end) of each ``(url, start, end)``, their
-        requests overlapping on fsspec's event loop; a failed one's error in its place. As
-        with :meth:`read`, a body of another length is returned for the caller to judge.
-
-        Threads that each wait on one request cost a context switch or more per object
-        and contend for the GIL: a cold epoch ran at 615 objects/s with 8 read threads
-        and 16 fetch threads, 937/s with 2 read threads (unshaped loopback, 108 KB).
-        A range whose request fails is retried alone through :meth:`read` (backoff,
-        timeout, error translation); what that raises is returned for it.
-        """
-        fs: Any = self.fs
-        results: builtins.list[Any] = [None] * len(ranges)
-        if len(ranges) > 1 and getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
-            paths = [(fs._strip_protocol(url), start, end) for url, start, end in ranges]
-            results = self._sync(aio.gather_ranges, fs, paths, self.settings.request_timeout_s, self.limit_of, self.stop)
-
-        def again(i: int) -> bytes | Exception:
-            url, start, end = ranges[i]
-            try:
-                return self.read(url, start, end)
-            except Exception as err:
-                return err
-
-        redo = [i for i, res in enumerate(results) if res is None or isinstance(res, BaseException)]
-        if len(redo) > 1 and not getattr(fs, "async_impl", False):
-            # A store without an event loop (local files, NFS): its reads overlap on
-            # threads, as many as the cap on requests in flight allows.
-            with ThreadPoolExecutor(min(len(redo), self.settings.workers), thread_name_prefix="fastload-read") as pool:
-                for i, res in zip(redo, pool.map(again, redo)):
-                    results[i] = res
-        else:
-            for i in redo:
-                results[i] = again(i)
-        return [res if isinstance(res, Exception) else bytes(res) for res in results]
-
-    def read_whole(self, item: RemoteItem, block_bytes: int, sink: Callable[[int, bytes], None]) -> None:
-        """One GET of all of ``item``, handed to ``sink(block, bytes)`` a ``block_bytes`` block at a time.
-
-        For hosts that ignore Range (:meth:`ignores_ranges`: Python's http.server): each
-        block is read off the answer as it arrives and given to ``sink`` (the fetch stage
-        stores it), so memory holds a block, not the object. The request, retried from
-        its start on a transient failure (``sink`` may then see a block again), holds one
-        slot throughout.
-
-        Raises:
-            RemoteChangedError: The answer's length is not the listed size.
-        """
-        fs: Any = self.fs
-        timeout_s = self.settings.request_timeout_s
-        sizes = [min(block_bytes, item.size - start) for start in range(0, max(item.size, 1), block_bytes)]
-
-        def once() -> None:
-            if not self._http:
-                with fs.open(fs._strip_protocol(item.url), "rb") as f:
-                    for block, n in enumerate(sizes):
-                        data = f.read(n)
-                        if len(data) != n:
-                            raise TruncatedBodyError(f"got {len(data)} B of {n} B")
-                        sink(block, data)
-                return
-            stream = self._sync(aio.HttpStream.open, fs, item.url, timeout_s, timeout_s=timeout_s)
-            try:
-                if stream.length is not None and stream.length != item.size:
-                    raise RemoteChangedError(
-                        f"{item.url}: remote now has {stream.length} B, {item.size} B when listed; the object changed; "
-                        "fix: `fastload cache --refresh` or refresh=True"
-                    )
-                for block, n in enumerate(sizes):
-                    sink(block, self._sync(stream.read, n, timeout_s=timeout_s))
-            finally:
-                fsspec.asyn.sync(fs.loop, stream.close, timeout=timeout_s)
-
-        self._call(once, item.url)
-
     def _call(self, fn: Callable[[], T], url: str) -> T:
         """``fn()`` (one request) in a slot of the host's limit, retried with backoff outside it."""
         settings = self.settings
@@ -688,82 +485,3 @@ class Source:
             f"{self.scrub(describe(last, settings.request_timeout_s))}; fix: check the server, or raise "
             "FASTLOAD_RETRIES / FASTLOAD_TIMEOUT_S"
         ) from last
-
-
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(/*)")
-# Protocols whose URLs name a host or bucket right after "://".
-_NEEDS_HOST = {"http": "host", "https": "host", "s3": "bucket", "s3a": "bucket", "gs": "bucket", "gcs": "bucket"}
-
-
-def _check_url(url: str) -> None:
-    """Reject URLs that fsspec would misread rather than refuse.
-
-    "s3:/b/k" became a local path "./s3:/b/k" (then "not found"), "http://" and
-    "http://[::1" were reported as "http:: not found", and "s3://" as "Cannot
-    traverse all of S3" (tests/reliability/test_hostile_input.py).
-    """
-    if "::" in url.split("://", 1)[0]:
-        return  # a chained URL ("simplecache::s3://..."): fsspec parses the chain
-    match = _SCHEME.match(url)
-    if match is None or len(match.group(1)) == 1:  # no scheme, or a Windows drive "C:/"
-        return
-    scheme, slashes = match.group(1).lower(), match.group(2)
-    if len(slashes) < 2 and scheme in known_implementations:
-        rest = url[match.end() :]
-        fixed = f"file:///{rest}" if scheme in ("file", "local") else f"{scheme}://{rest}"
-        raise ConfigError(f"URL {url!r} needs two slashes after '{scheme}:'; fix: write '{fixed}'")
-    kind = _NEEDS_HOST.get(scheme)
-    if kind is None:
-        return
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - parsing the port is the check
-    except ValueError as err:
-        raise ConfigError(f"URL {url!r} is malformed ({err}); fix: check the {kind} and the port") from err
-    if not parts.netloc:
-        example = "s3://bucket/prefix/" if kind == "bucket" else "https://host/path/"
-        raise ConfigError(f"URL {url!r} names no {kind}; fix: write e.g. '{example}'")
-
-
-def _with_timeouts(protocol: str, options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """``options`` plus per-request timeouts on every call, unless the user set their own.
-
-    Only reads got ``request_timeout_s`` before; a HEAD or a listing page that
-    stalled waited for aiohttp's 5-minute default, so a stalled server hung
-    listing (tests/reliability/test_flaky_remote.py, "stall" fault).
-    """
-    opts = dict(options)
-    if protocol in ("http", "https"):
-        import aiohttp
-
-        client = dict(opts.get("client_kwargs") or {})
-        # sock_read bounds each silence, not the whole transfer: a large, slow but
-        # steady answer is not a stall.
-        client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s))
-        opts["client_kwargs"] = client
-        opts.setdefault("get_client", aiohttp_client)  # reports slow connects and closing servers (hostlimit)
-    elif protocol in ("s3", "s3a"):
-        config = dict(opts.get("config_kwargs") or {})
-        config.setdefault("connect_timeout", timeout_s)
-        config.setdefault("read_timeout", timeout_s)
-        # One attempt per request: fastload retries (Source._call), with its backoff outside
-        # the request's slot, so the host limit sees each SlowDown. botocore retried them
-        # inside the slot, sleeping there, and the limit never heard of one
-        # (tests/reliability/test_s3_throttle.py). s3fs's own retries: Source._open_fs.
-        config.setdefault("retries", {"total_max_attempts": 1})
-        opts["config_kwargs"] = config
-    return opts
-
-
-def _unchanged(listed: RemoteItem, now: RemoteItem) -> RemoteItem:
-    """``listed``, if the object still has its size and version (as ``now`` reports them).
-
-    Raises:
-        RemoteChangedError: It has another size or version.
-    """
-    if now.size != listed.size or (listed.version and now.version and now.version != listed.version):
-        raise RemoteChangedError(
-            f"{listed.url}: remote now has {now.size} B (version {now.version!r}), {listed.size} B "
-            f"(version {listed.version!r}) when listed; the object changed; fix: `fastload cache --refresh` or refresh=True"
-        )
-    return listed

@@ -1,9 +1,12 @@
-"""Listing a folder over HTTP: each level of folder pages fetched together.
+"""Listing by levels: every folder (or common prefix) of a level fetched together.
 
-Object stores and local files are listed through fsspec (:meth:`Source.find`);
-an HTTP server has no listing API, so its folders' index pages are crawled here,
-on libcurl where the source routes there (:mod:`fastload.curl`), else on
-fsspec's aiohttp session (:mod:`fastload.source.aio`).
+An HTTP server has no listing API, so its folders' index pages are crawled
+(:func:`http_find`), on libcurl where the source routes there
+(:mod:`fastload.curl`), else on fsspec's aiohttp session (:mod:`fastload.source.aio`).
+An S3 prefix is listed the same way (:func:`s3_find`): one signed ListObjectsV2
+page per common prefix, the whole next level at once, as many in flight as the
+host's limit allows; s3fs lists one page after another. Local files and the
+other stores are listed through fsspec (:meth:`Source.find`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from fastload.curl import CurlRoute
 from fastload.hostlimit import SLOT_WAIT_S, HostLimit
 from fastload.source import aio
 from fastload.source.items import RemoteItem
+from fastload.source.s3 import S3Route, parse_list
 
 T = TypeVar("T")
 
@@ -114,3 +118,40 @@ def pages(src: Source, urls: list[str], limit: HostLimit | None) -> list[Any]:
             p.cancel()
             out.append(err)
     return out
+
+
+def s3_find(src: Source, route: S3Route, pattern: str | None) -> tuple[dict[str, RemoteItem], int] | None:
+    """The objects under an S3 source's prefix by relative path, and the common prefixes seen; None
+    where s3fs must answer: the URL names an object or nothing, or a page failed (s3fs then lists
+    it and names the error)."""
+    limit = src.host_limit
+    if limit is None or not src._curl_takes(limit):
+        return None
+    bucket, _, key = src.url.split("://", 1)[1].partition("/")
+    root = key if key == "" or key.endswith("/") else key + "/"
+    timeout_s = src.settings.request_timeout_s
+    files: dict[str, RemoteItem] = {}
+    folders = 0
+    todo: list[tuple[str, str | None]] = [(root, None)]
+    while todo:
+        src._stopped(src.url)
+        pending = route.start_pages([route.list_url(bucket, p, t) for p, t in todo], timeout_s, limit, src.stop)
+        src._settle(pending, 2 * timeout_s + SLOT_WAIT_S)  # a GET's timeout starts once it runs
+        level: list[tuple[str, str | None]] = []
+        for (prefix, _), p in zip(todo, pending):
+            try:
+                page = parse_list(p.result(0)[2] or "")
+            except Exception:  # noqa: S110 - s3fs lists again, with its retries and error names
+                p.cancel()
+                return None
+            for name, size, version in page.objects:
+                if not name.endswith("/"):  # a zero-byte "folder" marker is no item
+                    files[name[len(root):]] = RemoteItem(f"s3://{bucket}/{name}", size, version)
+            folders += len(page.prefixes)
+            level += [(sub, None) for sub in page.prefixes]
+            if page.token:
+                level.append((prefix, page.token))
+        todo = level
+    if not files and not folders and root != key:
+        return None  # an object's own URL, or nothing: s3fs's HEAD says which
+    return files, folders

@@ -11,8 +11,9 @@ alternative, hangs in a forked child (its tokio runtime does not survive fork, a
 DataLoader workers fork), and was not cheaper per object in the same run.
 
 Scope: the first block of each s3:// or s3a:// object, listed (sized) or from a
-key list (sizeless). Listing, HEADs, later blocks and streamed objects stay on
-s3fs. So do errors: an answer this path does not take as it is (403, 404,
+key list (sizeless), and the ListObjectsV2 pages of a listing, one per common
+prefix at a time, all prefixes of a level together (fastload.source.listing). HEADs,
+later blocks and streamed objects stay on s3fs. So do errors: an answer this path does not take as it is (403, 404,
 SlowDown...) is done again through s3fs, whose retries, backoff and messages
 users see. The host limit governs these GETs like any other (a 503 or SlowDown
 cuts it: :func:`fastload.curl.pump`).
@@ -37,6 +38,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
+from xml.etree import ElementTree
 
 from fastload import curl
 from fastload.curl import CurlRoute
@@ -86,13 +88,31 @@ class S3Route(CurlRoute):
     credentials: Any = None  # has get_frozen_credentials() (botocore's, refreshed by it); None: unsigned
 
     def wire(self, url: str) -> str:
-        """The HTTPS URL of ``s3://bucket/key`` at this endpoint, the key encoded as SigV4 signs it."""
+        """The HTTPS URL of ``s3://bucket/key`` at this endpoint, the key encoded as SigV4 signs it
+        (a listing page's URL, :meth:`list_url`, is one already)."""
+        if not url.startswith(("s3://", "s3a://")):
+            return url
         bucket, _, key = url.split("://", 1)[1].partition("/")
         key = quote(key, safe="/-_.~")
         if self.virtual:
             parts = urlsplit(self.base)
             return f"{parts.scheme}://{bucket}.{parts.netloc}/{key}"
         return f"{self.base}/{bucket}/{key}"
+
+    def list_url(self, bucket: str, prefix: str, token: str | None) -> str:
+        """One ListObjectsV2 page of ``prefix`` (``delimiter=/``), after ``token`` if given.
+
+        The query is sent sorted and encoded as SigV4 signs it: libcurl 7.88 signs the
+        query as it is given (an unsorted one was refused, tests/integration/test_s3_signed.py).
+        """
+        params = {"delimiter": "/", "list-type": "2", "prefix": prefix}
+        if token:
+            params["continuation-token"] = token
+        query = "&".join(f"{k}={quote(v, safe='-_.~')}" for k, v in sorted(params.items()))
+        if self.virtual:
+            parts = urlsplit(self.base)
+            return f"{parts.scheme}://{bucket}.{parts.netloc}/?{query}"
+        return f"{self.base}/{bucket}?{query}"
 
     def login(self) -> tuple[str | None, list[str], str | None]:
         if self.credentials is None:
@@ -103,6 +123,26 @@ class S3Route(CurlRoute):
         if frozen.token:
             lines.append(f"x-amz-security-token: {frozen.token}")
         return f"{frozen.access_key}:{frozen.secret_key}", lines, _SIGNED.format(region=self.region)
+
+
+@dataclass(frozen=True)
+class ListPage:
+    """One ListObjectsV2 answer: its objects (key, size, version), its common prefixes, the next page's token."""
+
+    objects: list[tuple[str, int, str]]
+    prefixes: list[str]
+    token: str | None
+
+
+def parse_list(text: str) -> ListPage:
+    """Read one ListObjectsV2 answer (XML; expat refuses entity expansion bombs)."""
+    root = ElementTree.fromstring(text)
+    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+    objects = [(c.findtext(f"{ns}Key") or "", int(c.findtext(f"{ns}Size") or 0), (c.findtext(f"{ns}ETag") or "").strip('"'))
+               for c in root.iter(f"{ns}Contents")]
+    prefixes = [p.findtext(f"{ns}Prefix") or "" for p in root.iter(f"{ns}CommonPrefixes")]
+    truncated = (root.findtext(f"{ns}IsTruncated") or "").lower() == "true"
+    return ListPage(objects, prefixes, root.findtext(f"{ns}NextContinuationToken") if truncated else None)
 
 
 def route_for(url: str, options: dict[str, Any], choice: str) -> tuple[S3Route | None, str]:

@@ -6,6 +6,7 @@ staging) and counts the requests in the server's own log.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import sys
@@ -92,6 +93,31 @@ def test_listed_prefix_reads_each_object_with_one_get(
     assert got == _expected()
     assert signed.requests("HEAD", "/signed/keys/") == heads
     assert signed.requests("GET", "/signed/keys/") - gets == N
+
+
+def test_listing_fans_out_per_common_prefix_and_follows_continuation_tokens(
+        tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None) -> None:
+    s3 = signed.client("s3")
+    tree = {"top.bin": b"t", "a/1.bin": b"one", "a/b/2.bin": b"two", "c/3.bin": b"three", "a/b/": b""}
+    tree |= {f"many/{i:04d}.bin": i.to_bytes(2, "big") for i in range(1003)}  # two pages of at most 1000
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda kv: s3.put_object(Bucket="signed", Key=f"tree/{kv[0]}", Body=kv[1]), tree.items()))
+    pages, heads = signed.requests("GET", "/signed?"), signed.requests("HEAD", "/signed")
+    src = Source("s3://signed/tree", _options(signed, key=signed.key, secret=signed.secret))
+    found, folders = src.find()
+    assert isinstance(found, dict)
+    assert sorted(found) == sorted(k for k in tree if not k.endswith("/"))  # the "a/b/" marker is no item
+    assert folders == 4  # a/, a/b/, c/, many/
+    assert found["a/b/2.bin"] == RemoteItem("s3://signed/tree/a/b/2.bin", 3, found["a/b/2.bin"].version)
+    assert len(found["a/b/2.bin"].version) == 32  # the ETag, quotes stripped, as s3fs lists it
+    # One page per common prefix (root, a/, a/b/, c/, many/) and one more for many/'s continuation.
+    assert signed.requests("GET", "/signed?") - pages == 6
+    assert signed.requests("HEAD", "/signed") == heads
+    # The dataset reads what the listing found: one GET each, sized already.
+    settings = Settings(cache_dir=tmp_path / "cache")
+    ds = fastload.FileDataset("s3://signed/tree/", pattern="a/**", storage_options=src.storage_options,
+                              settings=settings)
+    assert sorted(d for b in fastload.DataLoader(ds, batch_size=2) for d in b["data"]) == [b"one", b"two"]
 
 
 def test_wrong_secret_is_a_credentials_error_without_the_secret(

@@ -7,7 +7,8 @@ import doctest
 import pytest
 
 import fastload
-from fastload import codec, config, hostlimit, loader, patch, source, stats
+from fastload import codec, config, failures, loader, patch, stats
+from fastload.source import items
 
 
 def test_all_is_sorted_and_resolves() -> None:
@@ -22,7 +23,7 @@ def test_errors_inherit_builtins() -> None:
     assert issubclass(fastload.CredentialsError, PermissionError)
 
 
-@pytest.mark.parametrize("module", [codec, config, hostlimit, source, loader, patch, stats])
+@pytest.mark.parametrize("module", [codec, config, failures, items, loader, patch, stats])
 def test_docstring_examples_run(module: object) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)  # type: ignore[arg-type]
     assert result.failed == 0 and result.attempted > 0

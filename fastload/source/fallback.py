@@ -1,0 +1,256 @@
+"""The fsspec road: requests through the fsspec filesystem (s3fs, gcsfs, local files, aiohttp).
+
+What the fast roads (libcurl's engine, fastload.curl; S3 signed there,
+fastload.source.s3) do not carry goes here: local files and the other stores,
+HTTP requests other than first blocks and listing pages, S3's HEADs and later
+blocks, and every retry of a failed fast request (its errors are the ones users
+see). :class:`FsspecRoad` is the part of :class:`~fastload.source.Source` that
+speaks to the filesystem; it is a mixin so that Source stays one object to
+pickle and to pass around.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+import fsspec
+import fsspec.asyn
+
+from fastload.config import Settings
+from fastload.errors import RemoteChangedError, StoppedError
+from fastload.failures import TruncatedBodyError
+from fastload.hostlimit import STOP_POLL_S, HostLimit, aiohttp_client
+from fastload.source import aio
+from fastload.source.items import RemoteItem, version_of
+
+T = TypeVar("T")
+
+
+class _Source(Protocol):
+    """What the road uses of its Source (fastload.source.core)."""
+
+    url: str
+    settings: Settings
+    stop: threading.Event
+    _http: bool
+    _folder_hint: bool
+    _root_path: str
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem: ...
+    def limit_of(self, url: str) -> HostLimit | None: ...
+    def _call(self, fn: Callable[[], T], url: str) -> T: ...
+    def _item(self, info: dict[str, Any]) -> RemoteItem: ...
+    def _sync(self, func: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout_s: float | None = None,
+              **kwargs: Any) -> T: ...
+    def read(self, url: str, start: int = 0, end: int | None = None, *, expect: int | None = None) -> bytes: ...
+
+
+def forget_parent_loop(fs: Any) -> None:
+    """In a forked child, mark the parent's fsspec event loop as not running here.
+
+    The copied loop object still says it runs (its thread id is the parent's), so
+    when an inherited HTTP filesystem is collected, fsspec's ``close_session``
+    submits ``session.close`` to a loop no thread runs in this process and waits
+    its 0.1 s timeout, on whichever thread the collection happened: in DataLoader
+    workers that was fsspec's own loop thread, stalling every request of the
+    worker (profile.md, round 4). Not running, it closes the connector directly.
+    """
+    loop = getattr(fs, "_loop", None)
+    if loop is not None and getattr(loop, "_thread_id", None) is not None:
+        loop._thread_id = None
+
+
+
+def with_timeouts(protocol: str, options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """``options`` plus per-request timeouts on every call, unless the user set their own.
+
+    Only reads got ``request_timeout_s`` before; a HEAD or a listing page that
+    stalled waited for aiohttp's 5-minute default, so a stalled server hung
+    listing (tests/reliability/test_flaky_remote.py, "stall" fault).
+    """
+    opts = dict(options)
+    if protocol in ("http", "https"):
+        import aiohttp
+
+        client = dict(opts.get("client_kwargs") or {})
+        # sock_read bounds each silence, not the whole transfer: a large, slow but
+        # steady answer is not a stall.
+        client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s))
+        opts["client_kwargs"] = client
+        opts.setdefault("get_client", aiohttp_client)  # reports slow connects and closing servers (hostlimit)
+    elif protocol in ("s3", "s3a"):
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", timeout_s)
+        config.setdefault("read_timeout", timeout_s)
+        # One attempt per request: fastload retries (Source._call), with its backoff outside
+        # the request's slot, so the host limit sees each SlowDown. botocore retried them
+        # inside the slot, sleeping there, and the limit never heard of one
+        # (tests/reliability/test_s3_throttle.py). s3fs's own retries: Source._open_fs.
+        config.setdefault("retries", {"total_max_attempts": 1})
+        opts["config_kwargs"] = config
+    return opts
+
+
+
+def has_loop(fs: Any) -> bool:
+    """Whether ``fs`` runs its requests as coroutines on fsspec's event loop (cancellable on a stop)."""
+    return bool(getattr(fs, "async_impl", False)) and getattr(fs, "loop", None) is not None
+
+
+class FsspecRoad:
+    """Listing, reads and coroutines through the fsspec filesystem of a :class:`~fastload.source.Source`."""
+
+    def _sync(self: _Source, func: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> T:
+        """``await func(*args, **kwargs)`` on fsspec's event loop, from this thread, within ``timeout_s``.
+
+        As ``fsspec.asyn.sync``, but the wait ends when :attr:`stop` is set (or this
+        thread is interrupted): the coroutine is then cancelled, its slot given back,
+        and StoppedError raised. Staging's threads once kept retrying held requests
+        for tens of seconds after a Ctrl-C (tests/integration/test_stage_interrupt.py).
+        """
+        coro = func(*args, **kwargs)
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s) if timeout_s else coro, self.fs.loop)
+        try:
+            while True:
+                try:
+                    return future.result(timeout=STOP_POLL_S)
+                except concurrent.futures.TimeoutError:
+                    if future.done():
+                        raise  # the coroutine's own timeout
+                    if self.stop.is_set():
+                        raise StoppedError(f"{self.url}: stopped; its request was cancelled") from None
+        finally:
+            future.cancel()  # no-op once done
+
+
+    def _find(self: _Source, pattern: str | None) -> tuple[RemoteItem | dict[str, RemoteItem], int]:
+        """The root as one item, or its files by relative path and its folder count (fsspec find)."""
+        fs, root = self.fs, self._root_path
+        info = self._call(lambda: fs.info(root), self.url)
+        maybe_dir = info.get("size") is None or self._folder_hint or pattern is not None
+        is_dir = info.get("type") == "directory" or (maybe_dir and self._call(lambda: fs.isdir(root), self.url))
+        if not is_dir:
+            return self._item(info), 0
+        found = self._call(lambda: fs.find(root, detail=True, withdirs=True), self.url)
+        prefix = root.rstrip("/") + "/"
+        files, folders = {}, 0
+        for path, detail in found.items():
+            if detail.get("type") == "directory":
+                folders += path.rstrip("/") != root.rstrip("/")
+                continue
+            size = detail.get("size")
+            rel = path[len(prefix) :] if path.startswith(prefix) else path
+            files[rel] = RemoteItem(fs.unstrip_protocol(path), -1 if size is None else int(size), version_of(detail))
+        return files, folders
+
+    def read(self: _Source, url: str, start: int = 0, end: int | None = None, *, expect: int | None = None) -> bytes:
+        """Read ``url[start:end]`` with retries, backoff and a per-request timeout.
+
+        Args:
+            url: The object.
+            start: First byte.
+            end: One past the last byte, or None for the end of the object.
+            expect: The byte count the caller knows it must get; a short body is
+                treated as a cut connection and retried.
+        """
+        fs = self.fs
+        path = fs._strip_protocol(url)
+        timeout_s = self.settings.request_timeout_s
+
+        def once() -> bytes:
+            if has_loop(fs):  # cancellable on a stop
+                whole = start == 0 and end is None
+                data = self._sync(fs._cat_file, path, timeout_s=timeout_s) if whole else \
+                    self._sync(fs._cat_file, path, start=start, end=end, timeout_s=timeout_s)
+            elif start == 0 and end is None:
+                data = fs.cat_file(path)
+            else:
+                data = fs.cat_file(path, start=start, end=end)
+            if expect is not None and len(data) != expect:
+                raise TruncatedBodyError(f"got {len(data)} B of {expect} B")
+            return bytes(data)
+
+        return self._call(once, url)
+
+    def read_many(self: _Source, ranges: builtins.list[tuple[str, int, int | None]]) -> builtins.list[bytes | Exception]:
+        """``url[start:end]`` (``end`` None: to the end) of each ``(url, start, end)``, their
+        requests overlapping on fsspec's event loop; a failed one's error in its place. As
+        with :meth:`read`, a body of another length is returned for the caller to judge.
+
+        Threads that each wait on one request cost a context switch or more per object
+        and contend for the GIL: a cold epoch ran at 615 objects/s with 8 read threads
+        and 16 fetch threads, 937/s with 2 read threads (unshaped loopback, 108 KB).
+        A range whose request fails is retried alone through :meth:`read` (backoff,
+        timeout, error translation); what that raises is returned for it.
+        """
+        fs: Any = self.fs
+        results: builtins.list[Any] = [None] * len(ranges)
+        if len(ranges) > 1 and getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
+            paths = [(fs._strip_protocol(url), start, end) for url, start, end in ranges]
+            results = self._sync(aio.gather_ranges, fs, paths, self.settings.request_timeout_s, self.limit_of, self.stop)
+
+        def again(i: int) -> bytes | Exception:
+            url, start, end = ranges[i]
+            try:
+                return self.read(url, start, end)
+            except Exception as err:
+                return err
+
+        redo = [i for i, res in enumerate(results) if res is None or isinstance(res, BaseException)]
+        if len(redo) > 1 and not getattr(fs, "async_impl", False):
+            # A store without an event loop (local files, NFS): its reads overlap on
+            # threads, as many as the cap on requests in flight allows.
+            with ThreadPoolExecutor(min(len(redo), self.settings.workers), thread_name_prefix="fastload-read") as pool:
+                for i, res in zip(redo, pool.map(again, redo)):
+                    results[i] = res
+        else:
+            for i in redo:
+                results[i] = again(i)
+        return [res if isinstance(res, Exception) else bytes(res) for res in results]
+
+    def read_whole(self: _Source, item: RemoteItem, block_bytes: int, sink: Callable[[int, bytes], None]) -> None:
+        """One GET of all of ``item``, handed to ``sink(block, bytes)`` a ``block_bytes`` block at a time.
+
+        For hosts that ignore Range (:meth:`ignores_ranges`: Python's http.server): each
+        block is read off the answer as it arrives and given to ``sink`` (the fetch stage
+        stores it), so memory holds a block, not the object. The request, retried from
+        its start on a transient failure (``sink`` may then see a block again), holds one
+        slot throughout.
+
+        Raises:
+            RemoteChangedError: The answer's length is not the listed size.
+        """
+        fs: Any = self.fs
+        timeout_s = self.settings.request_timeout_s
+        sizes = [min(block_bytes, item.size - start) for start in range(0, max(item.size, 1), block_bytes)]
+
+        def once() -> None:
+            if not self._http:
+                with fs.open(fs._strip_protocol(item.url), "rb") as f:
+                    for block, n in enumerate(sizes):
+                        data = f.read(n)
+                        if len(data) != n:
+                            raise TruncatedBodyError(f"got {len(data)} B of {n} B")
+                        sink(block, data)
+                return
+            stream = self._sync(aio.HttpStream.open, fs, item.url, timeout_s, timeout_s=timeout_s)
+            try:
+                if stream.length is not None and stream.length != item.size:
+                    raise RemoteChangedError(
+                        f"{item.url}: remote now has {stream.length} B, {item.size} B when listed; the object changed; "
+                        "fix: `fastload cache --refresh` or refresh=True"
+                    )
+                for block, n in enumerate(sizes):
+                    sink(block, self._sync(stream.read, n, timeout_s=timeout_s))
+            finally:
+                fsspec.asyn.sync(fs.loop, stream.close, timeout=timeout_s)
+
+        self._call(once, item.url)
+
