@@ -60,7 +60,7 @@ from fastload.hostlimit import SLOW_CONNECT_S, STOP_POLL_S, HostLimit
 PUMP_S = 0.005  # a reader waiting on GETs hands finished ones to the controller at least this often
 PAGE_MAX = 64 << 20  # a folder page this long may have been cut: it is read again on aiohttp
 _CURL_CODES = {28: TimeoutError, 7: ConnectionRefusedError, 52: ConnectionResetError, 55: ConnectionResetError,
-               56: ConnectionResetError}  # libcurl's CURLE_* -> what aiohttp's errors read as (hostlimit.congestion)
+               56: ConnectionResetError}  # libcurl's CURLE_* -> what aiohttp's errors read as (failures.congestion)
 # libcurl's codes that say it cannot speak to the host at all, whatever the network does: an
 # unsupported protocol or malformed URL (1, 3, 4), TLS set-up, certificates and keys (53, 54,
 # 58, 59, 60, 64, 66, 77, 80, 82, 83, 90, 91). Any other failure (a cut body, 18; a reset) is

@@ -97,6 +97,15 @@ def moto_server() -> Iterator[_servers.MotoServer]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def signed_moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.SignedMotoServer]:
+    """moto's S3 in a child process that checks every signature (bucket "signed"), for the session."""
+    require_server(_servers.moto_available(), "moto server missing", "pip install 'moto[server]'")
+    server = _servers.SignedMotoServer(tmp_path_factory.mktemp("signed-moto") / "requests.log").start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def s3_options(moto_server: _servers.MotoServer) -> dict[str, Any]:
     """s3fs ``storage_options`` that point at the session's moto server."""

@@ -42,6 +42,7 @@ from fastload.errors import (
     ConfigError,
     FastloadError,
     RemoteChangedError,
+    RemoteNotFoundError,
     SourceError,
     StoppedError,
 )
@@ -408,6 +409,11 @@ class Source(FsspecRoad):
                 return done, bytes(data)
         except (StoppedError, RemoteChangedError):
             raise
+        except FileNotFoundError as err:
+            if self._s3 and isinstance(future, curl.Pending):  # S3's 404: NoSuchKey or NoSuchBucket
+                raise RemoteNotFoundError(f"{item.url}: not found (HTTP 404); fix: check the bucket, key and spelling") \
+                    from err
+            future.cancel()
         except curl.HttpStatusError as err:
             code = s3.refusal(err) if self._s3 else ""
             if code:  # s3fs would see no code in a HEAD's answer (it has no body), only "400 Bad Request"

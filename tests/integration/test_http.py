@@ -11,7 +11,7 @@ import pytest
 
 import fastload
 from fastload.config import Settings
-from fastload.errors import RemoteNotFoundError, SourceError
+from fastload.errors import SourceError
 from fastload.reader import Reader
 
 pytestmark = pytest.mark.integration
@@ -129,14 +129,13 @@ def test_stale_remote_is_refreshed_and_unpinned_reads_revalidate(
     assert Reader(settings).read(url) == b"third"
 
 
-def test_missing_object_and_dead_server_give_named_errors(
+def test_a_dead_server_gives_a_named_error(
     tmp_path: Path, nginx_server: Callable, settings: Settings
 ) -> None:
+    # A missing object is the Source contract's (tests/integration/test_source_contract.py).
     root = tmp_path / "www"
     root.mkdir()
     server = nginx_server(root)
-    with pytest.raises(RemoteNotFoundError, match=r"nope\.bin.*not found"):
-        Reader(settings).read(f"{server.url}/nope.bin")
     base = server.url
     server.stop()
     with pytest.raises(SourceError, match=rf"{base}/x\.bin.*failed after 2 attempts.*fix"):

@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import textwrap
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -30,17 +29,13 @@ N = 12
 
 
 @pytest.fixture(scope="module")
-def signed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.SignedMotoServer]:
-    if not _servers.moto_available():
-        pytest.skip("moto server missing: pip install 'moto[server]'")
+def signed(signed_moto: _servers.SignedMotoServer) -> _servers.SignedMotoServer:
     if curl.engine() is None:
         pytest.skip(f"libcurl's engine cannot run here: {curl.unavailable()}")
-    server = _servers.SignedMotoServer(tmp_path_factory.mktemp("moto") / "requests.log").start()
-    s3 = server.client("s3")
+    s3 = signed_moto.client("s3")
     for i in range(N):
         s3.put_object(Bucket="signed", Key=f"keys/{i:03d} x+y.bin", Body=bytes([i]) * (5000 + i))
-    yield server
-    server.stop()
+    return signed_moto
 
 
 @pytest.fixture

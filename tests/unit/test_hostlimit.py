@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import fastload.errors
-from fastload import hostlimit
+from fastload import failures, hostlimit
 from fastload.failures import congestion
 from fastload.hostlimit import HostLimit
 
@@ -244,6 +244,6 @@ def test_a_status_in_a_url_is_not_a_congestion_signal() -> None:
     class ClientResponseError(Exception):
         pass
 
-    assert hostlimit.congestion(ClientResponseError("404, message='Not Found', url='http://127.0.0.1:42951/503.bin'")) == ""
-    assert hostlimit.congestion(ClientResponseError("503, message='Service Unavailable', url='http://h/x'")) == "ClientResponseError"
-    assert hostlimit.congestion(OSError("Please reduce your request rate. (SlowDown)")) == "OSError"
+    assert failures.congestion(ClientResponseError("404, message='Not Found', url='http://127.0.0.1:42951/503.bin'")) == ""
+    assert failures.congestion(ClientResponseError("503, message='Service Unavailable', url='http://h/x'")) == "ClientResponseError"
+    assert failures.congestion(OSError("Please reduce your request rate. (SlowDown)")) == "OSError"
