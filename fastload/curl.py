@@ -401,9 +401,9 @@ class CurlRoute:
         """The URL libcurl requests for ``url``."""
         return url if _PLAIN_URL.match(url) else str(self.encode(url))
 
-    def login(self) -> tuple[str | None, list[str], str | None]:
-        """The next batch's login: (``user:password`` or None, header lines, CURLOPT_AWS_SIGV4 or None)."""
-        return self.userpwd, [], None
+    def sign(self, wire: list[str], headers: list[str]) -> tuple[list[str], list[str] | None]:
+        """A batch's signature: header lines for all of its GETs, and one more line per GET (or None)."""
+        return [], None
 
     def _submit(self, urls: Sequence[str], max_bytes: int, extra: list[str], timeout_s: float, limit: HostLimit,
                 stop: threading.Event, page: bool) -> list[Pending]:
@@ -412,9 +412,10 @@ class CurlRoute:
             raise ConfigError(f"libcurl's engine is not running here: {unavailable()}")  # route_for checked
         host = _host(limit)
         wire = [self.wire(u) for u in urls]
-        userpwd, signed, sigv4 = self.login()
-        headers = [*self.headers, *signed, *extra, "Accept-Encoding: identity"]
-        transfers = eng.submit(host.id, wire, max_bytes, headers, timeout_s, userpwd, self.trust_env, page, sigv4)
+        headers = [*self.headers, *extra, "Accept-Encoding: identity"]
+        batch, lines = self.sign(wire, headers)
+        transfers = eng.submit(host.id, wire, max_bytes, [*headers, *batch], timeout_s, self.userpwd, self.trust_env, page,
+                               lines)
         pendings = [Pending(t, u, max_bytes, host, page) for t, u in zip(transfers, urls)]
         state = _STATE
         with state.lock:

@@ -63,7 +63,6 @@ typedef struct {
 #define O_URL (OPT_PTR + 2)
 #define O_PROXY (OPT_PTR + 4)
 #define O_USERPWD (OPT_PTR + 5)
-#define O_AWS_SIGV4 (OPT_PTR + 305) /* libcurl >= 7.75: "aws:amz:<region>:s3" signs the request (SigV4) */
 #define O_WRITEDATA (OPT_PTR + 1)
 #define O_WRITEFUNCTION (OPT_FUNC + 11)
 #define O_HTTPHEADER (OPT_PTR + 23)
@@ -184,7 +183,6 @@ typedef struct Req {
     int host, state, abandoned, cancel, closes, full;
     int page; /* a listing page: the body is kept only if the answer is HTML (page_wanted) */
     char *url, *userpwd, *final; /* final: the URL answered, after redirects */
-    char *sigv4; /* CURLOPT_AWS_SIGV4 (an S3 GET: userpwd holds key:secret), or NULL */
     int trust_env;
     struct curl_slist *headers;
     long timeout_ms;
@@ -249,7 +247,6 @@ static void req_free(Req *r) {
     free(r->url);
     free(r->final);
     free(r->userpwd);
-    free(r->sigv4);
     free(r->buf);
     for (int i = 0; i < N_HEADERS; i++)
         free(r->h[i]);
@@ -448,8 +445,6 @@ static void start(Engine *e, Req *r) {
         lib.easy_setopt(c, O_PROXY, ""); /* as aiohttp without trust_env: no http_proxy from the environment */
     if (r->userpwd)
         lib.easy_setopt(c, O_USERPWD, r->userpwd);
-    if (r->sigv4)
-        lib.easy_setopt(c, O_AWS_SIGV4, r->sigv4);
     if (e->cainfo)
         lib.easy_setopt(c, O_CAINFO, e->cainfo);
     if (e->capath)
@@ -870,15 +865,19 @@ static char *dup_utf8(PyObject *s) {
 }
 
 static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"host", "urls", "max_bytes", "headers", "timeout_s", "userpwd", "trust_env", "page", "sigv4", NULL};
+    static char *kwlist[] = {"host", "urls", "max_bytes", "headers", "timeout_s", "userpwd", "trust_env", "page", "lines", NULL};
     int host, trust_env = 0, page = 0;
-    PyObject *urls, *headers;
+    PyObject *urls, *headers, *lines = NULL;
     Py_ssize_t max_bytes;
     double timeout_s;
-    const char *userpwd = NULL, *sigv4 = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!nO!d|zppz", kwlist, &host, &PyList_Type, &urls, &max_bytes,
-                                     &PyList_Type, &headers, &timeout_s, &userpwd, &trust_env, &page, &sigv4))
+    const char *userpwd = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!nO!d|zppO", kwlist, &host, &PyList_Type, &urls, &max_bytes,
+                                     &PyList_Type, &headers, &timeout_s, &userpwd, &trust_env, &page, &lines))
         return NULL;
+    if (lines == Py_None)
+        lines = NULL;
+    if (lines && !PyList_Check(lines))
+        return PyErr_Format(PyExc_TypeError, "lines must be a list or None");
     if (stale(e))
         return NULL;
     pthread_mutex_lock(&e->mu);
@@ -891,6 +890,11 @@ static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(urls), nh = PyList_GET_SIZE(headers);
+    if (lines && PyList_GET_SIZE(lines) != n)
+        return PyErr_Format(PyExc_ValueError, "lines has %zd items for %zd urls", PyList_GET_SIZE(lines), n);
+    for (Py_ssize_t i = 0; lines && i < n; i++)
+        if (!PyUnicode_Check(PyList_GET_ITEM(lines, i)))
+            return PyErr_Format(PyExc_TypeError, "lines[%zd] is not a str", i);
     for (Py_ssize_t i = 0; i < n; i++)
         if (!PyUnicode_Check(PyList_GET_ITEM(urls, i)))
             return PyErr_Format(PyExc_TypeError, "urls[%zd] is not a str", i);
@@ -921,11 +925,17 @@ static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
         r->page = page;
         r->url = dup_utf8(PyList_GET_ITEM(urls, i));
         r->userpwd = userpwd ? strdup(userpwd) : NULL;
-        r->sigv4 = sigv4 ? strdup(sigv4) : NULL;
-        if (!r->url || (userpwd && !r->userpwd) || (sigv4 && !r->sigv4))
+        if (!r->url || (userpwd && !r->userpwd))
             goto fail;
         for (Py_ssize_t k = 0; k < nh; k++) {
             const char *line = PyUnicode_AsUTF8(PyList_GET_ITEM(headers, k));
+            struct curl_slist *sl = line ? lib.slist_append(r->headers, line) : NULL;
+            if (!sl)
+                goto fail;
+            r->headers = sl;
+        }
+        if (lines) { /* this URL's own header line (an S3 GET's Authorization, fastload.source.s3) */
+            const char *line = PyUnicode_AsUTF8(PyList_GET_ITEM(lines, i));
             struct curl_slist *sl = line ? lib.slist_append(r->headers, line) : NULL;
             if (!sl)
                 goto fail;
@@ -1132,9 +1142,9 @@ static PyObject *Engine_set_permits(Engine *e, PyObject *args) {
 static PyMethodDef Engine_methods[] = {
     {"host", (PyCFunction)Engine_host, METH_NOARGS, "A new host: its id (no permits yet)."},
     {"submit", (PyCFunction)(void (*)(void))Engine_submit, METH_VARARGS | METH_KEYWORDS,
-     "submit(host, urls, max_bytes, headers, timeout_s, userpwd=None, trust_env=False, page=False, sigv4=None) -> "
-     "[Transfer]: queue one GET per URL; each body is cut at max_bytes; with page, kept only if it is HTML (a folder "
-     "page); with sigv4 (CURLOPT_AWS_SIGV4), signed with userpwd's key:secret."},
+     "submit(host, urls, max_bytes, headers, timeout_s, userpwd=None, trust_env=False, page=False, lines=None) -> "
+     "[Transfer]: queue one GET per URL; each body is cut at max_bytes; with page, kept only if it is HTML or XML (a "
+     "folder page, an object store's listing); lines: one more header line per URL (its own Authorization)."},
     {"wait", (PyCFunction)Engine_wait, METH_VARARGS,
      "wait(transfers, timeout_s, pump_s=-1) -> bool: until all are done (True) or timeout_s passed; with "
      "pump_s >= 0 also once outcomes have waited pump_s untaken (Engine.outcomes). Releases the GIL."},

@@ -12,6 +12,11 @@ the breakdown.
 Usage::
 
     python benchmarks/peers/cpu_per_object.py [--images 1500] [--read-threads 2] [--num-workers 2] [--json]
+    python benchmarks/peers/cpu_per_object.py --store s3   # the same objects as s3:// keys (nginx path-style)
+
+``--store s3`` reads the same JPEGs as a list of s3:// keys from nginx serving them
+path-style (``/bucket/train/...``): each first block is a GET signed on libcurl
+(fastload.source.s3); nginx checks no signature.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--images", type=int, default=1500)
     p.add_argument("--read-threads", type=int, default=None, help="DataLoader read_threads (default: fastload's)")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader num_workers (their CPU counts)")
+    p.add_argument("--store", choices=("http", "s3"), default="http", help="the objects as http:// (listed) or s3:// keys")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if not nginx_available():
@@ -77,17 +83,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="fastload-cpu-"))
     try:
-        make_image_folder(work / "www" / "train", n=args.images, quality=92)
+        make_image_folder(work / "www" / "bucket" / "train", n=args.images, quality=92)
         with NginxServer(work / "www") as server:
-            ds = fastload.FileDataset(server.url + "/train/", pattern="**/*.jpg", label="parent",
-                                      settings=Settings(cache_dir=work / "cache"))
+            if args.store == "s3":
+                keys = sorted(p.relative_to(work / "www").as_posix() for p in (work / "www").rglob("*.jpg"))
+                options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": server.url, "region_name": "us-east-1"}}
+                ds = fastload.FileDataset([f"s3://{k}" for k in keys], storage_options=options,
+                                          settings=Settings(cache_dir=work / "cache"))
+            else:
+                ds = fastload.FileDataset(server.url + "/bucket/train/", pattern="**/*.jpg", label="parent",
+                                          settings=Settings(cache_dir=work / "cache"))
             loader = fastload.DataLoader(ds, batch_size=64, collate_fn=_as_list, read_threads=args.read_threads,
                                          num_workers=args.num_workers)
             # The dataset's setup stays out of the epochs, aiohttp's import included: it runs on a
             # thread of fastload's (source.warm_http), and this import waits for it to finish.
             importlib.import_module("fsspec.implementations.http")
             out = {"cold": _epoch(loader), "warm": _epoch(loader), "read_threads": loader.read_threads,
-                   "num_workers": args.num_workers}
+                   "num_workers": args.num_workers, "store": args.store}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:

@@ -17,6 +17,9 @@ Clients, each a fresh process inside the namespace, each reading every object on
   pages that nginx answers from files), then read; the listing is reported as setup;
 * ``fastload_s3fs``: the same through s3fs (``FASTLOAD_HTTP_CLIENT=aiohttp``: the road before);
 * ``fastload_http``: the same objects as http:// URLs (the HTTP road, for reference);
+* ``engine``: fastload's client alone: libcurl's engine with the requests signed as
+  fastload.source.s3 signs them, every object's first-block GET handed over at once, the
+  host limit's adaptive number in flight, no cache: the row to weigh against obstore's;
 * ``obstore``: obstore's ``get_async`` (Rust, object_store), 32 in flight, no cache: the
   library the client choice was weighed against (``--peers-python``, needs obstore);
 * ``s3torchconnector``: AWS's ``S3MapDataset.from_objects`` + torch DataLoader with 2 workers,
@@ -64,7 +67,7 @@ def cpu():
     return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 c_setup, t_setup = cpu(), time.perf_counter()
 ds = fastload.FileDataset(urls, storage_options=options if what.startswith("s3") or urls[0].startswith("s3") else None,
-                          settings=Settings(cache_dir=cache))
+                          settings=Settings.from_env(cache_dir=cache))  # FASTLOAD_HTTP_CLIENT read here
 c0, t0 = cpu(), time.perf_counter()
 n = 0
 for batch in fastload.DataLoader(ds, batch_size=64):
@@ -96,6 +99,31 @@ n = asyncio.run(main())
 print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": cpu() - c0, "bytes": n, "n": len(keys)}))
 """
 
+# fastload's client alone (libcurl's engine, signed by fastload.source.s3), as obstore's row: every
+# object's first-block GET handed over at once, its answer read (size, version, bytes); no cache.
+_ENGINE = r"""
+import json, resource, sys, time
+from fastload import curl
+from fastload.hostlimit import limit_for
+from fastload.source import s3
+endpoint, urls_file = sys.argv[1], sys.argv[2]
+urls = open(urls_file).read().split()
+options = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+route, why = s3.route_for(urls[0], options, "auto")
+assert route is not None, why
+limit = limit_for(endpoint, 32)
+def cpu():
+    s = resource.getrusage(resource.RUSAGE_SELF)
+    return s.ru_utime + s.ru_stime
+import threading
+stop = threading.Event()
+c0, t0 = cpu(), time.perf_counter()
+pending = route.start(urls, 1 << 20, 60.0, limit, stop)
+curl.settle(pending, stop, 600.0)
+n = sum(len(p.result(0)[1]) for p in pending)
+print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": cpu() - c0, "bytes": n, "n": len(urls)}))
+"""
+
 _S3TC = r"""
 import json, os, resource, sys, time
 import torch
@@ -122,7 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kb", type=int, default=110, help="size of each object in KB")
     p.add_argument("--rate", default="1gbit", help="link rate in tc units")
     p.add_argument("--delay-ms", default="0,20", help="comma-separated times to first byte (a run per value)")
-    p.add_argument("--clients", default="fastload_s3,fastload_s3_listed,fastload_s3fs,fastload_http,obstore,s3torchconnector")
+    p.add_argument("--clients", default="fastload_s3,fastload_s3_listed,fastload_s3fs,fastload_http,engine,obstore,"
+                                        "s3torchconnector")
     p.add_argument("--peers-python", default="", help="an interpreter with obstore, s3torchconnector and torch")
     p.add_argument("--no-shaping", action="store_true", help="plain loopback, no namespace")
     p.add_argument("--timeout-s", type=float, default=300, help="limit per client run")
@@ -238,6 +267,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     "fastload_s3_listed": (sys.executable, _FASTLOAD, [f"s3://{BUCKET}/train/"], {}),
                     "fastload_s3fs": (sys.executable, _FASTLOAD, [str(s3_urls)], {"FASTLOAD_HTTP_CLIENT": "aiohttp"}),
                     "fastload_http": (sys.executable, _FASTLOAD, [str(http_urls)], {}),
+                    "engine": (sys.executable, _ENGINE, [str(s3_urls)], {}),
                     "obstore": (args.peers_python, _OBSTORE, [str(s3_urls)], {}),
                     "s3torchconnector": (args.peers_python, _S3TC, [str(s3_urls)], {}),
                 }

@@ -5,10 +5,11 @@ botocore in Python and parsed on fsspec's event loop: 0.23 of a 1 Gbit link at
 4.0 ms of CPU per object (issue 21). Here the first-block GET of each object goes
 through the C engine that carries HTTP's (:mod:`fastload.curl`), and libcurl
 signs it (``CURLOPT_AWS_SIGV4``). Its Content-Range sizes the object and its
-ETag versions it, so a key list needs no HEAD. The client was chosen by
-measurement (benchmarks/peers/results/s3-client.md): obstore, the library
-alternative, hangs in a forked child (its tokio runtime does not survive fork, and
-DataLoader workers fork), and was not cheaper per object in the same run.
+ETag versions it, so a key list needs no HEAD. Each GET is signed here
+(fastload.source.sigv4) and handed over with the batch. The client was chosen by
+measurement (benchmarks/s3/results/results.md): obstore, the library alternative,
+hangs in a forked child (its tokio runtime does not survive fork, and DataLoader
+workers fork), and cost more CPU per object in the same run on a 1 Gbit link.
 
 Scope: the first block of each s3:// or s3a:// object, listed (sized) or from a
 key list (sizeless), and the ListObjectsV2 pages of a listing, one per common
@@ -35,6 +36,7 @@ import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
@@ -42,6 +44,7 @@ from xml.etree import ElementTree
 
 from fastload import curl
 from fastload.curl import CurlRoute
+from fastload.source import sigv4
 
 _log = logging.getLogger("fastload")
 
@@ -55,7 +58,6 @@ S3FS_ONLY = {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_in
              "default_fill_cache", "default_cache_type", "cache_regions", "asynchronous", "loop", "max_concurrency",
              "fixed_upload_size"}
 _DNS_BUCKET = re.compile(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]\Z")  # a bucket name that can be a host name (no dots: TLS)
-_SIGNED = "aws:amz:{region}:s3"
 _logged: set[str] = set()
 _logged_lock = threading.Lock()
 
@@ -114,15 +116,17 @@ class S3Route(CurlRoute):
             return f"{parts.scheme}://{bucket}.{parts.netloc}/?{query}"
         return f"{self.base}/{bucket}?{query}"
 
-    def login(self) -> tuple[str | None, list[str], str | None]:
+    def sign(self, wire: list[str], headers: list[str]) -> tuple[list[str], list[str] | None]:
+        """The batch's x-amz headers and each GET's Authorization (fastload.source.sigv4); none when unsigned."""
         if self.credentials is None:
-            return None, [], None
+            return [], None
         frozen = self.credentials.get_frozen_credentials()  # botocore refreshes expiring ones here
-        # libcurl signs this header's value as the payload hash; S3 requires the header.
-        lines = ["x-amz-content-sha256: UNSIGNED-PAYLOAD"]
+        amz_date = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        batch = [f"x-amz-content-sha256: {sigv4.UNSIGNED}", f"x-amz-date: {amz_date}"]
         if frozen.token:
-            lines.append(f"x-amz-security-token: {frozen.token}")
-        return f"{frozen.access_key}:{frozen.secret_key}", lines, _SIGNED.format(region=self.region)
+            batch.append(f"x-amz-security-token: {frozen.token}")
+        lines = sigv4.authorizations(wire, [*headers, *batch], frozen.access_key, frozen.secret_key, self.region, amz_date)
+        return batch, lines
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import pytest
 
 import fastload
 from fastload import codec, config, failures, loader, patch, stats
-from fastload.source import items
+from fastload.source import items, sigv4
 
 
 def test_all_is_sorted_and_resolves() -> None:
@@ -23,7 +23,7 @@ def test_errors_inherit_builtins() -> None:
     assert issubclass(fastload.CredentialsError, PermissionError)
 
 
-@pytest.mark.parametrize("module", [codec, config, failures, items, loader, patch, stats])
+@pytest.mark.parametrize("module", [codec, config, failures, items, loader, patch, sigv4, stats])
 def test_docstring_examples_run(module: object) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)  # type: ignore[arg-type]
     assert result.failed == 0 and result.attempted > 0
