@@ -114,7 +114,8 @@ class Settings:
             (default): libcurl (``fastload._curl``) where it is built, libcurl is
             installed and the storage_options map onto it, else fsspec's aiohttp
             session; ``"curl"``: the same, but a missing engine is an error;
-            ``"aiohttp"``: always aiohttp (fastload.curl).
+            ``"aiohttp"``: always aiohttp (fastload.curl). The same choice holds for S3's
+            signed first blocks and listing pages, whose other road is s3fs (fastload.source.s3).
         lock_timeout_s: Upper bound on waiting for the cache's eviction lock.
     """
 

@@ -44,6 +44,7 @@ from xml.etree import ElementTree
 
 from fastload import curl
 from fastload.curl import CurlRoute
+from fastload.errors import ConfigError
 from fastload.source import sigv4
 
 _log = logging.getLogger("fastload")
@@ -157,6 +158,9 @@ def route_for(url: str, options: dict[str, Any], choice: str) -> tuple[S3Route |
     if choice == "aiohttp":
         return None, "FASTLOAD_HTTP_CLIENT=aiohttp"
     if curl.engine() is None:
+        if choice == "curl":
+            raise ConfigError(f"http_client='curl' cannot run here: {curl.unavailable()}; fix: install libcurl "
+                              "(apt-get install libcurl4) and a C compiler, or FASTLOAD_HTTP_CLIENT=auto")
         return None, f"libcurl's engine cannot run here ({curl.unavailable()})"
     client = dict(options.get("client_kwargs") or {})
     config = dict(options.get("config_kwargs") or {})
