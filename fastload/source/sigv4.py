@@ -3,7 +3,7 @@
 Why here and not libcurl's ``CURLOPT_AWS_SIGV4``: libcurl 7.88 spent about
 0.055 ms of CPU signing each GET (0.085 ms per request against 0.031 unsigned,
 2,000 GETs of 110 KB from nginx, one run), a sixth of a cold object's whole
-budget; this signs one in about 4 us with hashlib and hmac, for the batch
+budget; this signs one in 4-6 us with hashlib and hmac, for the batch
 at once, before the batch is handed to the engine (benchmarks/s3/signing.py
 measures both in one run). botocore's signer costs more still, and needs a
 request object per GET.
