@@ -235,3 +235,28 @@ def test_region_from_aws_region_and_virtual_hosting_on_aws(no_aws_env: None, mon
     monkeypatch.delenv("AWS_REGION")
     assert Source("s3://my-bucket/x", {"key": "k", "secret": "s"}).route is None  # no region: s3fs finds it
     os.environ.pop("AWS_REGION", None)
+
+
+def test_requester_pays_header_is_signed_with_the_rest(
+        tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None) -> None:
+    options = _options(signed, key=signed.key, secret=signed.secret) | {"requester_pays": True}
+    route = Source(_urls()[0], options).route
+    assert route is not None and "x-amz-request-payer: requester" in route.headers
+    assert _epoch(tmp_path, options, _urls()) == _expected()  # moto checks the signature over that header too
+
+
+def test_anonymous_reads_go_unsigned(
+        tmp_path: Path, moto_server: Any, s3_bucket: str, no_aws_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=moto_server.endpoint_url, aws_access_key_id="a",
+                          aws_secret_access_key="b", region_name="us-east-1")
+    client.put_object(Bucket=s3_bucket, Key="public/x.bin", Body=b"open data" * 100, ACL="public-read")
+    options = {"anon": True, "client_kwargs": {"endpoint_url": moto_server.endpoint_url, "region_name": "us-east-1"}}
+    route = Source(f"s3://{s3_bucket}/public/x.bin", options).route
+    assert route is not None and route.sign([route.wire(f"s3://{s3_bucket}/public/x.bin")], []) == ([], None)
+    def not_s3fs(*args: Any) -> Any:
+        raise AssertionError("the GET went to s3fs, not to libcurl unsigned")
+
+    monkeypatch.setattr(Source, "_read_first", not_s3fs)
+    assert _epoch(tmp_path, options, [f"s3://{s3_bucket}/public/x.bin"]) == [b"open data" * 100]
