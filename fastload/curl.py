@@ -162,7 +162,11 @@ def _watch(state: _State) -> None:
     while a stop event has GETs to end.
     """
     eng = state.engine
-    while _STATE is state:
+    # For the life of the process: a forked child has no copy of this thread (it starts its own
+    # engine), and a thread that ended while _STATE was briefly another (a test swapping it) left
+    # the engine's leased slots stranded, each aiohttp request then waiting for a slot
+    # (tests/integration/test_curl.py::test_the_pump_thread_outlives_a_swapped_state).
+    while True:
         due = eng.watch(STOP_POLL_S, 2 * PUMP_S)
         if due or any(stop.is_set() for stop, _ in list(state.stoppable.values())):
             pump()

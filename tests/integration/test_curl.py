@@ -202,6 +202,20 @@ def test_http_client_curl_where_it_cannot_run_is_a_config_error(tmp_path: Path, 
     assert curl.route_for({}, "auto", str) is None
 
 
+def test_the_pump_thread_outlives_a_swapped_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread that gives the engine's idle slots back once ended when it saw another _STATE
+    (a test swapping it for a moment); later aiohttp requests then waited for slots the engine held."""
+    eng = curl.engine()
+    if eng is None:
+        pytest.skip(f"libcurl's engine cannot run here: {curl.unavailable()}")
+    pumps = [t for t in threading.enumerate() if t.name == "fastload-curl-pump"]
+    assert len(pumps) == 1 and pumps[0].is_alive()
+    with monkeypatch.context() as m:
+        m.setattr(curl, "_STATE", curl._State())
+        time.sleep(20 * curl.PUMP_S + 2 * curl.STOP_POLL_S)  # several turns of its loop
+    assert pumps[0].is_alive()
+
+
 def test_a_cancelled_or_dropped_get_leaves_nothing_queued(tmp_path: Path, nginx_server: Any) -> None:
     _files(tmp_path / "www", 3, 100)
     server = nginx_server(tmp_path / "www")
