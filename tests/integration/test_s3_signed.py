@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import sys
 import textwrap
 from datetime import datetime, timedelta, timezone
@@ -234,7 +233,6 @@ def test_region_from_aws_region_and_virtual_hosting_on_aws(no_aws_env: None, mon
     assert lines is not None and "/eu-west-2/s3/aws4_request" in lines[0] and any(b.startswith("x-amz-date: ") for b in batch)
     monkeypatch.delenv("AWS_REGION")
     assert Source("s3://my-bucket/x", {"key": "k", "secret": "s"}).route is None  # no region: s3fs finds it
-    os.environ.pop("AWS_REGION", None)
 
 
 def test_requester_pays_header_is_signed_with_the_rest(
