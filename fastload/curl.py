@@ -328,21 +328,21 @@ def _answer(res: tuple[Any, ...], url: str, nbytes: int) -> tuple[dict[str, Any]
     """An engine answer as _http_get_first's (info, body), or the error it stands for."""
     from fastload.answers import first_info
 
-    code, status, body, content_range, content_length, etag, modified, md5, digest, _closes, message, _, _ = res
+    code, status, body, content_range, content_length, etag, modified, md5, digest, _closes, message, _, _, generation = res
     _failed(code, status, message, url)
     if status not in (200, 206, 416):
         raise HttpStatusError(status, url, body)
     if status == 200 and content_length is None and len(body) >= nbytes:
         raise HttpStatusError(status, url)  # no length, and cut at nbytes: its size is unknown here
     headers = _Headers({"content-range": content_range, "content-length": content_length, "etag": etag,
-                        "last-modified": modified, "content-md5": md5, "digest": digest})
+                        "last-modified": modified, "content-md5": md5, "digest": digest, "x-goog-generation": generation})
     return first_info(url, nbytes, status, headers, body)
 
 
 def _page_answer(res: tuple[Any, ...], url: str) -> tuple[str, int | None, str | None]:
     """A folder page's answer as ``(final_url, size, text)``, as ``fastload.source.aio.http_page`` reads one on
     aiohttp: the text only for HTML (the engine kept no other body), or the error it stands for."""
-    code, status, body, _, content_length, _, _, _, _, _, message, content_type, final = res
+    code, status, body, _, content_length, _, _, _, _, _, message, content_type, final, _ = res
     _failed(code, status, message, url)
     if not 200 <= status < 300:
         raise HttpStatusError(status, url, body)
@@ -408,6 +408,11 @@ class CurlRoute:
     def sign(self, wire: list[str], headers: list[str]) -> tuple[list[str], list[str] | None]:
         """A batch's signature: header lines for all of its GETs, and one more line per GET (or None)."""
         return [], None
+
+    def refused(self, url: str, err: HttpStatusError) -> Exception | None:
+        """The error an answer that refuses the credentials stands for (an object store's: its route
+        reads the store's own error), or None: the request is done again on the other road."""
+        return None
 
     def _submit(self, urls: Sequence[str], max_bytes: int, extra: list[str], timeout_s: float, limit: HostLimit,
                 stop: threading.Event, page: bool) -> list[Pending]:

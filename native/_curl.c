@@ -163,8 +163,9 @@ static int load_libcurl(void) {
 /* ---- requests --------------------------------------------------------------- */
 
 enum { INCOMING, QUEUED, ACTIVE, DONE };
-enum { H_RANGE, H_LENGTH, H_ETAG, H_MODIFIED, H_MD5, H_DIGEST, H_TYPE, N_HEADERS };
-static const char *const header_names[N_HEADERS] = {"content-range", "content-length", "etag", "last-modified", "content-md5", "digest", "content-type"};
+/* x-goog-generation: a GCS object's version, as its listing gives it (fastload.source.gcs) */
+enum { H_RANGE, H_LENGTH, H_ETAG, H_MODIFIED, H_MD5, H_DIGEST, H_TYPE, H_GENERATION, N_HEADERS };
+static const char *const header_names[N_HEADERS] = {"content-range", "content-length", "etag", "last-modified", "content-md5", "digest", "content-type", "x-goog-generation"};
 #define CANCELLED (-1) /* Req.code of a request cancelled before it finished */
 #define RECV_BUFFER (256 * 1024) /* libcurl's receive buffer: fewer recv() calls per answer */
 
@@ -682,11 +683,11 @@ static PyObject *Transfer_result(Transfer *self, PyObject *unused) {
     if (!body)
         return NULL;
     const char *message = r->code > 0 ? lib.easy_strerror(r->code) : (r->code == CANCELLED ? "cancelled" : "");
-    self->answer = Py_BuildValue("(iiNNNNNNNNsNN)", r->code, (int)r->status, body, header_or_none(r->h[H_RANGE]),
+    self->answer = Py_BuildValue("(iiNNNNNNNNsNNN)", r->code, (int)r->status, body, header_or_none(r->h[H_RANGE]),
                                  header_or_none(r->h[H_LENGTH]), header_or_none(r->h[H_ETAG]),
                                  header_or_none(r->h[H_MODIFIED]), header_or_none(r->h[H_MD5]),
                                  header_or_none(r->h[H_DIGEST]), PyBool_FromLong(r->closes || r->http_version == HTTP_VERSION_1_0),
-                                 message, header_or_none(r->h[H_TYPE]), header_or_none(r->final));
+                                 message, header_or_none(r->h[H_TYPE]), header_or_none(r->final), header_or_none(r->h[H_GENERATION]));
     if (!self->answer)
         return NULL;
     free(r->buf); /* the bytes now live in the answer */
@@ -757,7 +758,8 @@ static void Transfer_dealloc(Transfer *self) {
 static PyMethodDef Transfer_methods[] = {
     {"result", (PyCFunction)Transfer_result, METH_NOARGS,
      "None while it runs; then (code, status, body, content_range, content_length, etag, last_modified, "
-     "content_md5, digest, closes, message, content_type, final_url); the last two for a page only, else None. "
+     "content_md5, digest, closes, message, content_type, final_url, x_goog_generation); content_type and final_url "
+     "for a page only, else None. "
      "code: libcurl's (0 ok, -1 cancelled)."},
     {"done", (PyCFunction)Transfer_done, METH_NOARGS, "Whether it finished (or was cancelled)."},
     {"started", (PyCFunction)Transfer_started, METH_NOARGS, "Whether it left its host's queue (running or done)."},

@@ -59,7 +59,10 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
 
 
 def version_of(info: dict[str, Any]) -> str:
-    for key in ("ETag", "etag", "generation", "md5Hash", "LastModified", "Last-Modified", "last_modified", "updated", "mtime", "created"):
+    """An object's version as its store reports it. A GCS generation comes first: it changes with the
+    bytes only, and both a listing and a GET's x-goog-generation give it (an ETag there also
+    changes with metadata, and a JSON API listing's etag is not a GET's)."""
+    for key in ("generation", "ETag", "etag", "md5Hash", "LastModified", "Last-Modified", "last_modified", "updated", "mtime", "created"):
         value = info.get(key)
         if value not in (None, ""):
             return str(value).strip('"')

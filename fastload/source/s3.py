@@ -32,10 +32,8 @@ caches). Any other one keeps the source's GETs on s3fs, and one log line names i
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -44,10 +42,9 @@ from xml.etree import ElementTree
 
 from fastload import curl
 from fastload.curl import CurlRoute
-from fastload.errors import ConfigError
-from fastload.source import sigv4
+from fastload.errors import ConfigError, CredentialsError
+from fastload.source import errors, sigv4
 
-_log = logging.getLogger("fastload")
 
 # storage_options this path honours, and what it honours inside client_kwargs and config_kwargs.
 HONOURED = {"key", "secret", "token", "anon", "profile", "endpoint_url", "client_kwargs", "config_kwargs",
@@ -59,8 +56,6 @@ S3FS_ONLY = {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_in
              "default_fill_cache", "default_cache_type", "cache_regions", "asynchronous", "loop", "max_concurrency",
              "fixed_upload_size"}
 _DNS_BUCKET = re.compile(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]\Z")  # a bucket name that can be a host name (no dots: TLS)
-_logged: set[str] = set()
-_logged_lock = threading.Lock()
 
 
 class Frozen(NamedTuple):
@@ -128,6 +123,12 @@ class S3Route(CurlRoute):
             batch.append(f"x-amz-security-token: {frozen.token}")
         lines = sigv4.authorizations(wire, [*headers, *batch], frozen.access_key, frozen.secret_key, self.region, amz_date)
         return batch, lines
+
+    def refused(self, url: str, err: curl.HttpStatusError) -> CredentialsError | None:
+        """An answer whose S3 error code refuses the credentials, as a CredentialsError (s3fs would see
+        no code in a HEAD's answer, which has no body, only "400 Bad Request")."""
+        code = refusal(err)
+        return errors.refused(url, code, err.status) if code else None
 
 
 @dataclass(frozen=True)
@@ -210,12 +211,3 @@ def refusal(err: BaseException) -> str:
     match = _CODE.search(getattr(err, "body", b"") or b"")
     code = match.group(1).decode() if match else ""
     return code if code in REFUSALS else ""
-
-
-def note_fallback(url: str, why: str) -> None:
-    """Log, once per process and cause, that an S3 source's GETs stay on s3fs."""
-    with _logged_lock:
-        if why in _logged:
-            return
-        _logged.add(why)
-    _log.info("fastload: %s: S3 GETs go through s3fs (a HEAD and a GET per object): %s", url, why)

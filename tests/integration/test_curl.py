@@ -252,7 +252,7 @@ class _FailedTransfer:
         return False
 
     def result(self) -> tuple[Any, ...]:
-        return (self.code, 0, b"", None, None, None, None, None, None, False, self.message, None, None)
+        return (self.code, 0, b"", None, None, None, None, None, None, False, self.message, None, None, None)
 
 
 def test_a_host_libcurl_cannot_speak_to_goes_to_aiohttp_for_good(tmp_path: Path, py_server: Any) -> None:
