@@ -45,7 +45,6 @@ from fastload.curl import CurlRoute
 from fastload.errors import ConfigError, CredentialsError
 from fastload.source import errors, sigv4
 
-
 # storage_options this path honours, and what it honours inside client_kwargs and config_kwargs.
 HONOURED = {"key", "secret", "token", "anon", "profile", "endpoint_url", "client_kwargs", "config_kwargs",
             "requester_pays", "use_ssl"}
