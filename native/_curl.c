@@ -299,7 +299,8 @@ static size_t on_header(char *line, size_t size, size_t n, void *ud) {
 
 /* A listing page's body is read only when it is HTML, as fastload.source.aio.http_page does on
  * aiohttp: a Content-Type of text/html, or none and a final URL ending in "/"; or an object
- * store's listing (application/xml: S3's ListObjectsV2, fastload.source.s3). */
+ * store's listing (application/xml: S3's ListObjectsV2, fastload.source.s3; application/json: GCS's
+ * objects.list, fastload.source.gcs). */
 static int page_wanted(Req *r) {
     const char *type = r->h[H_TYPE];
     if (type) {
@@ -308,7 +309,8 @@ static int page_wanted(Req *r) {
         size_t n = strcspn(type, "; \t");
         if (n)
             return (n == 9 && strncasecmp(type, "text/html", 9) == 0) ||
-                   (n == 15 && strncasecmp(type, "application/xml", 15) == 0);
+                   (n == 15 && strncasecmp(type, "application/xml", 15) == 0) ||
+                   (n == 16 && strncasecmp(type, "application/json", 16) == 0);
     }
     char *eff = NULL;
     lib.easy_getinfo(r->easy, I_EFFECTIVE_URL, &eff);

@@ -268,8 +268,8 @@ class Source(FsspecRoad):
         if self._http:
             return listing.http_find(self, pattern)
         route = self.route
-        if isinstance(route, s3.S3Route):
-            found = listing.s3_find(self, route, pattern)
+        if isinstance(route, (s3.S3Route, gcs.GcsRoute)):
+            found = listing.store_find(self, route, pattern)
             if found is not None:
                 return found
         return self._find(pattern)

@@ -15,8 +15,10 @@ google-auth Credentials object...) authorises these GETs as it does gcsfs's, and
 gcsfs refreshes an expiring token before each batch. The endpoint is gcsfs's too
 (``endpoint_url``, else ``STORAGE_EMULATOR_HOST``, else Google's).
 
-Scope: first blocks only, listed (sized) or from a key list (sizeless). Listing,
-later blocks and streamed objects stay on gcsfs. So do errors, but for a refusal
+Scope: the first block of each object, listed (sized) or from a key list
+(sizeless), and the objects.list pages of a listing (JSON), one per common prefix, a
+whole level in flight (fastload.source.listing.store_find). Later blocks and
+streamed objects stay on gcsfs. So do errors, but for a refusal
 (401, 403: a CredentialsError at once, as gcsfs's retries cannot help) and a 404.
 
 Options: ``storage_options`` as gcsfs takes them; this path honours those in
@@ -28,12 +30,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import quote
 
 from fastload import curl
 from fastload.curl import CurlRoute
 from fastload.errors import ConfigError, CredentialsError
+from fastload.source.items import ListPage
 
 # storage_options this path honours; gcsfs's own caches, buffers and write settings are nothing of a GET.
 HONOURED = {"project", "access", "token", "endpoint_url", "requester_pays", "timeout", "requests_timeout"}
@@ -41,11 +44,14 @@ GCSFS_ONLY = {"block_size", "consistency", "cache_timeout", "secure_serialize", 
               "loop", "default_location", "listings_expiry_time", "use_listings_cache", "max_paths",
               "skip_instance_cache"}
 GOOGLE = "https://storage.googleapis.com"
+_FIELDS = "items(name,size,generation),prefixes,nextPageToken"  # what a listing page needs, no more
 
 
 @dataclass(frozen=True)
 class GcsRoute(CurlRoute):
     """How a GCS source's first-block GETs go through libcurl: where they go and how they are authorised."""
+
+    page_types: ClassVar[tuple[str, ...]] = ("application/json",)  # its listing pages
 
     base: str = GOOGLE  # the endpoint, as gcsfs's _location gives it
     user_project: str = ""  # requester pays: the project billed (gcsfs's userProject)
@@ -66,6 +72,24 @@ class GcsRoute(CurlRoute):
         out: dict[str, str] = {}
         self.credentials.apply(out)  # refreshes an expiring token first (gcsfs's maybe_refresh)
         return [f"{name}: {value}" for name, value in out.items()], None
+
+    def list_url(self, bucket: str, prefix: str, token: str | None) -> str:
+        """One objects.list page of ``prefix`` (``delimiter=/``, only the fields a RemoteItem needs), after
+        ``token`` if given."""
+        url = (f"{self.base}/storage/v1/b/{quote(bucket, safe='')}/o?delimiter=%2F&prefix={quote(prefix, safe='')}"
+               f"&fields={quote(_FIELDS, safe='')}")
+        if token:
+            url += f"&pageToken={quote(token, safe='')}"
+        return url + (f"&userProject={quote(self.user_project, safe='')}" if self.user_project else "")
+
+    def parse_page(self, text: str) -> ListPage:
+        """Read one objects.list answer (JSON): names, sizes and generations, prefixes, the next page's token."""
+        page = json.loads(text)
+        objects = [(str(o["name"]), int(o["size"]), str(o.get("generation", ""))) for o in page.get("items", ())]
+        return ListPage(objects, [str(p) for p in page.get("prefixes", ())], page.get("nextPageToken") or None)
+
+    def item_url(self, bucket: str, key: str) -> str:
+        return f"gs://{bucket}/{key}"
 
     def refused(self, url: str, err: curl.HttpStatusError) -> CredentialsError | None:
         """A 401 or 403 answer as the CredentialsError it stands for: the message GCS gave, and where

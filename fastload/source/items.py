@@ -58,6 +58,16 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("".join(out) + r"\Z")
 
 
+@dataclass(frozen=True)
+class ListPage:
+    """One page of an object store's listing: its objects (key, size, version), its common prefixes, the
+    next page's token (None on the last page)."""
+
+    objects: list[tuple[str, int, str]]
+    prefixes: list[str]
+    token: str | None
+
+
 def version_of(info: dict[str, Any]) -> str:
     """An object's version as its store reports it. A GCS generation comes first: it changes with the
     bytes only, and both a listing and a GET's x-goog-generation give it (an ETag there also

@@ -36,7 +36,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 from urllib.parse import quote, urlsplit
 from xml.etree import ElementTree
 
@@ -44,6 +44,7 @@ from fastload import curl
 from fastload.curl import CurlRoute
 from fastload.errors import ConfigError, CredentialsError
 from fastload.source import errors, sigv4
+from fastload.source.items import ListPage
 
 # storage_options this path honours, and what it honours inside client_kwargs and config_kwargs.
 HONOURED = {"key", "secret", "token", "anon", "profile", "endpoint_url", "client_kwargs", "config_kwargs",
@@ -78,6 +79,8 @@ class _Static:
 @dataclass(frozen=True)
 class S3Route(CurlRoute):
     """How an S3 source's first-block GETs go through libcurl: where they go and how they are signed."""
+
+    page_types: ClassVar[tuple[str, ...]] = ("application/xml",)  # its listing pages
 
     base: str = ""  # the endpoint: "https://s3.<region>.amazonaws.com", or endpoint_url
     virtual: bool = False  # virtual-hosted style (bucket.host/key); else path style (host/bucket/key)
@@ -123,20 +126,17 @@ class S3Route(CurlRoute):
         lines = sigv4.authorizations(wire, [*headers, *batch], frozen.access_key, frozen.secret_key, self.region, amz_date)
         return batch, lines
 
+    def parse_page(self, text: str) -> ListPage:
+        return parse_list(text)
+
+    def item_url(self, bucket: str, key: str) -> str:
+        return f"s3://{bucket}/{key}"
+
     def refused(self, url: str, err: curl.HttpStatusError) -> CredentialsError | None:
         """An answer whose S3 error code refuses the credentials, as a CredentialsError (s3fs would see
         no code in a HEAD's answer, which has no body, only "400 Bad Request")."""
         code = refusal(err)
         return errors.refused(url, code, err.status) if code else None
-
-
-@dataclass(frozen=True)
-class ListPage:
-    """One ListObjectsV2 answer: its objects (key, size, version), its common prefixes, the next page's token."""
-
-    objects: list[tuple[str, int, str]]
-    prefixes: list[str]
-    token: str | None
 
 
 def parse_list(text: str) -> ListPage:

@@ -131,6 +131,7 @@ class _FakeGoogle(ThreadingHTTPServer):
         self.valid = "first-token"
         self.issued = 0
         self.seen: list[str] = []
+        self.pages: list[str] = []
         self.lock = threading.Lock()
 
     @property
@@ -170,6 +171,17 @@ class _Handler(BaseHTTPRequestHandler):
         if not ok:
             error = {"error": {"code": 401, "message": "Invalid Credentials", "errors": [{"reason": "authError"}]}}
             self._send(401, json.dumps(error).encode(), {"Content-Type": "application/json"})
+            return
+        if self.path.startswith("/storage/v1/b/bkt/o?"):  # objects.list of big/: two pages
+            with self.server.lock:
+                self.server.pages.append(self.path)
+            second = "pageToken=next%2Fpage" in self.path
+            names = ["big/2.bin"] if second else ["big/0.bin", "big/1.bin"]
+            page: dict[str, Any] = {"kind": "storage#objects",
+                                    "items": [{"name": n, "size": "3000", "generation": "17"} for n in names]}
+            if not second:
+                page["nextPageToken"] = "next/page"
+            self._send(200, json.dumps(page).encode(), {"Content-Type": "application/json; charset=UTF-8"})
             return
         body = b"g" * 3000
         self._send(206, body[:100], {"Content-Range": "bytes 0-99/3000", "x-goog-generation": "1700000000000001",
@@ -231,3 +243,32 @@ def test_a_refused_token_is_a_credentials_error_naming_the_fix_without_the_token
     message = str(info.value)
     assert "gs://bkt/x/a.bin" in message and "HTTP 401" in message and "Invalid Credentials" in message
     assert "GOOGLE_APPLICATION_CREDENTIALS" in message and token not in message
+
+
+def test_listing_fans_out_per_common_prefix_on_the_engine(
+        tmp_path: Path, gcs_emulator: _servers.GcsEmulator, bucket: str) -> None:
+    tree = {"top.bin": b"t", "a/1.bin": b"one", "a/b/2.bin": b"two", "c/3.bin": b"three"}
+    for rel, data in tree.items():
+        gcs_emulator.upload(bucket, f"tree/{rel}", data)
+    pages = gcs_emulator.requests("GET", f"/storage/v1/b/{bucket}/o?")
+    src = Source(f"gs://{bucket}/tree", gcs_emulator.storage_options())
+    found, folders = src.find()
+    assert isinstance(found, dict) and sorted(found) == sorted(tree) and folders == 3  # a/, a/b/, c/
+    assert found["a/b/2.bin"] == RemoteItem(f"gs://{bucket}/tree/a/b/2.bin", 3, found["a/b/2.bin"].version)
+    assert found["a/b/2.bin"].version.isdigit()  # the generation
+    # One page per prefix (tree/, a/, a/b/, c/), each with delimiter=/ and only the fields an item needs.
+    assert gcs_emulator.requests("GET", f"/storage/v1/b/{bucket}/o?delimiter=%2F&prefix=tree%2F") - pages >= 1
+    assert gcs_emulator.requests("GET", f"/storage/v1/b/{bucket}/o?") - pages == 4
+    ds = fastload.FileDataset(f"gs://{bucket}/tree/", pattern="a/**", storage_options=src.storage_options,
+                              settings=Settings(cache_dir=tmp_path / "cache"))
+    assert sorted(d for b in fastload.DataLoader(ds, batch_size=2) for d in b["data"]) == [b"one", b"two"]
+
+
+def test_listing_follows_page_tokens_with_the_token_sent(google: _FakeGoogle) -> None:
+    options = {"endpoint_url": google.url, "token": _credentials(google, "first-token", 3600), "project": "p"}
+    found, folders = Source("gs://bkt/big", options).find()
+    assert isinstance(found, dict)
+    assert {rel: (i.size, i.version) for rel, i in found.items()} == {f"{k}.bin": (3000, "17") for k in range(3)}
+    assert folders == 0 and len(google.pages) == 2 and "pageToken=next%2Fpage" in google.pages[1]
+    assert all("delimiter=%2F" in p and "prefix=big%2F" in p for p in google.pages)
+    assert google.seen == ["Bearer first-token"] * 2
