@@ -24,7 +24,7 @@ from fastload.pipelines import (
     _registry,
     available,
 )
-from fastload.samples import make_image_folder, make_uint8_arrays
+from fastload.samples import make_uint8_arrays
 
 pytestmark = pytest.mark.gpu
 needs_dali = pytest.mark.skipif(not available("dali"), reason="nvidia-dali not installed")
@@ -33,13 +33,6 @@ STD255 = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
 # nvJPEG's IDCT and colour conversion are not libjpeg-turbo's: allow a few levels, not more.
 GPU_MAX_LEVELS = 8.0
 GPU_MEAN_LEVELS = 1.0
-
-
-@pytest.fixture(scope="module")
-def samples(tmp_path_factory: pytest.TempPathFactory, sample_photos: None) -> list[dict[str, Any]]:
-    root = tmp_path_factory.mktemp("photos")
-    paths = make_image_folder(root, n=16, classes=4)
-    return [{"data": p.read_bytes(), "label": i % 4, "url": str(p)} for i, p in enumerate(paths)]
 
 
 def _levels(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
