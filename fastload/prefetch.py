@@ -246,7 +246,10 @@ class _CudaBackend(_HostBackend):
         # grown slot never fits in it again. The allocator frees a block that copies
         # used only once an event it records on their stream at free time has
         # completed, so mark the side stream after that event and poll the mark
-        # (a bounded wait for the copies queued there, no device sync) first.
+        # first (a bounded wait for the copies queued there). Emptying the cache then
+        # ends in cudaFreeHost, which synchronises the whole device and frees every
+        # unused cached pinned block of the process: a stall once per slot growth
+        # (a handful per run), accepted to keep pinned memory from being held twice.
         mark = torch.cuda.Event()
         mark.record(self.stream)
         deadline = time.monotonic() + timeout
