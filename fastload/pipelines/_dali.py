@@ -3,8 +3,9 @@
 Each graph function below is the *only* definition of its pipeline; the
 placement (``"gpu"`` or ``"cpu"``) is a parameter that picks operator devices:
 
-* ``"gpu"``: ``decoders.image(device="mixed")`` (nvJPEG; Huffman decoding stays
-  on the CPU, the IDCT and colour conversion run on the GPU), GPU resize and
+* ``"gpu"``: ``decoders.image(device="mixed")`` (nvJPEG: Huffman decoding on the
+  CPU, or on the GPU's hardware JPEG decoder where it has one; the IDCT and
+  colour conversion on the GPU; not yet run on a GPU), GPU resize and
   crop/mirror/normalize, ``decoders.inflate`` (nvCOMP) for LZ4 chunks. The
   pipeline is built with ``device_id`` = the target GPU.
 * ``"cpu"``: the same operators on the CPU and ``device_id=None``, which needs
