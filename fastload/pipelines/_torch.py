@@ -191,9 +191,11 @@ class Decoder:
         return f"Pillow on {self.threads} CPU thread(s)"
 
     def _decode_on_device(self, bufs: Sequence[np.ndarray]) -> list[torch.Tensor | BaseException]:
-        """torchvision's decode on the decode stream (class docstring), ordered after and before the caller's."""
-        if self.device.type != "cuda":  # torchvision on the CPU: no streams
-            return decode_torchvision(bufs, self.device)
+        """torchvision's decode on the decode stream (class docstring), ordered after and before the caller's.
+
+        In RGB mode torchvision queues no kernel of its own there (only its event
+        wait on nvJPEG's stream), and fastload's crops run on the caller's stream.
+        """
         consumer = torch.cuda.current_stream(self.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)
