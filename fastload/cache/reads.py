@@ -115,7 +115,7 @@ class CacheReads(CacheRepair):
             if entry is None:
                 return None
             try:
-                payload = gather.read_payload_file(str(self.data_dir / entry.path), entry.stored, entry.offset)
+                payload = gather.read_payload_file(self.data_prefix + entry.path, entry.stored, entry.offset)
             except FileNotFoundError:
                 entry = self._recheck(entry, "payload file is missing")
                 continue
@@ -166,7 +166,7 @@ class CacheReads(CacheRepair):
                     self._corrupt(e, f"index says {e.raw} B, fewer than the block holds")
                     missed.append(i)
                 else:
-                    path = str(self.data_dir / e.path)
+                    path = self.data_prefix + e.path
                     jobs.append(gather.Job(path, e.stored, e.raw, e.codec, e.checksum, e.stored_checksum, copies, e.offset))
                     where.append(i)
             todo = []
