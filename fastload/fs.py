@@ -28,13 +28,12 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.chained import ChainedFileSystem
 
 from fastload.cache import keys
-from fastload.config import ENV_FIELDS, Settings
+from fastload.config import Settings, env_settings
 from fastload.errors import ConfigError, EmptyDatasetError
 from fastload.reader import Reader
 from fastload.source import RemoteItem
 
 _SHARED: dict[tuple[Settings, str], Reader] = {}
-_ENV_SETTINGS: dict[tuple[str | None, ...], Settings] = {}  # FASTLOAD_* values -> their Settings
 _SHARED_LOCK = threading.Lock()
 
 
@@ -47,26 +46,9 @@ def _forget_shared() -> None:
 os.register_at_fork(after_in_child=_forget_shared)
 
 
-def _env_values() -> tuple[str | None, ...]:
-    # os.environ's own store, where it has one (POSIX: bytes -> bytes, kept in step by
-    # os.environ's setters): 13 look-ups through os.environ cost ~15 us, a third of a warm open.
-    data = getattr(os.environ, "_data", None)
-    if isinstance(data, dict) and os.name == "posix":
-        return tuple(map(data.get, _ENV_KEYS))
-    return tuple(os.environ.get(name) for name in ENV_FIELDS)
-
-
-_ENV_KEYS = tuple(os.fsencode(name) for name in ENV_FIELDS)
-
-
 def shared_reader(settings: Settings | None = None, storage_options: dict[str, Any] | None = None) -> Reader:
     """This process's Reader for ``settings`` (default: from ``FASTLOAD_*``) and ``storage_options``."""
-    if settings is None:
-        # Settings.from_env costs ~0.4 ms (a copy of the environment); a warm open ~0.1 ms.
-        env = _env_values()
-        settings = _ENV_SETTINGS.get(env)
-        if settings is None:
-            settings = _ENV_SETTINGS[env] = Settings.from_env()
+    settings = settings or env_settings()
     key = (settings, repr(sorted((storage_options or {}).items())))
     reader = _SHARED.get(key)
     if reader is None:
