@@ -31,12 +31,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sqlite3
 from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from fastload.cache import cannot_write
 from fastload.cache import keys as cache_keys
 from fastload.errors import ConfigError
 
@@ -205,8 +207,8 @@ def log_move(dataset: Any, keys: Sequence[str], sizes: Sequence[int], nodes: int
     """Log the bytes that change node when ``dataset`` was last split over another node count.
 
     The last node count is recorded in the dataset's cache index (fastload datasets
-    only: another dataset has no cache to keep). ``announce`` logs (one rank per node);
-    every rank records.
+    only: another dataset has no cache to keep; a read-only or full cache keeps none).
+    ``announce`` logs (one rank per node); every rank records.
     """
     reader = getattr(dataset, "reader", None)
     root = getattr(dataset, "_root", None)
@@ -222,5 +224,9 @@ def log_move(dataset: Any, keys: Sequence[str], sizes: Sequence[int], nodes: int
             "must move; they are read from the source once, by their new node",
             root, nodes, int(before), items, nbytes, least,
         )
-    if before is None or int(before) != nodes:
-        index.set(key, nodes)
+    if (before is None or int(before) != nodes) and reader.cache.unwritable is None:
+        try:
+            index.set(key, nodes)
+        except sqlite3.OperationalError as err:
+            if not cannot_write(err):  # a full disk only costs the next run its move report
+                raise

@@ -169,3 +169,23 @@ def test_stage_fetches_exactly_one_nodes_part_and_logs_moves(tmp_path: Path, cap
     with caplog.at_level(logging.INFO, logger="fastload"):
         ShardedSampler(ds, 3, 0, partition="node", nodes=3, node_rank=0)
     assert "split over 3 nodes, was 2" in caplog.text
+
+
+def test_cli_stages_one_nodes_part_with_the_rank_from_slurm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from fastload.cli import main
+
+    make_files(tmp_path / "remote", 30)
+    url, cache = str(tmp_path / "remote"), str(tmp_path / "cache")
+    assert main(["cache", url, "--cache-dir", cache, "--nodes", "3", "--json"]) == 1
+    assert "--node-rank" in capsys.readouterr().err  # no rank anywhere: said so, nothing staged
+    monkeypatch.setenv("SLURM_NODEID", "2")
+    assert main(["cache", url, "--cache-dir", cache, "--nodes", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    ds = fastload.FileDataset(url, settings=Settings(cache_dir=Path(cache)))
+    part = ShardedSampler(ds, 3, 2, partition="node", nodes=3, node_rank=2)._part
+    assert report["node"] == "2/3" and report["items"] == len(part)
+    assert report["remote_bytes"] == sum(ds.items[i].size for i in part)
