@@ -141,7 +141,9 @@ def open(  # noqa: A001 - mirrors fsspec.open / builtins.open on purpose
         raise ConfigError(f"fastload.open mode {mode!r} is not supported; the cache is read-only, use 'rb'")
     reader = reader or shared_reader(settings, storage_options)
     item = reader.stat(url)
-    return io.BufferedReader(BlockFile(reader, item), buffer_size=min(reader.settings.block_bytes, 1024**2))
+    # No bigger a buffer than the object: a 1 MiB one per open of a small file was an mmap and munmap each.
+    size = min(reader.settings.block_bytes, 1024**2, max(item.size, io.DEFAULT_BUFFER_SIZE))
+    return io.BufferedReader(BlockFile(reader, item), buffer_size=size)
 
 
 class FastloadFileSystem(ChainedFileSystem):
