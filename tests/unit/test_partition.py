@@ -189,3 +189,22 @@ def test_cli_stages_one_nodes_part_with_the_rank_from_slurm(
     part = ShardedSampler(ds, 3, 2, partition="node", nodes=3, node_rank=2)._part
     assert report["node"] == "2/3" and report["items"] == len(part)
     assert report["remote_bytes"] == sum(ds.items[i].size for i in part)
+
+
+def test_a_node_partitioned_loader_resumes_mid_epoch() -> None:
+    data = list(range(50))
+
+    def loader() -> fastload.DataLoader:
+        return fastload.DataLoader(data, batch_size=4, shuffle=True, distributed=True, rank=3, world_size=4,
+                                   partition="node", nodes=2, node_rank=1, seed=9)
+
+    first = loader()
+    first.set_epoch(2)
+    whole = [b.tolist() for b in first]
+    assert set().union(*whole) <= set(first.sampler._part)  # type: ignore[attr-defined]
+    it = iter(first)
+    head = [next(it).tolist() for _ in range(3)]
+    state = first.state_dict()
+    again = loader()
+    again.load_state_dict(state)
+    assert head + [b.tolist() for b in again] == whole
