@@ -134,10 +134,11 @@ class ShardedSampler(Sampler[int]):
         self._part = parts.node_items(owner, top.node_rank)
         counts = [int((owner == k).sum()) for k in range(top.nodes)]
         per = top.local_world_size
-        if min(counts) < per:
+        if min(counts) == 0 or (self.drop_last and min(counts) < per):
             raise ConfigError(
                 f"the dataset's {len(owner)} items split over {top.nodes} nodes leave a part of {min(counts)} "
-                f"items for {per} ranks per node; fix: use partition='global' for a dataset this small"
+                f"items for {per} ranks per node (drop_last={self.drop_last}); fix: use partition='global' "
+                "for a dataset this small"
             )
         self.num_samples = min(counts) // per if self.drop_last else math.ceil(max(counts) / per)
         self.total_size = self.num_samples * self.world_size

@@ -208,3 +208,8 @@ def test_a_node_partitioned_loader_resumes_mid_epoch() -> None:
     again = loader()
     again.load_state_dict(state)
     assert head + [b.tolist() for b in again] == whole
+
+
+def test_a_dataset_too_small_for_its_nodes_is_named() -> None:
+    with pytest.raises(ConfigError, match="3 items split over 4 nodes leave a part of 0"):
+        samplers(Sized([1, 1, 1]), nodes=4, per_node=1)
