@@ -219,6 +219,8 @@ class FileDataset(_CachedDataset):
     def item_sizes(self) -> list[int]:
         """Each sample's size in bytes, for node partitions; a sizeless listing costs one HEAD per
         item, once (the sizes are recorded with the manifest), so every node splits alike."""
+        if self._unsized:  # what another process pinned meanwhile (a rank beside this one) needs no HEAD
+            self._pinned([k for k, i in enumerate(self.items) if i.size < 0])
         if self._unsized:
             todo = [k for k, i in enumerate(self.items) if i.size < 0]
             src = self.reader.source(self.items[todo[0]].url)
