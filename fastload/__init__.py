@@ -29,7 +29,7 @@ from fastload.errors import (
     RemoteNotFoundError,
     SourceError,
 )
-from fastload.fs import FastloadFileSystem, open
+from fastload.fs import FastloadFileSystem, arrow_filesystem, open
 from fastload.reader import Reader
 from fastload.source import RemoteItem, Source
 from fastload.stage import StageReport, stage
@@ -85,6 +85,7 @@ __all__ = [
     "TarDataset",
     "TokenDataset",
     "TorchPatch",
+    "arrow_filesystem",
     "current_collector",
     "format_size",
     "open",

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--dry-run", action="store_true", help="list and report the size against the cache limit; fetch nothing")
     cache.add_argument("--verify", action="store_true", help="re-check every entry's checksum; refetch bad ones")
     cache.add_argument("--refresh", action="store_true", help="re-list the remote instead of trusting the recorded manifest")
+    cache.add_argument("--nodes", type=int, help="stage one node's part (partition='node') of a job on this many nodes; "
+                       "default with --node-rank: from torchrun's or Slurm's environment")
+    cache.add_argument("--node-rank", type=int, help="this node, in [0, nodes); default with --nodes: from the environment")
     cache.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     cache.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
 
@@ -105,6 +108,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         verify=args.verify,
         progress=progress,
+        nodes=args.nodes,
+        node_rank=args.node_rank,
     )
     _emit(args, report.to_dict(), str(report))
     return EXIT_OK if (report.fits or not report.dry_run) else EXIT_FAIL

@@ -6,6 +6,10 @@ Because cached entries are skipped, rerunning after an interruption (even a
 SIGKILL) resumes where it stopped; entries are published atomically, so an
 interrupted write is never mistaken for a valid one
 (tests/reliability/test_stage_kill.py).
+
+With ``nodes=``/``node_rank=`` it stages one node's part: exactly the items
+``partition="node"`` reads on that node (:mod:`fastload.partition`), split from the
+whole listing, whose manifest it records whole.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
+from fastload import partition
 from fastload.cache import keys
 from fastload.config import Settings, format_size
-from fastload.errors import CacheFullError, StoppedError
+from fastload.errors import CacheFullError, ConfigError, StoppedError
 from fastload.reader import Reader
 from fastload.source import RemoteItem
 
@@ -51,6 +56,8 @@ class StageReport:
         concurrency: The remote host's request limit after the run: ``limit`` (what the
             controller settled on), ``cap`` (``workers``), ``peak`` in flight, ``cuts``
             (fastload.hostlimit); empty for local files.
+        node: ``"<node_rank>/<nodes>"`` when one node's part was staged, else empty;
+            ``items`` and the byte counts are then that part's.
     """
 
     url: str
@@ -68,6 +75,7 @@ class StageReport:
     fits: bool = True
     dry_run: bool = False
     concurrency: dict[str, Any] = field(default_factory=dict)
+    node: str = ""
 
     @property
     def ratio(self) -> float:
@@ -90,7 +98,7 @@ class StageReport:
                 f"{verdict} the cache limit {format_size(self.cache_limit_bytes)}"
             )
         lines = [
-            f"staged      {self.url}",
+            f"staged      {self.url}" + (f" (node {self.node})" if self.node else ""),
             f"items       {self.items} ({self.blocks} cache entries)",
             f"fetched     {self.fetched_blocks} entries, {format_size(self.fetched_bytes)} "
             f"(skipped {self.skipped_blocks} already cached)",
@@ -117,6 +125,8 @@ def stage(
     dry_run: bool = False,
     verify: bool = False,
     progress: bool | None = None,
+    nodes: int | None = None,
+    node_rank: int | None = None,
 ) -> StageReport:
     """Copy the dataset at ``url`` into the cache; see the module docstring.
 
@@ -130,20 +140,39 @@ def stage(
         dry_run: Only list and report the size against the cache limit.
         verify: After staging, re-read every entry and check its checksum.
         progress: Show a progress bar (default: when stderr is a terminal).
+        nodes, node_rank: Stage only what ``partition="node"`` reads on node ``node_rank``
+            of ``nodes``; one given, the other comes from torchrun's or Slurm's
+            environment (:func:`fastload.partition.node_env`). Neither: the whole dataset.
 
     Raises:
         CacheFullError: The dataset is larger than the cache limit, or the disk filled up.
+        ConfigError: One of ``nodes``/``node_rank`` given and the other not found.
     """
     settings = settings or Settings.from_env()
     reader = Reader(settings, storage_options)
     t0 = time.perf_counter()
     # Dry runs need every size now; real runs complete sizeless (HTTP) items
     # inside the fetch workers, so HEADs overlap with transfers.
-    items = reader.list(url, pattern, refresh=refresh, complete=dry_run)
+    part = nodes is not None or node_rank is not None
+    # A node's part is split by bytes, so it needs every size first (as the sampler does).
+    items = reader.list(url, pattern, refresh=refresh, complete=dry_run or part)
     root = reader.manifest_root(url)
+    node = ""
+    if part:
+        env_nodes, env_rank = partition.node_env()
+        nodes = env_nodes if nodes is None else nodes
+        node_rank = env_rank if node_rank is None else node_rank
+        if nodes is None or node_rank is None or not 0 <= node_rank < nodes:
+            raise ConfigError(
+                f"staging one node's part needs nodes= and node_rank= in [0, nodes) (got {nodes}, {node_rank}), "
+                "and torchrun's or Slurm's environment does not give them; fix: pass both (--nodes, --node-rank)"
+            )
+        owner = partition.assign([i.url for i in items], [i.size for i in items], nodes)
+        items = [items[k] for k in partition.node_items(owner, node_rank)]
+        node = f"{node_rank}/{nodes}"
     # The limit in force: --cache-limit, capped so the disk keeps its reserve free (fastload/cache/writes.py).
     limit = reader.cache.limit_bytes()
-    report = StageReport(url=root, items=len(items), cache_limit_bytes=limit)
+    report = StageReport(url=root, items=len(items), cache_limit_bytes=limit, node=node)
     known = [i for i in items if i.size >= 0]
     report.remote_bytes = sum(i.size for i in known)
     report.fits = report.remote_bytes <= limit
@@ -166,7 +195,8 @@ def stage(
         reader.cache.index.set(marker, time.time())
     items = _fetch_all(reader, items, report, _show(progress), "staging", heads="pinned" if fresh else "all")
     if writable:
-        reader.save_manifest(root, pattern, items)
+        if not part:  # a part's listing was recorded whole when it was listed
+            reader.save_manifest(root, pattern, items)
         reader.cache.index.delete(marker)
     report.remote_bytes = sum(i.size for i in items)
     report.blocks = sum(len(reader.blocks(i)) for i in items)

@@ -17,6 +17,7 @@ key                        value                                      written by
 ``m:<root>\\x1f<pattern>``  a manifest: {"created", "items"}           Reader.save_manifest
 ``p:m:<root>\\x1f<pat.>``   staging of that manifest under way (time)  stage.py
 ``x:<url>\\x1f<size>\\x1f<ver>``  a tar shard's member index             TarDataset
+``n:<root>``               nodes the dataset was last split over      fastload.partition
 ``bytes``                  bytes counted against the limit            reserve, drop, check
 ``corrupt``                bad entries dropped, over the cache's life the cache's reads
 =========================  =========================================  ==================
@@ -33,6 +34,7 @@ PIN = "u:"
 MANIFEST = "m:"
 STAGING = "p:"
 TAR_INDEX = "x:"
+PARTITION = "n:"
 BYTES = "bytes"
 CORRUPT = "corrupt"
 _SEP = "\x1f"
@@ -88,6 +90,11 @@ def staging(root: str, pattern: str | None) -> str:
 def tar_index(url: str, size: int, version: str) -> str:
     """The index key of the member index of one tar shard version."""
     return f"{TAR_INDEX}{url}{_SEP}{size}{_SEP}{version}"
+
+
+def partition(root: str) -> str:
+    """The index key of the node count ``root`` was last split over (fastload.partition)."""
+    return PARTITION + root
 
 
 def of(namespace: str, name: object) -> str | None:
