@@ -19,7 +19,6 @@ from fastload.errors import (
     CacheReadOnlyError,
     CodecError,
     ConfigError,
-    CorruptEntryError,
     CredentialsError,
     DecodeError,
     EmptyDatasetError,
@@ -28,6 +27,7 @@ from fastload.errors import (
     RemoteChangedError,
     RemoteNotFoundError,
     SourceError,
+    StoppedError,
 )
 from fastload.fs import FastloadFileSystem, arrow_filesystem, open
 from fastload.reader import Reader
@@ -60,7 +60,6 @@ __all__ = [
     "CacheReadOnlyError",
     "CodecError",
     "ConfigError",
-    "CorruptEntryError",
     "CredentialsError",
     "DataLoader",
     "DecodeError",
@@ -82,6 +81,7 @@ __all__ = [
     "SourceError",
     "StageReport",
     "StatsCollector",
+    "StoppedError",
     "TarDataset",
     "TokenDataset",
     "TorchPatch",

@@ -185,6 +185,23 @@ def encode_parts(
     return stored_raw()
 
 
+INT_MAX = 2**31 - 1  # lz4.block takes sizes as C ints
+
+
+def decode_chunk(payload: memoryview, offset: int, size: int, raw_size: int) -> bytes:
+    """One LZ4 chunk of ``payload`` (``size`` bytes at ``offset``), decoded and checked to be ``raw_size``
+    bytes: the one chunk decoder (:func:`decode`, and fastload.gather's ranged reads)."""
+    if size > INT_MAX or raw_size > INT_MAX:
+        raise CodecError(f"LZ4 chunk at offset {offset} is corrupt: a chunk of {raw_size} B is too large")
+    try:
+        part = lz4.block.decompress(payload[offset : offset + size], uncompressed_size=raw_size)
+    except lz4.block.LZ4BlockError as err:
+        raise CodecError(f"LZ4 chunk at offset {offset} is corrupt: {err}") from err
+    if len(part) != raw_size:
+        raise CodecError(f"LZ4 chunk at offset {offset} decoded to {len(part)} B, expected {raw_size} B")
+    return part
+
+
 def encode(
     raw: bytes | bytearray | memoryview,
     *,
@@ -290,15 +307,8 @@ def decode(payload: bytes | memoryview, *, verify: bool = True, info: PayloadInf
     if info.codec == RAW:
         raw = bytes(view[info.body_offset :])
     else:
-        parts = []
-        for offset, size, raw_chunk in zip(info.chunk_offsets(), info.chunk_sizes, info.chunk_raw_sizes()):
-            try:
-                part = lz4.block.decompress(view[offset : offset + size], uncompressed_size=raw_chunk)
-            except lz4.block.LZ4BlockError as err:
-                raise CodecError(f"LZ4 chunk at offset {offset} is corrupt: {err}") from err
-            if len(part) != raw_chunk:
-                raise CodecError(f"LZ4 chunk at offset {offset} decoded to {len(part)} B, expected {raw_chunk} B")
-            parts.append(part)
+        parts = [decode_chunk(view, offset, size, raw_chunk)
+                 for offset, size, raw_chunk in zip(info.chunk_offsets(), info.chunk_sizes, info.chunk_raw_sizes())]
         raw = parts[0] if len(parts) == 1 else b"".join(parts)
     if verify and checksum(raw) != info.checksum:
         raise CodecError("payload checksum mismatch: the raw bytes differ from what was written")
