@@ -122,6 +122,25 @@ def no_space(path: Path) -> bool:
     return st.f_bavail * st.f_frsize < 64 * 1024
 
 
+def file_in_path(path: Path) -> Path | None:
+    """``path`` or the nearest folder above it that exists as something other than a
+    directory (a file): nothing can be created under it. None when there is none."""
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            return None if os.path.isdir(p) else p
+    return None
+
+
+def user_name() -> str:
+    """This process's user, by name where the system knows it."""
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (ImportError, KeyError):
+        return str(os.geteuid())
+
+
 class IndexUnwritable(sqlite3.OperationalError):
     """A write to an index opened read-only (the disk is full or mounted read-only)."""
 
