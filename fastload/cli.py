@@ -1,7 +1,8 @@
 """The ``fastload`` command line: ``cache``, ``info``/``ls``, ``clear``, ``evict``, ``diagnose``, ``bench``.
 
 Exit codes: 0 success, 1 failure (a :class:`FastloadError`, or bad entries that
-could not be repaired), 2 usage error (argparse), 130 interrupted (Ctrl-C). ``--json`` prints one JSON
+could not be repaired), 2 usage error (argparse), 130 interrupted (Ctrl-C), 141 stdout
+closed early (``fastload info | head -4``: quiet, as a command killed by SIGPIPE). ``--json`` prints one JSON
 document on stdout for machines; humans get tables, and progress bars on stderr.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +19,7 @@ from typing import Any
 from fastload.config import Settings, format_size, parse_size
 from fastload.errors import ConfigError, FastloadError
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 
 
 def _json_arg(text: str) -> dict[str, Any]:
@@ -238,7 +240,22 @@ COMMANDS = {"cache": cmd_cache, "info": cmd_info, "ls": cmd_info, "clear": cmd_c
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (0 ok, 1 failure, 2 usage)."""
+    """Run the CLI; returns the exit code (0 ok, 1 failure, 2 usage, 130 interrupted, 141 stdout closed)."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # a reader that went away shows here, not as a traceback at exit
+        return code
+    except BrokenPipeError:
+        # The reader of stdout closed it (`| head`): exit quietly. Python would print the
+        # error again when it flushes stdout at exit, so stdout goes to /dev/null first
+        # (tests/unit/test_cli_pipe.py).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_PIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
