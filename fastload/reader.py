@@ -148,18 +148,22 @@ class Reader:
             return self._list_urls(url, refresh=refresh, complete=complete)
         src = self.source(url)
         root = src.canonical(url).rstrip("/")
-        key = keys.manifest(root, pattern)
         if not refresh:
-            manifest = self.cache.index.get(key)
-            if manifest is not None:
-                return [RemoteItem.from_json(r) for r in manifest["items"]]
-            covered = self._covered(root, pattern)
-            if covered is not None:
-                return covered
+            recorded = self.recorded(root, pattern)
+            if recorded is not None:
+                return recorded
         items = Source(url, self.storage_options, self.settings, self.stop).list(pattern, complete=complete)
         if all(i.size >= 0 for i in items):
             self.save_manifest(root, pattern, items)
         return items
+
+    def recorded(self, root: str, pattern: str | None) -> builtins.list[RemoteItem] | None:
+        """``root``'s items matching ``pattern`` from a recorded listing (its own, or a whole-folder
+        one of it or of a folder above it); None when none is recorded. ``root``: :meth:`manifest_root`."""
+        manifest = self.cache.index.get(keys.manifest(root, pattern))
+        if manifest is not None:
+            return [RemoteItem.from_json(r) for r in manifest["items"]]
+        return self._covered(root, pattern)
 
     def _covered(self, root: str, pattern: str | None) -> builtins.list[RemoteItem] | None:
         """``root``'s items matching ``pattern`` from a recorded whole-folder listing of it or of

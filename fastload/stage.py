@@ -10,6 +10,7 @@ interrupted write is never mistaken for a valid one
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -22,11 +23,12 @@ from tqdm import tqdm
 
 from fastload.cache import keys
 from fastload.config import Settings, format_size
-from fastload.errors import CacheFullError, StoppedError
+from fastload.errors import CacheFullError, EmptyDatasetError, FastloadError, StoppedError
 from fastload.reader import Reader
-from fastload.source import RemoteItem
+from fastload.source import RemoteItem, Source
 
 T = TypeVar("T")
+_log = logging.getLogger("fastload")
 
 
 @dataclass
@@ -51,6 +53,10 @@ class StageReport:
         concurrency: The remote host's request limit after the run: ``limit`` (what the
             controller settled on), ``cap`` (``workers``), ``peak`` in flight, ``cuts``
             (fastload.hostlimit); empty for local files.
+        remote_changed: Staged from a recorded listing: its objects whose size or version
+            the remote's listing now shows changed (0 where the listing has neither: HTTP).
+        remote_new: Objects the remote lists now that the recorded listing lacks.
+        remote_gone: Objects of the recorded listing the remote lists no more.
     """
 
     url: str
@@ -68,6 +74,9 @@ class StageReport:
     fits: bool = True
     dry_run: bool = False
     concurrency: dict[str, Any] = field(default_factory=dict)
+    remote_changed: int = 0
+    remote_new: int = 0
+    remote_gone: int = 0
 
     @property
     def ratio(self) -> float:
@@ -139,11 +148,14 @@ def stage(
     t0 = time.perf_counter()
     # Dry runs need every size now; real runs complete sizeless (HTTP) items
     # inside the fetch workers, so HEADs overlap with transfers.
-    items = reader.list(url, pattern, refresh=refresh, complete=dry_run)
     root = reader.manifest_root(url)
+    snapshot = reader.recorded(root, pattern) if isinstance(url, str) and not refresh else None
+    items = snapshot if snapshot is not None else reader.list(url, pattern, refresh=refresh, complete=dry_run)
     # The limit in force: --cache-limit, capped so the disk keeps its reserve free (fastload/cache/writes.py).
     limit = reader.cache.limit_bytes()
     report = StageReport(url=root, items=len(items), cache_limit_bytes=limit)
+    if snapshot is not None and isinstance(url, str):
+        _compare_with_remote(reader, url, pattern, snapshot, report)
     known = [i for i in items if i.size >= 0]
     report.remote_bytes = sum(i.size for i in known)
     report.fits = report.remote_bytes <= limit
@@ -187,6 +199,38 @@ def stage(
     host = reader.source(items[0].url if items else root).host_limit
     report.concurrency = host.as_dict() if host is not None else {}
     return report
+
+
+def _compare_with_remote(reader: Reader, url: str, pattern: str | None, snapshot: list[RemoteItem],
+                         report: StageReport) -> None:
+    """Staging from a recorded listing stages that snapshot (docs/cache.md); list the remote once
+    more (the listing only, no object) and say how many objects changed since, and the fix.
+
+    A rerun on a changed remote said "skipped 14 already cached" and nothing else (issue 24).
+    An HTTP listing has no sizes or versions: there only new and gone objects show.
+    """
+    try:
+        now = Source(url, reader.storage_options, reader.settings, reader.stop).list(pattern, complete=False)
+    except EmptyDatasetError:
+        now = []  # everything recorded is gone
+    except FastloadError as err:  # unreachable: the snapshot is all there is to stage
+        _log.info("staging %s from its recorded listing; the remote could not be listed to compare (%s)", url, err)
+        return
+    was = {i.url: i for i in snapshot}
+    is_ = {i.url: i for i in now}
+    report.remote_changed = sum(
+        1 for u, i in is_.items()
+        if u in was and i.size >= 0 and (i.size != was[u].size or bool(i.version) and i.version != was[u].version)
+    )
+    report.remote_new = len(is_.keys() - was.keys())
+    report.remote_gone = len(was.keys() - is_.keys())
+    if report.remote_changed or report.remote_new or report.remote_gone:
+        _log.warning(
+            "%s: the remote differs from the listing recorded when it was first staged: %d changed, %d new, %d gone "
+            "object(s); this run stages the recorded snapshot, as training reads it; fix: `fastload cache --refresh` "
+            "(refresh=True) to stage the remote as it is now",
+            report.url, report.remote_changed, report.remote_new, report.remote_gone,
+        )
 
 
 def _too_big(report: StageReport, settings: Settings) -> str:
