@@ -165,8 +165,8 @@ def stage(
         report.stored_bytes = _stored(reader, items)
         report.seconds = time.perf_counter() - t0
         return report
-    if not report.fits:
-        raise CacheFullError(_too_big(report, settings))
+    if not report.fits:  # before any request for an object: the sizes known say so already
+        raise CacheFullError(_too_big(report, settings, sized=len(known) if len(known) < len(items) else None))
     writable = reader.cache.unwritable is None  # a read-only cache may still hold it all: then it only checks
     reader.cache.check()
     # An interrupted stage leaves this marker behind. Its rerun (and a refresh) completes
@@ -176,14 +176,12 @@ def stage(
     fresh = not refresh and reader.cache.index.get(marker) is None
     if writable:
         reader.cache.index.set(marker, time.time())
-    items = _fetch_all(reader, items, report, _show(progress), "staging", heads="pinned" if fresh else "all")
+    items = _fetch_all(reader, items, report, _show(progress), "staging", heads="pinned" if fresh else "all", limit=limit)
     if writable:
         reader.save_manifest(root, pattern, items)
         reader.cache.index.delete(marker)
     report.remote_bytes = sum(i.size for i in items)
     report.blocks = sum(len(reader.blocks(i)) for i in items)
-    if report.remote_bytes > limit:
-        raise CacheFullError(_too_big(report, settings))
     if verify:
         bad = _verify(reader, items, settings.workers, _show(progress))
         report.verified_entries, report.bad_entries = report.blocks, len(bad)
@@ -233,14 +231,20 @@ def _compare_with_remote(reader: Reader, url: str, pattern: str | None, snapshot
         )
 
 
-def _too_big(report: StageReport, settings: Settings) -> str:
+def _too_big(report: StageReport, settings: Settings, sized: int | None = None) -> str:
+    """The error for a dataset larger than the limit; ``sized``: only that many of its objects'
+    sizes are known yet (their sum is ``report.remote_bytes``), so it is at least that large."""
     capped = report.cache_limit_bytes < settings.cache_limit_bytes
     why = (f"the cache limit in force is {format_size(report.cache_limit_bytes)} (--cache-limit "
            f"{format_size(settings.cache_limit_bytes)}, capped by the disk's free space less its reserve)"
            if capped else f"the cache limit is {format_size(report.cache_limit_bytes)}")
     fix = "free space on the cache's disk, move FASTLOAD_CACHE_DIR" if capped else "raise --cache-limit"
+    size = format_size(report.remote_bytes)
+    if sized is not None:
+        size = (f"at least {size} (the size of {sized} of its {report.items} objects; staging stopped before "
+                "fetching the rest)")
     return (
-        f"dataset {report.url} is {format_size(report.remote_bytes)} but {why}; fix: {fix}, stage a subset with "
+        f"dataset {report.url} is {size} but {why}; fix: {fix}, stage a subset with "
         "--pattern, or skip staging and let training stream it"
     )
 
@@ -272,6 +276,7 @@ class _Progress:
 
     def __init__(self, report: StageReport, total_bytes: int | None, items: int, show: bool, label: str) -> None:
         self.report, self.items, self.done, self.nbytes = report, items, 0, 0
+        self.sized_items = self.sized_bytes = 0  # objects whose size staging has learned, and their sum
         self.by_bytes = total_bytes is not None
         self.lock = threading.Lock()
         if self.by_bytes:
@@ -356,7 +361,7 @@ BATCH_BYTES = 64 * 1024**2  # blocks one fetch call holds in memory, at most
 
 
 def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, show: bool, label: str,
-               heads: str) -> list[RemoteItem]:
+               heads: str, limit: int | None = None) -> list[RemoteItem]:
     """Complete, skip-or-fetch every block of every item through the fetch stage; returns completed items.
 
     CHUNK items per task: their sizeless ones are completed together (a GET each that
@@ -364,6 +369,11 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
     the blocks not cached yet are fetched together. Staging exists to cache, so a
     cache that cannot hold a block ends it (``strict``; tests/reliability/test_disk_full.py).
     Every cache write passes the stop (Ctrl-C), so none begins after it.
+
+    ``limit``: where the listing had no sizes (HTTP), the dataset's size is learned as
+    its objects are completed; once the sizes learned pass the limit, staging stops
+    (CacheFullError): past the chunks that fit, at most one chunk per task in flight. It
+    fetched all 800 objects of a 10 MB folder before saying it was over a 1 MB limit (issue 24).
     """
     if not items:
         return []
@@ -377,6 +387,13 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
     def do_chunk(indices: list[int]) -> None:
         stop.check()
         done, fresh = fetcher.complete([items[i] for i in indices], heads=heads, strict=True, gate=stop.write)
+        if limit is not None:
+            with progress.lock:
+                progress.sized_items += len(done)
+                progress.sized_bytes += sum(i.size for i in done)
+                if progress.sized_bytes > limit:
+                    report.remote_bytes = progress.sized_bytes
+                    raise CacheFullError(_too_big(report, reader.settings, sized=progress.sized_items))
         todo: list[tuple[RemoteItem, int]] = []
         for i, item in zip(indices, done):
             completed[i] = item
