@@ -122,29 +122,34 @@ def _read_url_list(path: str) -> list[str]:
 
 
 def dataset_summaries(settings: Settings) -> dict[str, Any]:
-    """Cache totals plus, per recorded dataset, how much of it is cached."""
+    """Cache totals plus, per recorded dataset, how much of it is cached (under any block size)."""
     from fastload.reader import Reader
     from fastload.source import RemoteItem
 
     reader = Reader(settings)
+    manifests = reader.manifests()
+    entries = list(reader.cache.entries())
+    stored_of = {e.key: e.stored for e in entries}
+    sizes = _block_sizes(settings, manifests, entries)
     datasets = []
-    for m in reader.manifests():
+    for m in manifests:
         items = [RemoteItem.from_json(r) for r in m["items"]]
-        cached_items, stored = 0, 0
+        cached_items, found = 0, set[str]()
         for item in items:
-            found = [reader.cache.entry(reader.key(item, b)) for b in reader.blocks(item)]
-            if all(found):
-                cached_items += 1
-            stored += sum(e.stored for e in found if e is not None)
+            whole = False
+            for bs in sizes:
+                keys = _keys_of(item, bs)
+                found.update(k for k in keys if k in stored_of)
+                whole = whole or all(k in stored_of for k in keys)
+            cached_items += int(whole)
         datasets.append({
             "url": m["root"],
             "pattern": m["pattern"],
             "items": len(items),
             "cached_items": cached_items,
             "remote_bytes": sum(i.size for i in items),
-            "stored_bytes": stored,
+            "stored_bytes": sum(stored_of[k] for k in found),
         })
-    entries = list(reader.cache.entries())
     return {
         "cache_dir": str(settings.cache_dir),
         "cache_limit_bytes": settings.cache_limit_bytes,
@@ -157,6 +162,26 @@ def dataset_summaries(settings: Settings) -> dict[str, Any]:
         "corrupt_detected": reader.cache.corrupt_count(),
         "datasets": datasets,
     }
+
+
+def _block_sizes(settings: Settings, manifests: list[dict[str, Any]], entries: list[Any]) -> set[int]:
+    """Every block size the cache holds entries of: this reader's, those listings were recorded
+    under, and those its multi-block objects show (block 0 of such an object is one whole block).
+
+    `fastload info` counted only the entries of the block size it ran with: a dataset staged
+    with --block-size 1MiB showed 0/800 (issue 24; tests/unit/test_block_sizes.py).
+    """
+    multi = {e.url for e in entries if e.block > 0}
+    return ({settings.block_bytes} | {m["block_bytes"] for m in manifests if m.get("block_bytes")}
+            | {e.raw for e in entries if e.block == 0 and e.url in multi})
+
+
+def _keys_of(item: Any, block_bytes: int) -> list[str]:
+    """The cache keys of every block of ``item`` (a RemoteItem) under ``block_bytes``."""
+    from fastload.cache import entry_key
+
+    n = max(1, -(-item.size // block_bytes))
+    return [entry_key(item.url, item.size, item.version, b, block_bytes) for b in range(n)]
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -195,18 +220,18 @@ def cmd_clear(args: argparse.Namespace) -> int:
         _emit(args, {"cleared": "all"}, f"cleared {reader.settings.cache_dir}")
         return EXIT_OK
     root = reader.canonical(args.url).rstrip("/")
-    dropped, found = 0, False
-    for m in reader.manifests():
-        if m["root"] != root:
-            continue
-        found = True
-        for row in m["items"]:
-            item = RemoteItem.from_json(row)
-            dropped += sum(reader.cache.drop(reader.key(item, b)) for b in reader.blocks(item))
-            reader.cache.index.pop(keys.pin(item.url), None)
-        reader.cache.index.pop(keys.manifest(m["root"], m["pattern"]), None)
-    if not found:
+    mine = [m for m in reader.manifests() if m["root"] == root]
+    if not mine:
         raise ConfigError(f"no staged dataset {root!r} in {reader.settings.cache_dir}; `fastload info` lists them")
+    # Its objects' entries of every block size and version: dropping only the keys of this
+    # run's block size said "cleared: 0 entries" and orphaned a dataset staged with
+    # --block-size (issue 24; tests/unit/test_block_sizes.py).
+    urls = {RemoteItem.from_json(row).url for m in mine for row in m["items"]}
+    dropped = sum(reader.cache.drop(e.key) for e in list(reader.cache.entries()) if e.url in urls)
+    for url in urls:
+        reader.cache.index.pop(keys.pin(url), None)
+    for m in mine:
+        reader.cache.index.pop(keys.manifest(m["root"], m["pattern"]), None)
     _emit(args, {"cleared": root, "entries": dropped}, f"cleared {root}: {dropped} entries")
     return EXIT_OK
 
