@@ -174,7 +174,10 @@ class Reader:
         staged, bb = manifest.get("block_bytes"), self.settings.block_bytes
         if self._warned_blocks or staged is None or staged == bb:
             return
-        again = [i for i in items if i.size > min(staged, bb)]
+        larger = [i for i in items if i.size > min(staged, bb)]
+        # Those already cached under this block size too (an earlier run's) are not fetched again.
+        found = self.cache.entries_for([self.key(i, 0) for i in larger]) if larger else []
+        again = [i for i, e in zip(larger, found) if e is None]
         if again:
             self._warned_blocks = True
             _log.warning(

@@ -59,6 +59,12 @@ def test_another_block_size_reads_what_it_can_says_why_once_and_info_and_clear_s
     assert f"{LARGE} of the {SMALL + LARGE} objects" in said[0] and "blocks of 65.54 KB" in said[0], said[0]
     assert "fetched again" in said[0] and f"FASTLOAD_BLOCK_SIZE={BLOCK}" in said[0], said[0]
 
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastload"):  # a later reader finds both copies: nothing to say
+        later = fastload.FileDataset(url, settings=Settings(cache_dir=Path(cache_dir)))
+        assert [later[i]["data"] for i in range(len(later))] == [folder[Path(i.url).name] for i in later.items]
+    assert not caplog.records and later.reader.misses == 0, [r.getMessage() for r in caplog.records]
+
     info = _cli(capsys, "info", "--cache-dir", cache_dir)  # the default block size, as the reader above
     assert info["entries"] == SMALL + LARGE * 4 + LARGE
     (dataset,) = info["datasets"]
