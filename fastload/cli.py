@@ -227,7 +227,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
     # run's block size said "cleared: 0 entries" and orphaned a dataset staged with
     # --block-size (issue 24; tests/unit/test_block_sizes.py).
     urls = {RemoteItem.from_json(row).url for m in mine for row in m["items"]}
-    dropped = sum(reader.cache.drop(e.key) for e in list(reader.cache.entries()) if e.url in urls)
+    dropped = reader.cache.drop_entries([e for e in reader.cache.entries() if e.url in urls])
     for url in urls:
         reader.cache.index.pop(keys.pin(url), None)
     for m in mine:

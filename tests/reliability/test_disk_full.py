@@ -323,7 +323,17 @@ def test_a_disk_filled_by_another_program_does_not_lock_the_cache(
     warnings = [line for line in epoch.stderr.splitlines() if line.strip()]
     assert len(warnings) == 1 and "streaming" in warnings[0], epoch.stderr
 
-    cleared = _cli(cache_dir, "clear", "--json")
+    _fill(disk)
+    one = _cli(cache_dir, "clear", url, "--json")  # one dataset: its entries go, whoever filled the disk
+    assert one.returncode == 0, one.stderr
+    assert json.loads(one.stdout)["entries"] > 0
+    assert json.loads(_cli(cache_dir, "info", "--json").stdout)["entries"] == 0
+
+    (disk / "checkpoint.bin").unlink()  # the other program's file goes; the dataset is staged again
+    staged = _cli(cache_dir, "cache", url, "--no-progress")
+    assert staged.returncode == 0, staged.stderr
+    _fill(disk)
+    cleared = _cli(cache_dir, "clear", "--json")  # everything
     assert cleared.returncode == 0, cleared.stderr
     assert not payload_files(cache_dir)
     assert json.loads(_cli(cache_dir, "info", "--json").stdout)["entries"] == 0
