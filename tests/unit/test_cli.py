@@ -139,3 +139,20 @@ def test_a_rerun_on_a_changed_remote_says_how_many_changed_and_points_to_refresh
 
     code, out, _ = run(capsys, "cache", str(dataset), "--cache-dir", cd, "--json", "--refresh")
     assert code == 0 and json.loads(out)["fetched_blocks"] == 3  # the two changed and the new one
+
+
+def test_glob_classes_match_fresh_and_from_a_recorded_listing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 'class_[01]/*.jpg' matched nothing, and the example it offered matched the pattern (issue 24, item 9).
+    root = tmp_path / "imgs"
+    for c in range(4):
+        (root / f"class_{c}").mkdir(parents=True)
+        for i in range(5):
+            (root / f"class_{c}" / f"{i:04d}.jpg").write_bytes(b"j" * 100)
+    cd = str(tmp_path / "c")
+    code, out, err = run(capsys, "cache", str(root), "--pattern", "class_[01]/*.jpg", "--cache-dir", cd, "--json")
+    assert code == 0 and json.loads(out)["items"] == 10, err
+    assert run(capsys, "cache", str(root), "--cache-dir", cd, "--json")[0] == 0  # the whole folder, recorded
+    code, out, err = run(capsys, "cache", str(root), "--pattern", "class_[!0]/000?.jpg", "--cache-dir", cd, "--json")
+    assert code == 0 and json.loads(out)["items"] == 15, err  # served by the recorded listing
+    code, _, err = run(capsys, "cache", str(root), "--pattern", "class_**.jpg", "--cache-dir", cd)
+    assert code == 1 and "'**' a whole path component, e.g. '**/class_*.jpg'" in err, err
