@@ -165,8 +165,11 @@ def stage(
         report.stored_bytes = _stored(reader, items)
         report.seconds = time.perf_counter() - t0
         return report
-    if not report.fits:  # before any request for an object: the sizes known say so already
-        raise CacheFullError(_too_big(report, settings, sized=len(known) if len(known) < len(items) else None))
+    sizeless = len(known) < len(items)
+    # Before any request for an object: the sizes known say so already. A dataset cached
+    # whole only needs checking, though another program took the room since.
+    if not report.fits and (sizeless or not _all_cached(reader, items)):
+        raise CacheFullError(_too_big(report, settings, sized=len(known) if sizeless else None))
     writable = reader.cache.unwritable is None  # a read-only cache may still hold it all: then it only checks
     reader.cache.check()
     # An interrupted stage leaves this marker behind. Its rerun (and a refresh) completes
@@ -176,7 +179,8 @@ def stage(
     fresh = not refresh and reader.cache.index.get(marker) is None
     if writable:
         reader.cache.index.set(marker, time.time())
-    items = _fetch_all(reader, items, report, _show(progress), "staging", heads="pinned" if fresh else "all", limit=limit)
+    items = _fetch_all(reader, items, report, _show(progress), "staging", heads="pinned" if fresh else "all",
+                       limit=limit if sizeless else None)
     if writable:
         reader.save_manifest(root, pattern, items)
         reader.cache.index.delete(marker)
@@ -251,6 +255,12 @@ def _too_big(report: StageReport, settings: Settings, sized: int | None = None) 
 
 def _show(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
+
+
+def _all_cached(reader: Reader, items: list[RemoteItem]) -> bool:
+    """Whether every block of every (sized) item is in the cache."""
+    keys_ = [reader.key(item, b) for item in items for b in reader.blocks(item)]
+    return all(e is not None for e in reader.cache.entries_for(keys_))
 
 
 def _stored(reader: Reader, items: list[RemoteItem]) -> int:

@@ -311,6 +311,9 @@ def test_a_disk_filled_by_another_program_does_not_lock_the_cache(
     got = json.loads(info.stdout)
     assert (got["entries"], got["unwritable_reason"], got["datasets"][0]["cached_items"]) == (100, "full", 100)
 
+    again = _cli(cache_dir, "cache", url, "--json")  # all there: it only checks, though the reserve is gone
+    assert again.returncode == 0 and json.loads(again.stdout)["skipped_blocks"] == 100, again.stderr
+
     evicted = _cli(cache_dir, "evict", "--to", "1MB", "--json")
     assert evicted.returncode == 0, evicted.stderr
     assert json.loads(evicted.stdout)["after_bytes"] <= 10**6
@@ -322,6 +325,7 @@ def test_a_disk_filled_by_another_program_does_not_lock_the_cache(
     assert epoch.stdout.split() == ["100"]  # every sample, bit-exact (asserted in the child)
     warnings = [line for line in epoch.stderr.splitlines() if line.strip()]
     assert len(warnings) == 1 and "streaming" in warnings[0], epoch.stderr
+    assert "no more room" in warnings[0] or "is full" in warnings[0], warnings[0]  # the cause, named
 
     _fill(disk)
     one = _cli(cache_dir, "clear", url, "--json")  # one dataset: its entries go, whoever filled the disk
