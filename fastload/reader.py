@@ -209,8 +209,8 @@ class Reader:
                     rels[item.url[len(root) + 1 :]] = item
             if not rels:
                 continue
-            self._note_block_size(manifest, builtins.list(rels.values()))
             items = [item for rel, item in sorted(rels.items()) if regex is None or regex.match(rel)]
+            self._note_block_size(manifest, items)
             if not items:
                 folders = len({rel.rpartition("/")[0] for rel in rels} - {""})
                 raise nothing_matched(root, pattern, folders, builtins.list(rels))

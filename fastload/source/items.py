@@ -40,8 +40,8 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
     fsspec's own translation (``fsspec.utils.glob_translate``): ``*`` and ``?`` stay
     within one folder, ``[...]`` and ``[!...]`` are classes, a whole ``**`` component
     spans any number of folders (none included). A hand-written translation escaped
-    classes, so ``class_[01]/*.jpg`` matched nothing (issue 24;
-    tests/integration/test_glob.py checks each form against fsspec's own ``glob``).
+    classes, so ``class_[01]/*.jpg`` matched nothing (issue 24; tests/integration/
+    test_source_contract.py checks each form against fsspec's own ``glob`` on every store).
 
     >>> bool(glob_to_regex("**/*.jpg").match("a/b/c.jpg")), bool(glob_to_regex("*.jpg").match("a/c.jpg"))
     (True, False)
