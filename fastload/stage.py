@@ -228,7 +228,7 @@ def _compare_with_remote(reader: Reader, url: str, pattern: str | None, snapshot
     report.remote_gone = len(was.keys() - is_.keys())
     if report.remote_changed or report.remote_new or report.remote_gone:
         _log.warning(
-            "%s: the remote differs from the listing recorded when it was first staged: %d changed, %d new, %d gone "
+            "%s: the remote differs from its recorded listing: %d changed, %d new, %d gone "
             "object(s); this run stages the recorded snapshot, as training reads it; fix: `fastload cache --refresh` "
             "(refresh=True) to stage the remote as it is now",
             report.url, report.remote_changed, report.remote_new, report.remote_gone,
