@@ -260,7 +260,6 @@ def test_read_only_cache_serves_reads_and_streams_the_rest_with_one_warning(
 _EPOCH = """
 import sys, fastload
 from fastload.config import Settings
-from helpers import make_noise_files
 ds = fastload.FileDataset(sys.argv[1], settings=Settings(cache_dir=sys.argv[2]))
 root = ds.reader.manifest_root(sys.argv[1]) + "/"
 want = {p.name: p.read_bytes() for p in __import__("pathlib").Path(sys.argv[3]).iterdir()}
