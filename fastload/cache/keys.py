@@ -14,7 +14,8 @@ key                        value                                      written by
                            stands in)                                 RESOLUTION_S``
 ``r:<pid>:<nonce>``        bytes reserved by a write in flight        the cache's reserve
 ``u:<url>``                a pin: (size, version) of a remote object  Reader.pin
-``m:<root>\\x1f<pattern>``  a manifest: {"created", "items"}           Reader.save_manifest
+``m:<root>\\x1f<pattern>``  a manifest: {"created", "items",          Reader.save_manifest
+                           "block_bytes"} (absent: recorded before)
 ``p:m:<root>\\x1f<pat.>``   staging of that manifest under way (time)  stage.py
 ``x:<url>\\x1f<size>\\x1f<ver>``  a tar shard's member index             TarDataset
 ``n:<root>``               nodes the dataset was last split over      fastload.partition
@@ -41,7 +42,14 @@ _SEP = "\x1f"
 
 
 def entry_key(url: str, size: int, version: str, block: int, block_bytes: int) -> str:
-    """The cache key of one block of one remote object version."""
+    """The cache key of one block of one remote object version.
+
+    An object no larger than one block is the same bytes under any block size, so its
+    key leaves the block size out: staged with ``--block-size 1MiB``, it is a hit for a
+    reader with the default 8 MiB blocks (issue 24; tests/unit/test_block_sizes.py).
+    """
+    if 0 <= size <= block_bytes:
+        block_bytes = 0
     ident = f"{url}\0{size}\0{version}\0{block}\0{block_bytes}".encode()
     return hashlib.sha256(ident).hexdigest()[:40]
 

@@ -59,6 +59,32 @@ class CacheRepair(CacheBase):
         self._free(gone)
         return True
 
+    def drop_entries(self, gone: Sequence[Entry]) -> int:
+        """Delete these entries (``fastload clear URL``); returns how many the index held.
+
+        On a full disk the index cannot record a delete, so their payload bytes go
+        first; with that space back the index drops their records, as :meth:`evict` does
+        (tests/reliability/test_disk_full.py).
+        """
+        self._refuse_if_read_only("clear entries from it")
+        dropped = 0
+        if self.unwritable is None:
+            try:
+                for e in gone:
+                    dropped += self.drop(e.key)
+                return dropped
+            except sqlite3.OperationalError as err:
+                if not disk_full(err):
+                    raise
+        for e in gone:
+            self._free(e)
+        if self.unwritable is not None and not self._reopen_writable():
+            raise CacheFullError(f"disk under {self.root} is still full after deleting {len(gone)} cached payloads "
+                                 "of the dataset; fix: `fastload clear`, evict to a lower size, or free space there")
+        dropped += sum(self.drop(e.key) for e in gone)
+        self.compact()
+        return dropped
+
     def _free(self, e: Entry) -> None:
         """Give a dropped entry's bytes back to the disk: unlink its file, or punch its
         range out of its pack (readers of it then find zeros, and re-check the index)."""
