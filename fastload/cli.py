@@ -68,8 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     cache.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
 
-    for name in ("info", "ls"):
-        sub.add_parser(name, parents=[common], help="show what is cached, per dataset")
+    sub.add_parser("info", parents=[common], help="show what is cached, per dataset")
 
     clear = sub.add_parser("clear", parents=[common], help="delete cached data (everything, or one dataset)")
     clear.add_argument("url", nargs="?", help="only this dataset (as staged); default: everything")
@@ -266,7 +265,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_command(args)
 
 
-COMMANDS = {"cache": cmd_cache, "info": cmd_info, "ls": cmd_info, "clear": cmd_clear, "evict": cmd_evict,
+COMMANDS = {"cache": cmd_cache, "info": cmd_info, "clear": cmd_clear, "evict": cmd_evict,
             "diagnose": cmd_diagnose, "bench": cmd_bench}
 
 

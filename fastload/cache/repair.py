@@ -133,10 +133,9 @@ class CacheRepair(CacheBase):
             if self.volume() <= to_bytes:
                 return freed
             closed = self._closed_packs()  # before the scan: no entry lands in them after it
-            entries = list(self.entries())
-            atimes = {e.key: self.index.get(keys.last_use(e.key)) or self._written(e) for e in entries}
+            entries = self._lru_order()
             dropped = set()
-            for e in sorted(entries, key=lambda e: atimes[e.key]):
+            for e in entries:
                 if self.volume() <= to_bytes:
                     break
                 if self.drop(e.key, version=e):
@@ -203,12 +202,18 @@ class CacheRepair(CacheBase):
             except sqlite3.Error as err:
                 _log.info("cache index not compacted: %s", err)
 
-    def _unlink_lru(self, to_bytes: int) -> list[Entry]:
-        """Delete least-recently-used payload files (not their records) until ``to_bytes`` remain."""
+    def _lru_order(self) -> list[Entry]:
+        """Every entry, least recently used first (its last read, else when it was written): the one
+        LRU scan, for eviction and for a full disk's unlinking alike."""
         entries = list(self.entries())
         atimes = {e.key: self.index.get(keys.last_use(e.key)) or self._written(e) for e in entries}
+        return sorted(entries, key=lambda e: atimes[e.key])
+
+    def _unlink_lru(self, to_bytes: int) -> list[Entry]:
+        """Delete least-recently-used payload files (not their records) until ``to_bytes`` remain."""
+        entries = self._lru_order()
         left, gone = sum(e.charged for e in entries), []
-        for e in sorted(entries, key=lambda e: atimes[e.key]):
+        for e in entries:
             if left <= to_bytes:
                 break
             self._free(e)

@@ -81,7 +81,7 @@ def test_missing_source_exits_1_with_a_named_error(tmp_path: Path, capsys: pytes
 def test_info_clear_and_evict(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cd = str(tmp_path / "c")
     run(capsys, "cache", str(dataset), "--cache-dir", cd)
-    code, out, _ = run(capsys, "ls", "--cache-dir", cd, "--json")
+    code, out, _ = run(capsys, "info", "--cache-dir", cd, "--json")
     info = json.loads(out)
     assert code == 0 and info["entries"] == 6 and info["datasets"][0]["cached_items"] == 6
     code, out, _ = run(capsys, "evict", "--to", "0", "--cache-dir", cd, "--json")
@@ -156,3 +156,8 @@ def test_glob_classes_match_fresh_and_from_a_recorded_listing(tmp_path: Path, ca
     assert code == 0 and json.loads(out)["items"] == 15, err  # served by the recorded listing
     code, _, err = run(capsys, "cache", str(root), "--pattern", "class_**.jpg", "--cache-dir", cd)
     assert code == 1 and "'**' a whole path component, e.g. '**/class_*.jpg'" in err, err
+
+
+def test_info_is_the_one_command_that_shows_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    # `ls` was a second name for `info`; one meaning, one name.
+    assert main(["ls"]) == 2 and "invalid choice: 'ls'" in capsys.readouterr().err

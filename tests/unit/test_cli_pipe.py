@@ -23,7 +23,7 @@ def _fastload(*argv: str, stdout: int) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
-@pytest.mark.parametrize("command", [["info"], ["ls"], ["info", "--json"], ["cache", "DATA", "--no-progress"],
+@pytest.mark.parametrize("command", [["info"], ["info", "--json"], ["cache", "DATA", "--no-progress"],
                                      ["cache", "DATA", "--dry-run"], ["evict", "--to", "1MB"], ["clear"]],
                          ids=lambda c: " ".join(c))
 def test_a_closed_stdout_ends_the_command_quietly(command: list[str], tmp_path: Path) -> None:
