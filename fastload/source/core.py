@@ -111,9 +111,11 @@ class Source(FsspecRoad):
             self.url = fs.unstrip_protocol(self._root_path).rstrip("/") if self._root_path else url
             # Local files have no host to flood: their reads take no slot.
             self._local = bool({"file", "local", "memory"} & set(fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)))
-        # Hosts whose answer to a ranged GET was the whole object (Python's http.server
-        # ignores Range): the fetch stage then asks for each object once, whole (fastload.fetch).
-        self._rangeless: set[str] = set()
+        # Per host, whether its answer to a ranged GET was a 206 (True) or the whole object
+        # (False: Python's http.server ignores Range); the fetch stage then asks for each
+        # object once, whole, and until it knows, asks with one GET that serves either way
+        # (fastload.fetch).
+        self._ranges: dict[str, bool] = {}
 
     @functools.cached_property
     def route(self) -> CurlRoute | None:
@@ -203,11 +205,17 @@ class Source(FsspecRoad):
 
     def ignores_ranges(self, url: str) -> bool:
         """Whether ``url``'s host answered a ranged GET with the whole object."""
-        return bool(self._rangeless) and host_of(url, self.storage_options) in self._rangeless
+        return self.honours_ranges(url) is False
 
-    def note_ignores_ranges(self, url: str) -> None:
-        """Record that ``url``'s host answers ranged GETs with the whole object."""
-        self._rangeless.add(host_of(url, self.storage_options))
+    def honours_ranges(self, url: str) -> bool | None:
+        """Whether ``url``'s host answers ranged GETs with the range; None: not known yet (HTTP only)."""
+        if not self._http:
+            return True
+        return self._ranges.get(host_of(url, self.storage_options)) if self._ranges else None
+
+    def note_ranges(self, url: str, honoured: bool) -> None:
+        """Record whether ``url``'s host answers ranged GETs with the range (True) or the whole object."""
+        self._ranges[host_of(url, self.storage_options)] = honoured
 
     def _stopped(self, url: str) -> None:
         if self.stop.is_set():
@@ -449,8 +457,8 @@ class Source(FsspecRoad):
                     raise
 
     def _item(self, info: dict[str, Any]) -> RemoteItem:
-        if info.get("ignores_ranges"):
-            self.note_ignores_ranges(info["name"])
+        if info.get("ignores_ranges") or info.get("honours_ranges"):
+            self.note_ranges(info["name"], not info.get("ignores_ranges"))
         size = info.get("size")
         if size is None:
             raise SourceError(
