@@ -376,7 +376,7 @@ class Source(FsspecRoad):
 
                 return lambda: aio.held(self.limit_of(item.url), request)
             ranges: builtins.list[tuple[str, int, int | None]] = [(fs._strip_protocol(item.url), 0, min(nbytes, item.size))]
-            return lambda: aio.gather_ranges(fs, ranges, timeout_s, self.limit_of, self.stop)
+            return lambda: aio.gather_ranges(fs, ranges, timeout_s, self.limit_of, self.stop, answers=self._http)
 
         return submit_all(fs.loop, [maker(item) for item in items])
 
@@ -413,6 +413,8 @@ class Source(FsspecRoad):
                 done, data = item, res[0]
                 if isinstance(data, BaseException):
                     raise data
+                if isinstance(data, tuple):  # an HTTP answer: of the listed version, or RemoteChangedError
+                    data = fallback.checked(item, *data)
             if len(data) == min(nbytes, done.size):
                 return done, bytes(data)
         except (StoppedError, RemoteChangedError):
