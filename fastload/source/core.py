@@ -322,7 +322,7 @@ class Source(FsspecRoad):
         """:meth:`read_first` through fsspec's session or filesystem: retried, errors translated."""
         if item.size >= 0 or not self._http:
             done = self.complete(item)
-            return done, self.read(done.url, 0, min(nbytes, done.size), expect=min(nbytes, done.size))
+            return done, self.read(done.url, 0, min(nbytes, done.size), expect=min(nbytes, done.size), listed=done)
         timeout_s = self.settings.request_timeout_s
 
         def once() -> tuple[dict[str, Any], bytes]:
