@@ -391,7 +391,7 @@ class Fetcher:
                 if partial and (probe or src.ignores_ranges(item.url)):
                     try:
                         got = self._fetch_whole(item, {blocks[k][1] for k in ks}, strict, gate,
-                                                probe=blocks[partial[0]][1] if probe else None)[1]
+                                                probe=blocks[partial[0]][1] if probe else None)
                     except Exception as err:
                         got = {}
                         for k in ks:
@@ -447,7 +447,7 @@ class Fetcher:
         self._store(stored, strict, gate)
 
     def _fetch_whole(self, item: RemoteItem, wanted: set[int], strict: bool, gate: Gate | None,
-                     probe: int | None = None) -> tuple[RemoteItem, dict[int, bytes]]:
+                     probe: int | None = None) -> dict[int, bytes]:
         """The ``wanted`` blocks of ``item``, from one GET of all of it (a host that ignores Range).
 
         Every block is stored as it arrives, a few blocks per put_many (STREAM_BATCH_BYTES),
@@ -458,12 +458,11 @@ class Fetcher:
         their waiters get each as soon as it is stored.
 
         ``probe``: the host's Range support is not known yet; the GET asks for that block
-        alone (Source.read_whole), so a 206 returns just it. A sizeless ``item`` is sized
-        by the answer and pinned with its first stored blocks. Returns the item as answered.
+        alone (Source.read_whole), so a 206 returns just it.
         """
         reader = self.reader
         claimed: set[int] = set()
-        if probe is None and item.size >= 0:
+        if probe is None:  # a probe may bring one block only: it claims none
             with self._lock:
                 table = self._table()
                 claimed = {b for b in reader.blocks(item) if b not in wanted and (item.url, b) not in table}
@@ -475,11 +474,8 @@ class Fetcher:
         held = [0]  # bytes in batch
         landed: set[int] = set()  # claimed blocks whose waiters have their bytes
         known = reader.cache.known
-        cached: set[int] = set()
-        if item.size >= 0:  # a rerun after Ctrl-C stores only the blocks it lacks
-            todo = list(reader.blocks(item))
-            cached = {b for b, e in zip(todo, reader.cache.entries_for([reader.key(item, b) for b in todo])) if e is not None}
-        pins: list[dict[str, Any] | None] = [None]  # a sizeless item's pin, stored with its first blocks
+        todo = list(reader.blocks(item))  # a rerun after Ctrl-C stores only the blocks it lacks
+        cached = {b for b, e in zip(todo, reader.cache.entries_for([reader.key(item, b) for b in todo])) if e is not None}
 
         def land(pairs: list[tuple[int, bytes]]) -> None:
             pairs = [(b, data) for b, data in pairs if b in claimed]
@@ -487,35 +483,32 @@ class Fetcher:
             landed.update(b for b, _ in pairs)
 
         def flush() -> None:
-            self._store(batch, strict, gate, pins=pins[0])
+            self._store(batch, strict, gate)
             land([(b, data) for (_, b), data in batch])
             batch.clear()
             held[0] = 0
 
-        def sink(done: RemoteItem, block: int, data: bytes) -> None:
+        def sink(_: RemoteItem, block: int, data: bytes) -> None:  # the item as answered: item (sized)
             if block in seen:  # the request was retried from its start
                 return
-            if not seen and item.size < 0:
-                pins[0] = reader.pins_of([done])
             seen.add(block)
             if block in wanted:
                 got[block] = data
-            if block in cached or reader.key(done, block) in known:
+            if block in cached or reader.key(item, block) in known:
                 land([(block, data)])
                 return
-            batch.append(((done, block), data))
+            batch.append(((item, block), data))
             held[0] += len(data)
             if held[0] >= STREAM_BATCH_BYTES:
                 flush()
-                pins[0] = None
 
         try:
-            done, _ = reader.source(item.url).read_whole(item, reader.settings.block_bytes, sink, probe)
+            reader.source(item.url).read_whole(item, reader.settings.block_bytes, sink, probe)
             flush()
         except BaseException as err:
             self._land([((item.url, b), None) for b in claimed - landed], err)
             raise
-        return done, got
+        return got
 
     def _store(self, fetched: list[tuple[Block, bytes]], strict: bool, gate: Gate | None,
                pins: dict[str, Any] | None = None) -> None:
