@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -162,3 +163,25 @@ def test_ctrl_c_while_streaming_keeps_the_blocks_written_and_the_rerun_stores_on
     gets = len(handler.gets)
     assert Reader(settings).read(url) == (www / "big" / "one.bin").read_bytes()
     assert not [g for g in handler.gets[gets:] if g["range"] or g["whole"]]  # from the cache
+
+
+def test_a_read_of_one_block_of_a_sized_object_is_one_get_streamed(tmp_path: Path, server: tuple[str, Any, Path]) -> None:
+    # The read path (a DataLoader's miss) on a sized item, a host not known yet: the ranged GET
+    # for the block came back whole and was held, then split, in memory (64 MB here).
+    base, handler, www = server
+    _write(www / "big" / "one.bin", 64)
+    reader = Reader(Settings(cache_dir=tmp_path / "cache", block_bytes=MB, retries=2))
+    item = reader.stat(f"{base}/big/one.bin")  # a HEAD: sized, no GET yet
+    tracemalloc.start()
+    try:
+        block = reader.read_block(item, 40)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * MB, f"{peak / MB:.1f} MB held reading one block of a 64 MB object"
+    with (www / "big" / "one.bin").open("rb") as f:
+        f.seek(40 * MB)
+        assert block == f.read(MB)
+    gets = [g for g in handler.gets if g["path"] == "/big/one.bin"]
+    assert len(gets) == 1 and gets[0]["whole"] and gets[0]["range"] == f"bytes={40 * MB}-{41 * MB - 1}", gets
+    assert reader.read_block(item, 63) and len(handler.gets) == 1  # every block was stored from that answer
