@@ -18,6 +18,7 @@ INDEX_TITLE = re.compile(r"<title>\s*(?:Directory listing for|Index of)\b", re.I
 # A link that urljoin would append to the page's URL unchanged: no scheme, no leading
 # "/", no "." or ".." segment (test_page_links.py checks it against urljoin).
 PLAIN_LINK = re.compile(r"(?![./])(?!.*/\.)[^:]*\Z", re.DOTALL)
+VERSION_FIELDS = ("ETag", "Content-MD5", "Digest", "Last-Modified")  # an answer's version: what fsspec's HEAD keeps
 HREF = re.compile(r"""<a\s[^>]*?href\s*=\s*["']([^"'#]+)["']""", re.IGNORECASE)
 
 
@@ -70,8 +71,8 @@ def first_info(url: str, nbytes: int, status: int, headers: Mapping[str, str], b
         size = len(body)
     if size is not None and len(body) != min(nbytes, size):
         raise TruncatedBodyError(f"got {len(body)} B of {min(nbytes, size)} B")
-    info: dict[str, Any] = {"name": url, "size": size, "ignores_ranges": ignored}
-    for field in ("ETag", "Content-MD5", "Digest", "Last-Modified"):  # what fsspec's HEAD keeps
+    info: dict[str, Any] = {"name": url, "size": size, "ignores_ranges": ignored, "honours_ranges": status == 206}
+    for field in VERSION_FIELDS:
         if headers.get(field):
             info[field] = headers[field]
     if headers.get("x-goog-generation"):  # GCS: the version its listing gives (fastload.source.gcs)

@@ -21,10 +21,10 @@ fsspec's session. A Source uses curl only where its ``storage_options`` map
 onto curl (headers, basic auth, ``trust_env``; :func:`route_for`), and ``Settings.http_client``
 (``FASTLOAD_HTTP_CLIENT``) can turn it off. A host that closes its connection
 after each answer (HTTP/1.0, as ``python -m http.server``; ``HostLimit.closing``)
-goes back to aiohttp once that is seen: there every GET waits for a new
-connection, at most ``CLOSING_MAX`` at once, so the CPU per GET is not the
-limit, and in ``benchmarks/ordinary_server`` libcurl staged at 0.82 of the link
-where aiohttp staged at 0.89 (each GET took ~2 ms longer; not explained). Any answer this path does not take
+stays here, at most ``CLOSING_MAX`` GETs at once: each waits for a new connection,
+which costs less CPU in C than on aiohttp (``benchmarks/ordinary_server``, issue 24:
+0.86 of the link here against 0.65-0.71 on aiohttp in the same run, a 2-core
+machine under load; staging 200 small files skips aiohttp's import). Any answer this path does not take
 as it is (an error status, a failed transfer, a body without a length) is
 redone by :meth:`Source.read_first` on aiohttp, whose retries, backoff and error
 messages are the ones users see.

@@ -416,7 +416,12 @@ class TokenDataset(_CachedDataset):
         if item.size % self.dtype.itemsize:
             raise DecodeError(f"{item.url}: {item.size} B is not a whole number of {self.dtype} tokens; check dtype=")
         self.n_tokens = item.size // self.dtype.itemsize
-        self._len = max(0, (self.n_tokens - self.seq_len) // self.stride + 1)
+        if self.n_tokens < self.seq_len:  # no window fits: length 0 trained on nothing, silently
+            raise EmptyDatasetError(
+                f"{item.url}: {self.n_tokens} {self.dtype} tokens ({item.size} B), fewer than one window of "
+                f"seq_len={self.seq_len}; fix: a seq_len of at most {self.n_tokens}, or a larger token file"
+            )
+        self._len = (self.n_tokens - self.seq_len) // self.stride + 1
 
     def __len__(self) -> int:
         return self._len
@@ -461,8 +466,13 @@ class TarDataset(_CachedDataset):
         super().__init__(url, pattern if isinstance(url, str) else None, transform=transform, storage_options=storage_options, settings=settings, refresh=refresh)
         # (shard index, key, [(ext, offset, size), ...]) per sample, in shard order.
         self.samples: list[tuple[int, str, list[tuple[str, int, int]]]] = []
+        # The members each shard's samples have between them: a sample lacking one is named
+        # when read, not left to end in a bare KeyError from torch's collate.
+        self._exts: list[frozenset[str]] = []
         for shard, item in enumerate(self.items):
-            for key, members in self._index(item):
+            index = self._index(item)
+            self._exts.append(frozenset(ext for _, members in index for ext, _, _ in members))
+            for key, members in index:
                 self.samples.append((shard, key, members))
 
     def _index(self, item: RemoteItem) -> list[tuple[str, list[tuple[str, int, int]]]]:
@@ -482,8 +492,15 @@ class TarDataset(_CachedDataset):
                     stem, dot, ext = base[-1].partition(".")
                     key = (base[0] + "/" + stem) if len(base) == 2 else stem
                     groups.setdefault(key, []).append((ext if dot else "", member.offset_data, member.size))
+            end = tar.offset  # where tarfile stopped: the end-of-archive marker, or a cut header
         except tarfile.TarError as err:
             raise DecodeError(f"{item.url}: not a readable tar shard ({err}); fix: check or rebuild that shard") from err
+        cut = _cut_at(item.size, end, groups)
+        if cut is not None:  # tarfile stops quietly at a cut header and never reads members' data
+            raise DecodeError(
+                f"{item.url}: tar shard truncated at byte {cut} of {item.size} (a member or header is cut off there); "
+                "fix: re-upload or rebuild that shard"
+            )
         index = list(groups.items())
         self.reader.cache.index.set(cache_key, index)
         return index
@@ -494,7 +511,26 @@ class TarDataset(_CachedDataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         shard, key, members = self.samples[index]
         item = self.items[shard]
+        missing = sorted(self._exts[shard] - {ext for ext, _, _ in members})
+        if missing:
+            raise DecodeError(
+                f"{item.url}: sample {key!r} has no {', '.join(repr(m) for m in missing)} member (other samples of "
+                "this shard have it); fix: rebuild that shard, or drop the sample with a sampler"
+            )
         sample: dict[str, Any] = {"__key__": key, "__url__": item.url}
         for ext, offset, size in members:
             sample[ext] = self.reader.read_range(item, offset, offset + size)
         return self._apply(sample)
+
+
+def _cut_at(size: int, end: int, groups: dict[str, list[tuple[str, int, int]]]) -> int | None:
+    """Where a tar shard of ``size`` bytes is cut off, or None if it is whole.
+
+    ``end`` is where tarfile stopped reading headers. A whole shard ends with two
+    zero blocks (and padding), so at least 1 KiB follows; a member whose data runs
+    past ``size`` is cut in its data.
+    """
+    past = [offset for members in groups.values() for _, offset, n in members if offset + n > size]
+    if past:
+        return max(past)
+    return end if size - end < 2 * tarfile.BLOCKSIZE else None

@@ -378,30 +378,39 @@ class Fetcher:
         rest = [k for k in mine if k not in fetched]
         if rest:
             src = reader.source(blocks[rest[0]][0].url)
-            ranges: dict[tuple[str, int, int | None], list[int]] = {}
-            wholes: dict[RemoteItem, list[int]] = {}  # objects of several blocks from a host that ignores Range
+            by_item: dict[RemoteItem, list[int]] = {}
             for k in rest:
-                item = blocks[k][0]
-                start, end = spans[k]
-                if end - start != item.size and src.ignores_ranges(item.url):
-                    wholes.setdefault(item, []).append(k)
-                    continue
-                ranges.setdefault((item.url, 0, None) if start == 0 and end == item.size else (item.url, start, end), []).append(k)
+                by_item.setdefault(blocks[k][0], []).append(k)
+            ranges: dict[tuple[str, int, int | None], list[int]] = {}
+            for item, ks in by_item.items():
+                partial = [k for k in ks if spans[k][1] - spans[k][0] != item.size]
+                # A host not known to honour Range is asked for one block by a GET that serves
+                # either way: a 206 is that block; the whole object is streamed into its blocks
+                # (64 ranged GETs each answered whole took 4.5 GB for a 64 MB object).
+                probe = bool(partial) and src.honours_ranges(item.url) is None
+                if partial and (probe or src.ignores_ranges(item.url)):
+                    try:
+                        got = self._fetch_whole(item, {blocks[k][1] for k in ks}, strict, gate,
+                                                probe=blocks[partial[0]][1] if probe else None)
+                    except Exception as err:
+                        got = {}
+                        for k in ks:
+                            fetched[k] = err
+                    for k in ks:
+                        if blocks[k][1] in got:
+                            fetched[k] = got[blocks[k][1]]
+                            streamed.add(k)
+                    ks = [k for k in ks if k not in fetched]  # a 206: the rest by ranged GETs
+                for k in ks:
+                    start, end = spans[k]
+                    ranges.setdefault((item.url, 0, None) if start == 0 and end == item.size else (item.url, start, end), []).append(k)
             if ranges:
-                for ks, data in zip(ranges.values(), src.read_many(list(ranges))):
+                # Each answer is checked against the item's listed size and version: a refetched
+                # block of a rewritten object is a RemoteChangedError, never a torn object.
+                listed = [blocks[ks[0]][0] for ks in ranges.values()]
+                for ks, data in zip(ranges.values(), src.read_many(list(ranges), listed)):
                     for k in ks:
                         fetched[k] = data
-            for item, ks in wholes.items():
-                try:
-                    got = self._fetch_whole(item, {blocks[k][1] for k in ks}, strict, gate)
-                except Exception as err:
-                    got = None
-                    for k in ks:
-                        fetched[k] = err
-                if got is not None:
-                    for k in ks:
-                        fetched[k] = got[blocks[k][1]]
-                        streamed.add(k)
         stored: list[tuple[Block, bytes]] = []
         seen: set[Block] = set()  # blocks already taken from a whole object
         for k in mine:
@@ -422,7 +431,7 @@ class Fetcher:
                 # object is fetched once (tests/integration/test_hostlimit_server.py); from
                 # now on this host's objects are streamed (_fetch_whole).
                 whole, out[k] = data, data[start:end]
-                reader.source(item.url).note_ignores_ranges(item.url)
+                reader.source(item.url).note_ranges(item.url, False)
                 if (item, block) not in seen:
                     stored += [((item, b), whole[x:y]) for b in reader.blocks(item) for x, y in [reader.block_span(item, b)]]
                     seen.update((item, b) for b in reader.blocks(item))
@@ -437,27 +446,36 @@ class Fetcher:
         reader.record("fetch", len(mine), sum(len(out[k] or b"") for k in mine), t0)
         self._store(stored, strict, gate)
 
-    def _fetch_whole(self, item: RemoteItem, wanted: set[int], strict: bool, gate: Gate | None) -> dict[int, bytes]:
+    def _fetch_whole(self, item: RemoteItem, wanted: set[int], strict: bool, gate: Gate | None,
+                     probe: int | None = None) -> dict[int, bytes]:
         """The ``wanted`` blocks of ``item``, from one GET of all of it (a host that ignores Range).
 
         Every block is stored as it arrives, a few blocks per put_many (STREAM_BATCH_BYTES),
         so memory holds those and the wanted ones, not the object; the object is fetched
         once (tests/integration/test_fetch.py measures the memory and counts the GETs).
-        Blocks nobody else is fetching are entered in the table for this GET, and their
-        waiters get each as soon as it is stored.
+        Blocks already cached (an interrupted stage's, another process's) are not stored
+        again. Blocks nobody else is fetching are entered in the table for this GET, and
+        their waiters get each as soon as it is stored.
+
+        ``probe``: the host's Range support is not known yet; the GET asks for that block
+        alone (Source.read_whole), so a 206 returns just it.
         """
         reader = self.reader
-        with self._lock:
-            table = self._table()
-            claimed = {b for b in reader.blocks(item) if b not in wanted and (item.url, b) not in table}
-            for b in claimed:
-                table[(item.url, b)] = _Flight(item, Future(), False)
+        claimed: set[int] = set()
+        if probe is None:  # a probe may bring one block only: it claims none
+            with self._lock:
+                table = self._table()
+                claimed = {b for b in reader.blocks(item) if b not in wanted and (item.url, b) not in table}
+                for b in claimed:
+                    table[(item.url, b)] = _Flight(item, Future(), False)
         got: dict[int, bytes] = {}
         seen: set[int] = set()
         batch: list[tuple[Block, bytes]] = []
         held = [0]  # bytes in batch
         landed: set[int] = set()  # claimed blocks whose waiters have their bytes
         known = reader.cache.known
+        todo = list(reader.blocks(item))  # a rerun after Ctrl-C stores only the blocks it lacks
+        cached = {b for b, e in zip(todo, reader.cache.entries_for([reader.key(item, b) for b in todo])) if e is not None}
 
         def land(pairs: list[tuple[int, bytes]]) -> None:
             pairs = [(b, data) for b, data in pairs if b in claimed]
@@ -470,13 +488,13 @@ class Fetcher:
             batch.clear()
             held[0] = 0
 
-        def sink(block: int, data: bytes) -> None:
+        def sink(_: RemoteItem, block: int, data: bytes) -> None:  # the item as answered: item (sized)
             if block in seen:  # the request was retried from its start
                 return
             seen.add(block)
             if block in wanted:
                 got[block] = data
-            if reader.key(item, block) in known:
+            if block in cached or reader.key(item, block) in known:
                 land([(block, data)])
                 return
             batch.append(((item, block), data))
@@ -485,7 +503,7 @@ class Fetcher:
                 flush()
 
         try:
-            reader.source(item.url).read_whole(item, reader.settings.block_bytes, sink)
+            reader.source(item.url).read_whole(item, reader.settings.block_bytes, sink, probe)
             flush()
         except BaseException as err:
             self._land([((item.url, b), None) for b in claimed - landed], err)

@@ -64,7 +64,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, *, size_arg: Callable
     d.add_argument("--image-size", type=_positive_int, default=224, help="training image side in pixels (default 224)")
     d.add_argument("--link-payload", choices=("fp32", "fp16", "uint8", "jpeg"), default="fp32",
                    help="what crosses the GPU link today (default fp32: normalised on the CPU)")
-    d.add_argument("--decode-on", choices=("cpu", "gpu"), default="cpu", help="where JPEGs are decoded today")
+    d.add_argument("--decode-on", choices=("auto", "cpu", "gpu", "none"), default="auto",
+                   help="where samples are decoded today; none: not at all (arrays, tokens); auto (default): none "
+                        "where the URL's data is not images (told by its first bytes), else cpu")
     d.add_argument("--no-cache", dest="use_cache", action="store_false", help="your loader does not cache locally")
     d.add_argument("--read-threads", type=_positive_int, default=default_read_threads(),
                    help=f"your loader's read threads ({_read_threads_default()})")

@@ -26,7 +26,32 @@ from typing import Any
 
 from fastload.diagnose._util import MissingOptional, ok, optional, skipped, timed_loop
 
-__all__ = ["cpu_decode", "gpu_decode", "is_jpeg", "payload_decode", "sample_jpegs"]
+__all__ = ["IMAGE_KINDS", "cpu_decode", "data_kind", "gpu_decode", "is_jpeg", "payload_decode", "sample_jpegs"]
+
+
+IMAGE_KINDS = frozenset({"jpeg", "png", "webp", "gif"})
+
+
+def data_kind(head: bytes) -> str:
+    """What a file holds, from its first bytes (512 are enough): an image format, ``npy``,
+    ``tar``, ``text``, or ``binary`` (raw arrays, tokens: nothing to decode)."""
+    if head.startswith(b"\xff\xd8\xff"):
+        return "jpeg"
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return "gif"
+    if head.startswith(b"\x93NUMPY"):
+        return "npy"
+    if head[257:262] == b"ustar":
+        return "tar"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        return "binary"
+    return "text" if head else "binary"
 
 
 def is_jpeg(data: bytes) -> bool:
@@ -107,15 +132,17 @@ def cpu_decode(jpegs: list[bytes], *, image_size: int = 224, budget_s: float = 0
     )
 
 
-def payload_decode(jpegs: list[bytes], *, budget_s: float = 0.3) -> dict[str, Any]:
-    """``codec.decode`` GB/s (one core, checksum on) for JPEG bytes and for decoded pixels."""
+def payload_decode(jpegs: list[bytes], *, budget_s: float = 0.3, raw_only: bool = False) -> dict[str, Any]:
+    """``codec.decode`` GB/s (one core, checksum on) for JPEG bytes and for decoded pixels;
+    ``raw_only``: for the data's own bytes (not images: nothing else is cached)."""
     from fastload import codec
 
     out: dict[str, Any] = {}
-    blobs = {"jpeg": b"".join(jpegs)}
+    blobs = {"raw" if raw_only else "jpeg": b"".join(jpegs)}
     try:
-        image = optional("PIL")
-        blobs["uint8_pixels"] = b"".join(image.open(io.BytesIO(b)).convert("RGB").tobytes() for b in jpegs)
+        if not raw_only:
+            image = optional("PIL")
+            blobs["uint8_pixels"] = b"".join(image.open(io.BytesIO(b)).convert("RGB").tobytes() for b in jpegs)
     except MissingOptional:
         pass  # only the JPEG bytes are measured; the pixel row is absent
     for name, raw in blobs.items():

@@ -144,7 +144,9 @@ def _cache(c: dict[str, Any]) -> list[str]:
 def _compute(report: dict[str, Any]) -> list[str]:
     c = report.get("compute", {})
     img = report.get("images", {})
-    lines = [f"  images      {img.get('source') if img.get('status') == 'ok' else _why(img)}"]
+    data = report.get("data", {})
+    lines = [f"  data        {data['kind']} ({data['kind_from']}); decode on {data['decode_on']}"] if data else []
+    lines.append(f"  images      {img.get('source') if img.get('status') == 'ok' else _why(img)}")
     cpu = c.get("cpu_decode", {})
     if _why(cpu):
         lines.append(f"  CPU decode  {_why(cpu)}")

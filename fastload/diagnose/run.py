@@ -68,7 +68,7 @@ class Options:
     sample_bytes: int | None = None
     image_size: int = 224
     link_payload: str = "fp32"
-    decode_on: str = "cpu"
+    decode_on: str = "auto"  # cpu, gpu, none; auto: none where the data is not images, else cpu
     cache: bool = True
     read_threads: int = field(default_factory=default_read_threads)
     step_ms: float | None = None
@@ -83,19 +83,40 @@ def _jpegs(store: dict[str, Any], n: int) -> tuple[list[bytes], str]:
     return compute.sample_jpegs(n), f"{n} built-in sample JPEGs (fastload.samples)"
 
 
-def _fetch_jpegs(url: str, options: dict[str, Any], store: dict[str, Any], n: int) -> None:
-    """Keep up to ``n`` of the URL's own JPEGs for the compute probes (under ``_jpegs``)."""
+SAMPLE_HEAD_BYTES = 1024**2  # bytes of each non-image file kept for the payload decode probe
+
+
+def _sample_data(url: str, options: dict[str, Any], store: dict[str, Any], n: int) -> None:
+    """Name the data's kind from its first file's first bytes (under ``data_kind``), and keep up
+    to ``n`` samples for the compute probes: the URL's own JPEGs (``_jpegs``), or the first
+    bytes of files that are not images (``_raw``)."""
     from fsspec.core import url_to_fs
 
     fs, _ = url_to_fs(url, **options)
+    sized = store.get("_paths", [])  # (path, size) of the probe's objects
+    if not sized:
+        return
+    kind = compute.data_kind(bytes(fs.cat_file(sized[0][0], start=0, end=512)))
+    store["data_kind"] = kind
+    if kind not in compute.IMAGE_KINDS:
+        store["_raw"] = [bytes(fs.cat_file(path, start=0, end=SAMPLE_HEAD_BYTES)) for path, _ in sized[:n]]
+        return
     got = []
-    for path in store.get("_paths", [])[: 4 * n]:
+    for path in [p for p, size in sized if size <= 8 * 1024**2][: 4 * n]:
         data = fs.cat_file(path, start=0, end=8 * 1024**2)
         if compute.is_jpeg(data):
             got.append(bytes(data))
         if len(got) >= n:
             break
     store["_jpegs"] = got
+
+
+def decode_place(opts: Options, kind: str | None) -> str:
+    """Where samples are decoded: ``opts.decode_on``, its ``auto`` read from the data's kind
+    (no decode for data that is not images; the CPU for images, or built-in samples)."""
+    if opts.decode_on != "auto":
+        return opts.decode_on
+    return "none" if kind is not None and kind not in compute.IMAGE_KINDS else "cpu"
 
 
 def run_diagnose(opts: Options, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -126,31 +147,31 @@ def run_diagnose(opts: Options, progress: Callable[[str], None] | None = None) -
         opts.url, opts.storage_options, pattern=opts.pattern, budget=budget.storage))
     if store.get("status") == "ok" and opts.url:
         try:
-            _fetch_jpegs(opts.url, opts.storage_options, store, budget.images)
-        except Exception as err:  # the URL's own JPEGs are a nicety; samples stand in
+            _sample_data(opts.url, opts.storage_options, store, budget.images)
+        except Exception as err:  # the URL's own samples are a nicety; built-in ones stand in
             store["jpeg_fetch_error"] = f"{type(err).__name__}: {err}"
     store.pop("_paths", None)
+    kind = store.pop("data_kind", None)
+    raw = store.pop("_raw", None)
     report["storage"] = store
-    images: dict[str, Any] = {}
-
-    def load_images() -> dict[str, Any]:
-        data, where = _jpegs(store, budget.images)
-        images["data"] = data
-        return {"status": "ok", "source": where, "count": len(data)}
-
     say("decode")
-    report["images"] = guarded("images", load_images)
-    data = images.get("data")
+    decode_on = decode_place(opts, kind)
+    report["data"] = {"status": "ok", "kind": kind or "unknown",
+                      "kind_from": "the first bytes of the URL's first file" if kind else "no URL or no file read",
+                      "decode_on": decode_on}
+    if decode_on == "none":
+        why = (f"the data is {kind}, not images: nothing to decode (--decode-on none)" if kind not in compute.IMAGE_KINDS
+               else "--decode-on none: nothing is decoded")
+        report["images"] = skipped(why)
+        report["compute"] = {
+            "cpu_decode": skipped(why),
+            "payload_decode": guarded("payload_decode", lambda: compute.payload_decode(raw, budget_s=budget.lz4_s, raw_only=True))
+            if raw else skipped(why),
+            "gpu_decode": skipped(why),
+        }
+    else:
+        _decode_probes(report, opts, budget, store)
     cores = int(facts.get("cpu_usable") or 1)
-    no_images = skipped(f"no JPEGs to decode: {report['images'].get('reason')}")
-    report["compute"] = {
-        "cpu_decode": guarded("cpu_decode", lambda: compute.cpu_decode(
-            data, image_size=opts.image_size, budget_s=budget.decode_s, threads=cores)) if data else no_images,
-        "payload_decode": guarded("payload_decode", lambda: compute.payload_decode(data, budget_s=budget.lz4_s))
-        if data else no_images,
-        "gpu_decode": (guarded("gpu_decode", lambda: compute.gpu_decode(data, budget_s=budget.gpu_decode_s))
-                       if data and opts.gpu else skipped("GPU probes disabled with --no-gpu") if data else no_images),
-    }
     sample = opts.sample_bytes or store.get("avg_object_bytes") or DEFAULT_SAMPLE_BYTES
     piece = int(min(max(sample, 4096), 8 * 1024**2))
     say("cache disk")
@@ -163,6 +184,29 @@ def run_diagnose(opts: Options, progress: Callable[[str], None] | None = None) -
     report["verdict"] = make_verdict(inputs).as_dict()
     report["seconds"] = round(time.perf_counter() - t0, 2)
     return report
+
+
+def _decode_probes(report: dict[str, Any], opts: Options, budget: Budget, store: dict[str, Any]) -> None:
+    """The decode probes (``images`` and ``compute``), on the URL's JPEGs or built-in samples."""
+    images: dict[str, Any] = {}
+
+    def load_images() -> dict[str, Any]:
+        data, where = _jpegs(store, budget.images)
+        images["data"] = data
+        return {"status": "ok", "source": where, "count": len(data)}
+
+    report["images"] = guarded("images", load_images)
+    data = images.get("data")
+    cores = int(report["environment"].get("cpu_usable") or 1)
+    no_images = skipped(f"no JPEGs to decode: {report['images'].get('reason')}")
+    report["compute"] = {
+        "cpu_decode": guarded("cpu_decode", lambda: compute.cpu_decode(
+            data, image_size=opts.image_size, budget_s=budget.decode_s, threads=cores)) if data else no_images,
+        "payload_decode": guarded("payload_decode", lambda: compute.payload_decode(data, budget_s=budget.lz4_s))
+        if data else no_images,
+        "gpu_decode": (guarded("gpu_decode", lambda: compute.gpu_decode(data, budget_s=budget.gpu_decode_s))
+                       if data and opts.gpu else skipped("GPU probes disabled with --no-gpu") if data else no_images),
+    }
 
 
 def _get(section: dict[str, Any], *keys: str) -> Any:
@@ -191,8 +235,9 @@ def build_inputs(report: dict[str, Any], opts: Options, settings: Settings) -> I
         sample, source = float(store["avg_object_bytes"]), f"measured average of {opts.url}"
     else:
         sample, source = float(DEFAULT_SAMPLE_BYTES), "ImageNet-1k average JPEG; pass --sample-bytes or a URL"
+    decode_on = (report.get("data") or {}).get("decode_on") or decode_place(opts, None)
     is_jpeg = not opts.sample_bytes or _get(comp, "cpu_decode", "avg_jpeg_bytes") is not None
-    payload_row = "jpeg" if is_jpeg else "uint8_pixels"
+    payload_row = "raw" if decode_on == "none" else "jpeg" if is_jpeg else "uint8_pixels"
     dev0 = (links.get("devices") or [{}])[0] if links.get("status") == "ok" else {}
     ttfb = _get(store, "ttfb_ms", "median_ms")
     model = None
@@ -213,7 +258,7 @@ def build_inputs(report: dict[str, Any], opts: Options, settings: Settings) -> I
         sample_bytes_source=source,
         image_size=opts.image_size,
         link_payload=opts.link_payload,
-        decode_on=opts.decode_on,
+        decode_on=decode_on,
         cache=opts.cache,
         dataset_bytes=_get(store, "dataset_bytes"),
         cache_limit_bytes=settings.cache_limit_bytes,

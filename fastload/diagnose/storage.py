@@ -270,5 +270,5 @@ def probe_storage(url: str | None, storage_options: dict[str, Any] | None = None
         saturating_connections=conns,
         settled_concurrency=settled,
         samples_per_s_at_best=best / avg,
-        _paths=[p for p, s in probe if 0 < s <= 8 * 1024**2],  # for the compute probes; not reported
+        _paths=[(p, s) for p, s in probe if s > 0],  # for the compute probes; not reported
     )

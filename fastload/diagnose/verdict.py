@@ -40,6 +40,7 @@ from fastload.diagnose._util import fmt_bps, fmt_bytes, fmt_rate
 __all__ = ["PAYLOADS", "Advice", "Inputs", "Regime", "Stage", "Verdict", "make_verdict", "payload_bytes"]
 
 PAYLOADS = ("fp32", "fp16", "uint8", "jpeg")
+DECODE_PLACES = ("cpu", "gpu", "none")  # none: the data is not images (arrays, tokens), shipped as stored
 _ITEMSIZE = {"fp32": 4, "fp16": 2, "uint8": 1}
 CLASS_OF = {
     "storage": "storage",
@@ -61,12 +62,12 @@ REFERENCE_FAST_LINK = 6.6e9
 
 
 def payload_bytes(payload: str, sample_bytes: float, image_size: int) -> float:
-    """Bytes per sample that cross the GPU link for ``payload`` (``jpeg``: the file itself).
+    """Bytes per sample that cross the GPU link for ``payload`` (``jpeg``, ``raw``: the file itself).
 
     >>> payload_bytes("fp32", 108_000, 224), payload_bytes("jpeg", 108_000, 224)
     (602112.0, 108000.0)
     """
-    if payload == "jpeg":
+    if payload in ("jpeg", "raw"):
         return float(sample_bytes)
     if payload not in _ITEMSIZE:
         raise ValueError(f"payload {payload!r} is not one of {', '.join(PAYLOADS)}")
@@ -199,7 +200,7 @@ def _stages(x: Inputs) -> list[Stage]:
     size = x.sample_bytes
     miss = x.why_missing
     on_gpu = x.decode_on == "gpu"
-    payload = "jpeg" if on_gpu else x.link_payload
+    payload = _link_payload(x)
     stages = []
 
     def add(name: str, label: str, rate: float | None, detail: str, epochs: str, in_path: bool = True) -> None:
@@ -222,7 +223,7 @@ def _stages(x: Inputs) -> list[Stage]:
         f"{fmt_bps(x.cache_decode_bps_per_core)}/core x {x.cpu_cores}", "warm", warm_in_path)
     rate = x.cpu_decode_per_core * x.cpu_cores if x.cpu_decode_per_core else None
     add("cpu_decode", "CPU JPEG decode", rate,
-        f"{fmt_rate(x.cpu_decode_per_core)} img/s/core x {x.cpu_cores} cores", "all", not on_gpu)
+        f"{fmt_rate(x.cpu_decode_per_core)} img/s/core x {x.cpu_cores} cores", "all", x.decode_on == "cpu")
     per = payload_bytes(payload, size, x.image_size)
     rate = x.h2d_bps / per if x.h2d_bps else None
     add("link", f"GPU link ({_payload_name(payload, x.image_size)})", rate,
@@ -247,7 +248,12 @@ def _short(reason: str) -> str:
 
 
 def _payload_name(payload: str, hw: int) -> str:
-    return "JPEG" if payload == "jpeg" else f"{payload} {hw}x{hw}"
+    return "JPEG" if payload == "jpeg" else "samples as stored" if payload == "raw" else f"{payload} {hw}x{hw}"
+
+
+def _link_payload(x: Inputs) -> str:
+    """What crosses the link: the JPEG (GPU decode), the sample as stored (no decode), else ``link_payload``."""
+    return "jpeg" if x.decode_on == "gpu" else "raw" if x.decode_on == "none" else x.link_payload
 
 
 def _streams(x: Inputs) -> bool:
@@ -287,7 +293,7 @@ def _sentence(x: Inputs, stages: list[Stage], s: Stage | None, regime: str) -> s
         return (f"CPU-bound: JPEG decode at {fmt_rate(x.cpu_decode_per_core)} img/s per core x "
                 f"{x.cpu_cores} cores caps at {rate} img/s")
     if s.name == "link":
-        payload = "jpeg" if x.decode_on == "gpu" else x.link_payload
+        payload = _link_payload(x)
         text = f"link-bound: {fmt_bps(x.h2d_bps)} H2D caps {_payload_name(payload, x.image_size)} at {rate} img/s"
         better = _better_payload(x, payload)
         if better is not None:
@@ -380,7 +386,7 @@ def _advice(x: Inputs, stages: list[Stage], s: Stage, regime: str, warm: Stage |
                               f"decode on all {x.cpu_cores} cores in parallel; read_threads={x.read_threads} "
                               "uses fewer (Pillow releases the GIL, so threads scale)"))
     elif s.name == "link":
-        payload = "jpeg" if x.decode_on == "gpu" else x.link_payload
+        payload = _link_payload(x)
         better = _better_payload(x, payload)
         if better is not None:
             name, how, r = better
@@ -440,8 +446,8 @@ def make_verdict(x: Inputs) -> Verdict:
     """
     if not x.sample_bytes or x.sample_bytes <= 0:
         raise ValueError(f"sample_bytes={x.sample_bytes!r} must be positive")
-    if x.decode_on not in ("cpu", "gpu"):
-        raise ValueError(f"decode_on={x.decode_on!r} must be 'cpu' or 'gpu'")
+    if x.decode_on not in DECODE_PLACES:
+        raise ValueError(f"decode_on={x.decode_on!r} must be one of {', '.join(DECODE_PLACES)}")
     payload_bytes(x.link_payload, x.sample_bytes, x.image_size)  # validates the payload
     stages = _stages(x)
     streams = _streams(x)

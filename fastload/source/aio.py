@@ -114,20 +114,38 @@ async def http_get_first(fs: Any, url: str, nbytes: int, timeout_s: float) -> tu
 
 
 
+async def http_get_range(fs: Any, url: str, start: int, end: int | None, timeout_s: float) -> tuple[dict[str, Any], bytes]:
+    """A GET of ``url[start:end]`` (``end`` None: to the end) on fsspec's session: (HEAD-like
+    info of the answer, body). Its size and version (:func:`first_info`) let the caller check
+    that the bytes come from the version it listed, which fsspec's ``_cat_file`` does not show."""
+    import aiohttp
+
+    session = await fs.set_session()
+    ranged = {} if start == 0 and end is None else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
+    headers, kwargs = identity_get(fs, ranged)
+    async with session.get(fs.encode_url(url), headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s), **kwargs) as r:
+        fs._raise_not_found_for_status(r, url)
+        body = await r.read()
+        return first_info(url, len(body), r.status, r.headers, body)
+
+
 class HttpStream:
     """An answer to a GET on fsspec's aiohttp session, read a piece at a time (Source.read_whole)."""
 
     def __init__(self, response: Any) -> None:
         self.response = response
+        self.status: int = response.status
+        self.headers = response.headers
         length = response.headers.get("Content-Length", "")
         self.length = int(length) if length.isdigit() else None
 
     @classmethod
-    async def open(cls, fs: Any, url: str, timeout_s: float) -> HttpStream:
+    async def open(cls, fs: Any, url: str, timeout_s: float, span: tuple[int, int] | None = None) -> HttpStream:
+        """GET ``url``, or only ``span`` (start, end) of it if the server honours Range (a 206)."""
         import aiohttp
 
         session = await fs.set_session()
-        headers, kwargs = identity_get(fs)
+        headers, kwargs = identity_get(fs, None if span is None else {"Range": f"bytes={span[0]}-{span[1] - 1}"})
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
         response = await session.get(fs.encode_url(url), headers=headers, timeout=timeout, **kwargs)
         try:
@@ -159,15 +177,20 @@ async def held(limit: HostLimit | None, request: Callable[[], Awaitable[T]]) -> 
 
 
 async def gather_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], timeout_s: float,
-                         limit_of: Callable[[str], HostLimit | None], stop: threading.Event | None = None) -> list[Any]:
-    async def one(path: str, start: int, end: int | None) -> bytes:
+                         limit_of: Callable[[str], HostLimit | None], stop: threading.Event | None = None,
+                         answers: bool = False) -> list[Any]:
+    """Each ``(path, start, end)`` read together, a failure in its place; ``answers`` (HTTP):
+    each as :func:`http_get_range`'s (info, body), so the caller can check its version."""
+    async def one(path: str, start: int, end: int | None) -> Any:
         # Bounded like Source.read's requests (asyncio's own timeout for stores that take no
         # kwarg); the timeout starts once the request holds its slot.
         limit = limit_of(fs.unstrip_protocol(path))
 
-        def request() -> Awaitable[bytes]:
+        def request() -> Awaitable[Any]:
             if stop is not None and stop.is_set():  # stopped while it waited for its slot: no request
                 raise StoppedError(f"{fs.unstrip_protocol(path)}: stopped before its request")
+            if answers:
+                return http_get_range(fs, path, start, end, timeout_s)
             if start == 0 and end is None:
                 return asyncio.wait_for(fs._cat_file(path), timeout_s)
             return asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout_s)

@@ -23,11 +23,13 @@ from typing import Any, Protocol, TypeVar
 import fsspec
 import fsspec.asyn
 
+from fastload.answers import VERSION_FIELDS
 from fastload.config import Settings
 from fastload.errors import RemoteChangedError, StoppedError
 from fastload.failures import TruncatedBodyError
 from fastload.hostlimit import STOP_POLL_S, HostLimit, aiohttp_client
 from fastload.source import aio
+from fastload.source.errors import unchanged
 from fastload.source.items import RemoteItem, version_of
 
 T = TypeVar("T")
@@ -66,7 +68,9 @@ class _Source(Protocol):
     def _item(self, info: dict[str, Any]) -> RemoteItem: ...
     def _sync(self, func: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout_s: float | None = None,
               **kwargs: Any) -> T: ...
-    def read(self, url: str, start: int = 0, end: int | None = None, *, expect: int | None = None) -> bytes: ...
+    def read(self, url: str, start: int = 0, end: int | None = None, *, expect: int | None = None,
+             listed: RemoteItem | None = None) -> bytes: ...
+    def note_ranges(self, url: str, honoured: bool) -> None: ...
 
 
 def forget_parent_loop(fs: Any) -> None:
@@ -167,7 +171,8 @@ class FsspecRoad:
             files[rel] = RemoteItem(fs.unstrip_protocol(path), -1 if size is None else int(size), version_of(detail))
         return files, folders
 
-    def read(self: _Source, url: str, start: int = 0, end: int | None = None, *, expect: int | None = None) -> bytes:
+    def read(self: _Source, url: str, start: int = 0, end: int | None = None, *, expect: int | None = None,
+             listed: RemoteItem | None = None) -> bytes:
         """Read ``url[start:end]`` with retries, backoff and a per-request timeout.
 
         Args:
@@ -176,13 +181,21 @@ class FsspecRoad:
             end: One past the last byte, or None for the end of the object.
             expect: The byte count the caller knows it must get; a short body is
                 treated as a cut connection and retried.
+            listed: The object as listed: over HTTP the answer's size and version
+                must be its (:func:`checked`), never bytes of another version.
+
+        Raises:
+            RemoteChangedError: The answer is of another size or version than ``listed``.
         """
         fs = self.fs
         path = fs._strip_protocol(url)
         timeout_s = self.settings.request_timeout_s
 
         def once() -> bytes:
-            if has_loop(fs):  # cancellable on a stop
+            if self._http and has_loop(fs):
+                info, data = self._sync(aio.http_get_range, fs, url, start, end, timeout_s, timeout_s=timeout_s)
+                data = checked(listed, info, data) if listed is not None else data
+            elif has_loop(fs):  # cancellable on a stop
                 whole = start == 0 and end is None
                 data = self._sync(fs._cat_file, path, timeout_s=timeout_s) if whole else \
                     self._sync(fs._cat_file, path, start=start, end=end, timeout_s=timeout_s)
@@ -196,10 +209,13 @@ class FsspecRoad:
 
         return self._call(once, url)
 
-    def read_many(self: _Source, ranges: builtins.list[tuple[str, int, int | None]]) -> builtins.list[bytes | Exception]:
+    def read_many(self: _Source, ranges: builtins.list[tuple[str, int, int | None]],
+                  listed: builtins.list[RemoteItem] | None = None) -> builtins.list[bytes | Exception]:
         """``url[start:end]`` (``end`` None: to the end) of each ``(url, start, end)``, their
         requests overlapping on fsspec's event loop; a failed one's error in its place. As
-        with :meth:`read`, a body of another length is returned for the caller to judge.
+        with :meth:`read`, a body of another length is returned for the caller to judge;
+        over HTTP one of another size or version than ``listed`` (one per range) is a
+        RemoteChangedError in its place: a refetched block never mixes versions.
 
         Threads that each wait on one request cost a context switch or more per object
         and contend for the GIL: a cold epoch ran at 615 objects/s with 8 read threads
@@ -211,16 +227,25 @@ class FsspecRoad:
         results: builtins.list[Any] = [None] * len(ranges)
         if len(ranges) > 1 and getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
             paths = [(fs._strip_protocol(url), start, end) for url, start, end in ranges]
-            results = self._sync(aio.gather_ranges, fs, paths, self.settings.request_timeout_s, self.limit_of, self.stop)
+            results = self._sync(aio.gather_ranges, fs, paths, self.settings.request_timeout_s, self.limit_of, self.stop,
+                                 answers=self._http)
+            if self._http:
+                for i, res in enumerate(results):
+                    if isinstance(res, tuple):
+                        try:
+                            results[i] = checked(listed[i], *res) if listed is not None else res[1]
+                        except RemoteChangedError as err:
+                            results[i] = err
 
         def again(i: int) -> bytes | Exception:
             url, start, end = ranges[i]
             try:
-                return self.read(url, start, end)
+                return self.read(url, start, end, listed=None if listed is None else listed[i])
             except Exception as err:
                 return err
 
-        redo = [i for i, res in enumerate(results) if res is None or isinstance(res, BaseException)]
+        redo = [i for i, res in enumerate(results) if res is None or (isinstance(res, BaseException)
+                                                                     and not isinstance(res, RemoteChangedError))]
         if len(redo) > 1 and not getattr(fs, "async_impl", False):
             # A store without an event loop (local files, NFS): its reads overlap on
             # threads, as many as the cap on requests in flight allows.
@@ -232,42 +257,74 @@ class FsspecRoad:
                 results[i] = again(i)
         return [res if isinstance(res, Exception) else bytes(res) for res in results]
 
-    def read_whole(self: _Source, item: RemoteItem, block_bytes: int, sink: Callable[[int, bytes], None]) -> None:
-        """One GET of all of ``item``, handed to ``sink(block, bytes)`` a ``block_bytes`` block at a time.
+    def read_whole(self: _Source, item: RemoteItem, block_bytes: int, sink: Callable[[RemoteItem, int, bytes], None],
+                   block: int | None = None) -> tuple[RemoteItem, bool]:
+        """One GET of all of ``item``, handed to ``sink(item, block, bytes)`` a ``block_bytes`` block at a time.
 
         For hosts that ignore Range (:meth:`ignores_ranges`: Python's http.server): each
         block is read off the answer as it arrives and given to ``sink`` (the fetch stage
-        stores it), so memory holds a block, not the object. The request, retried from
-        its start on a transient failure (``sink`` may then see a block again), holds one
-        slot throughout.
+        stores it), so memory holds a block, not the object, and the object is fetched
+        once. The request, retried from its start on a transient failure (``sink`` may
+        then see a block again), holds one slot throughout. A sizeless item is sized
+        and versioned by the answer; a sized one must still have its listed size and
+        version (the item ``sink`` gets is the answer's).
+
+        Args:
+            block: Over HTTP, ask for only this block (a Range header): the way to learn
+                whether the host honours Range without a request wasted either way.
+                A 206 hands ``sink`` that block alone; a whole answer, every block.
+
+        Returns:
+            The item as answered, and whether the whole object came (False: a 206).
 
         Raises:
-            RemoteChangedError: The answer's length is not the listed size.
+            RemoteChangedError: The answer is of another size or version than ``item``'s.
         """
         fs: Any = self.fs
         timeout_s = self.settings.request_timeout_s
-        sizes = [min(block_bytes, item.size - start) for start in range(0, max(item.size, 1), block_bytes)]
 
-        def once() -> None:
+        def blocks(size: int) -> builtins.list[int]:
+            return [min(block_bytes, size - start) for start in range(0, max(size, 1), block_bytes)]
+
+        def once() -> tuple[RemoteItem, bool]:
             if not self._http:
                 with fs.open(fs._strip_protocol(item.url), "rb") as f:
-                    for block, n in enumerate(sizes):
+                    for b, n in enumerate(blocks(item.size)):
                         data = f.read(n)
                         if len(data) != n:
                             raise TruncatedBodyError(f"got {len(data)} B of {n} B")
-                        sink(block, data)
-                return
-            stream = self._sync(aio.HttpStream.open, fs, item.url, timeout_s, timeout_s=timeout_s)
+                        sink(item, b, data)
+                return item, True
+            span = None if block is None else (block * block_bytes, min(item.size, (block + 1) * block_bytes))
+            stream = self._sync(aio.HttpStream.open, fs, item.url, timeout_s, span, timeout_s=timeout_s)
             try:
-                if stream.length is not None and stream.length != item.size:
-                    raise RemoteChangedError(
-                        f"{item.url}: remote now has {stream.length} B, {item.size} B when listed; the object changed; "
-                        "fix: `fastload cache --refresh` or refresh=True"
-                    )
-                for block, n in enumerate(sizes):
-                    sink(block, self._sync(stream.read, n, timeout_s=timeout_s))
+                ranged = stream.status == 206
+                total = (stream.headers.get("Content-Range") or "").rpartition("/")[2] if ranged else ""
+                info = {"name": item.url, "size": int(total) if total.isdigit() else item.size if ranged else stream.length,
+                        **{k: stream.headers[k] for k in VERSION_FIELDS if stream.headers.get(k)}}
+                done = self._item(info)
+                if item.size >= 0:
+                    done = unchanged(item, done)
+                if span is not None:
+                    self.note_ranges(item.url, ranged)
+                if ranged and span is not None and block is not None:
+                    sink(done, block, self._sync(stream.read, span[1] - span[0], timeout_s=timeout_s))
+                    return done, False
+                for b, n in enumerate(blocks(done.size)):
+                    sink(done, b, self._sync(stream.read, n, timeout_s=timeout_s))
+                return done, True
             finally:
                 fsspec.asyn.sync(fs.loop, stream.close, timeout=timeout_s)
 
-        self._call(once, item.url)
+        return self._call(once, item.url)
 
+
+def checked(listed: RemoteItem, info: dict[str, Any], body: bytes) -> bytes:
+    """``body``, if the answer it came in (``info``: answers.first_info) is of ``listed``'s size and version.
+
+    Raises:
+        RemoteChangedError: It is not (errors.unchanged): a block of another version.
+    """
+    if info.get("size") is not None:
+        unchanged(listed, RemoteItem(listed.url, int(info["size"]), version_of(info)))
+    return body

@@ -25,6 +25,12 @@ def test_tiny_unshaped_run_reports_every_figure(load_script: Callable[[str], Mod
     # The issue-12 target is about the defaults: only --workers 2 ran, so it is not measured, and not met.
     assert result["target"]["value"] is None and result["target"]["verdict"].startswith("NOT MEASURED")
     assert not result["target"]["pass"]
+    # The keep-alive, Range-speaking handler, with the plain clients that measure the server itself.
+    keep = result["keepalive"]
+    assert keep["server"].endswith("keepalive_server.py") and keep["plain_loop_mb_per_s"] > 0
+    assert keep["plain_keepalive_mb_per_s"] > 0 and keep["plain_8_connections_mb_per_s"] > 0
+    (run,) = keep["fastload"]
+    assert run["workers"] == 2 and run["mb_per_s"] > 0 and run["concurrency"]["cap"] == 2
 
 
 def test_target_is_the_median_of_the_default_runs(load_script: Callable[[str], ModuleType]) -> None:

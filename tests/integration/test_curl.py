@@ -147,11 +147,13 @@ def test_a_server_that_ignores_ranges_is_cut_at_the_block_and_noted(tmp_path: Pa
     assert limit is not None
     _until(lambda: limit.closing, "http.server's HTTP/1.0 answers did not hold the limit to CLOSING_MAX")
     assert all(h.get("Range") == "bytes=0-4095" and h.get("Accept-Encoding") == "identity" for h in server.seen)
-    # A host that closes its connections: its GETs go back to aiohttp (measured faster there).
+    # A host that closes its connections stays on libcurl (a connect per GET costs less CPU in C:
+    # benchmarks/ordinary_server), at most CLOSING_MAX at once.
     started = src.start_first_many(items, 4096)
-    assert started is not None and not any(isinstance(f, curl.Pending) for f in started)
-    for f in started:
-        f.cancel()
+    assert started is not None and all(isinstance(f, curl.Pending) for f in started)
+    for (item, data), want in zip((src.finish_first(i, 4096, f) for i, f in zip(items, started)), files.values()):
+        assert data == want[:4096] and item.size == len(want)
+    assert limit.limit <= hostlimit.CLOSING_MAX
 
 
 def test_a_503_cuts_the_limit_and_the_object_is_still_read_whole(tmp_path: Path, py_server: Any) -> None:

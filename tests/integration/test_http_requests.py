@@ -104,7 +104,7 @@ def test_misses_of_one_batch_are_fetched_concurrently(tmp_path: Path, settings: 
     items = [RemoteItem(f"file://{tmp_path}/{i}.bin", 1000, "v1") for i in range(8)]
     lock, active, peak = threading.Lock(), [0], [0]
 
-    def slow_read(url: str, start: int = 0, end: int | None = None, *, expect: int | None = None) -> bytes:
+    def slow_read(url: str, start: int = 0, end: int | None = None, *, expect: int | None = None, listed: object = None) -> bytes:
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
@@ -132,9 +132,9 @@ def test_http_misses_of_one_batch_go_out_together_on_the_event_loop(
     calls: list[int] = []
     gather = fastload.source.aio.gather_ranges
 
-    async def counting(fs: object, ranges: list, *args: object) -> list:
+    async def counting(fs: object, ranges: list, *args: object, **kwargs: object) -> list:
         calls.append(len(ranges))
-        return await gather(fs, ranges, *args)
+        return await gather(fs, ranges, *args, **kwargs)
 
     monkeypatch.setattr(fastload.source.aio, "gather_ranges", counting)
     sizes = [i.size for i in items]

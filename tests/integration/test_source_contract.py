@@ -215,7 +215,7 @@ def test_ranged_reads_and_whole_reads(store: Store) -> None:
     if store.ranges:
         assert src.read(item.url, 70_000, 70_100, expect=100) == data[70_000:70_100]
     blocks: dict[int, bytes] = {}
-    src.read_whole(item, 65536, blocks.__setitem__)  # one GET, block by block: what a Range-less host gets
+    src.read_whole(item, 65536, lambda _item, b, data: blocks.__setitem__(b, data))  # one GET, block by block: what a Range-less host gets
     assert b"".join(blocks[k] for k in sorted(blocks)) == data and len(blocks) == 5
 
 

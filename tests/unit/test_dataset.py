@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 
 from fastload.config import Settings
 from fastload.dataset import ArrayDataset, FileDataset, TarDataset, TokenDataset
-from fastload.errors import DecodeError
+from fastload.errors import DecodeError, EmptyDatasetError
 
 
 @pytest.fixture()
@@ -98,6 +99,13 @@ def test_token_windows_match_numpy(tmp_path: Path, settings: Settings) -> None:
         ds[len(ds)]
 
 
+def test_a_token_file_shorter_than_one_window_is_an_empty_dataset(tmp_path: Path, settings: Settings) -> None:
+    np.arange(1000, dtype=np.int32).tofile(tmp_path / "tokens.bin")
+    with pytest.raises(EmptyDatasetError, match=r"tokens\.bin: 1000 int32 tokens \(4000 B\), fewer than one window of seq_len=10000000"):
+        TokenDataset(str(tmp_path / "tokens.bin"), seq_len=10**7, dtype="int32", settings=settings)
+    assert len(TokenDataset(str(tmp_path / "tokens.bin"), seq_len=1000, dtype="int32", settings=settings)) == 1
+
+
 def tar_bytes(members: list[tuple[str, bytes, bytes]]) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -117,7 +125,8 @@ def test_tar_dataset_groups_members_and_never_trusts_paths(tmp_path: Path, setti
     img = os.urandom(3000)
     (tmp_path / "shards" / "s0.tar").write_bytes(tar_bytes([
         ("a/000.jpg", img, b""), ("a/000.cls", b"3", b""),
-        ("../../escape.jpg", b"evil", b""), ("/abs/001.cls", b"1", b""),
+        ("../../escape.jpg", b"evil", b""), ("../../escape.cls", b"0", b""),
+        ("/abs/001.jpg", img, b""), ("/abs/001.cls", b"1", b""),
         ("link.jpg", b"", b"link"),
     ]))
     ds = TarDataset(str(tmp_path / "shards"), settings=settings)
@@ -126,6 +135,32 @@ def test_tar_dataset_groups_members_and_never_trusts_paths(tmp_path: Path, setti
     assert keys["../../escape"]["jpg"] == b"evil"  # just a string key, never a path
     assert "link" not in keys  # symlink members are skipped
     assert set(os.listdir(tmp_path)) == {"shards", "cache"} and not (tmp_path.parent / "escape.jpg").exists()
+
+
+def test_a_truncated_tar_shard_is_a_decode_error_naming_the_shard_and_offset(tmp_path: Path, settings: Settings) -> None:
+    # tarfile stops quietly at a cut header and never reads members' data: a shard cut in
+    # half yielded its samples, the last one missing members, with no error.
+    (tmp_path / "shards").mkdir()
+    whole = tar_bytes([(f"{k:03d}.{ext}", os.urandom(2000), b"") for k in range(6) for ext in ("jpg", "cls")])
+    for cut in (len(whole) // 2, 2560 * 2 + 100, 2560 * 2):  # in a member's data, in a header, at a header
+        shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+        (tmp_path / "shards" / "s0.tar").write_bytes(whole[:cut])
+        with pytest.raises(DecodeError, match=rf"s0\.tar: tar shard truncated at byte \d+ of {cut}"):
+            TarDataset(str(tmp_path / "shards"), settings=settings)
+    (tmp_path / "shards" / "s0.tar").write_bytes(whole)
+    shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+    assert len(TarDataset(str(tmp_path / "shards"), settings=settings)) == 6
+
+
+def test_a_tar_sample_missing_a_member_names_the_shard_key_and_member(tmp_path: Path, settings: Settings) -> None:
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "s0.tar").write_bytes(tar_bytes([
+        ("000.jpg", b"a", b""), ("000.cls", b"0", b""), ("001.jpg", b"b", b""), ("002.jpg", b"c", b""), ("002.cls", b"2", b""),
+    ]))
+    ds = TarDataset(str(tmp_path / "shards"), settings=settings)
+    assert ds[0]["cls"] == b"0" and ds[2]["cls"] == b"2"
+    with pytest.raises(DecodeError, match=r"s0\.tar: sample '001' has no 'cls' member"):
+        ds[1]
 
 
 def test_corrupt_tar_shard_names_the_url(tmp_path: Path, settings: Settings) -> None:

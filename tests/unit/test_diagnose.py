@@ -406,3 +406,46 @@ def test_storage_probe_lists_as_the_datasets_do_and_says_why_nothing_matched(tmp
     assert "'**/*.jpg'" in got["reason"]
     got = probe_storage(str(tmp_path / "train"), pattern="**/*.jpg", budget=budget)
     assert got["status"] == "ok" and got["listing"]["items"] == 1 and got["listing"]["matched"] == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("name", "kind"), [("tokens.bin", "binary"), ("arrays.npy", "npy")])
+def test_data_that_is_not_images_is_not_diagnosed_as_jpeg_decode(capsys, tmp_path, name, kind):
+    # `fastload diagnose` on .bin / .npy data said "CPU-bound: JPEG decode ... decode on a GPU",
+    # measured on built-in sample photos.
+    import numpy as np
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for k in range(4):
+        arr = np.random.default_rng(k).integers(0, 50_000, 100_000, dtype=np.int32)
+        if kind == "npy":
+            np.save(folder / f"{k}-{name}", arr)
+        else:
+            arr.tofile(folder / f"{k}-{name}")
+    argv = ["diagnose", "--json", "--quick", "--no-gpu", "--cache-dir", str(tmp_path / "c"), str(folder)]
+    code, r = _run(capsys, argv)
+    assert code == 0
+    assert r["data"] == {"status": "ok", "kind": kind, "kind_from": "the first bytes of the URL's first file",
+                         "decode_on": "none"}
+    assert r["compute"]["cpu_decode"]["status"] == "skipped" and f"the data is {kind}, not images" in r["compute"]["cpu_decode"]["reason"]
+    assert r["images"]["status"] == "skipped"
+    assert r["compute"]["payload_decode"]["raw"]["decode_bps_per_core"] > 0  # the data's own bytes
+    v = r["verdict"]
+    assert "JPEG" not in v["headline"] and "decode" not in v["headline"].split(":")[0]
+    by = {x["name"]: x for x in v["stages"]}
+    assert not by["cpu_decode"]["in_path"] and not by["gpu_decode"]["in_path"]
+    assert not any("JPEG" in a["value"] + a["why"] for a in v["advice"])
+    # --decode-on none on image data skips decoding too; cpu measures it.
+    code, r = _run(capsys, [*argv[:-1], "--decode-on", "cpu", str(folder)])
+    assert r["data"]["decode_on"] == "cpu" and r["compute"]["cpu_decode"]["status"] == "ok"
+
+
+def test_the_kind_of_data_is_read_from_its_first_bytes():
+    from fastload.diagnose.compute import data_kind, sample_jpegs
+
+    assert data_kind(sample_jpegs(1)[0]) == "jpeg"
+    assert data_kind(b"\x89PNG\r\n\x1a\n....") == "png"
+    assert data_kind(b"\x93NUMPY\x01\x00v\x00{'descr'") == "npy"
+    assert data_kind(bytes(range(256)) * 2) == "binary"
+    assert data_kind(b"hello, world\n") == "text"

@@ -240,3 +240,18 @@ def test_verdict_round_trips_through_its_dict_and_renders():
     assert text.splitlines()[0].split() == ["stage", "max", "samples/s", "measured", "epochs"]
     assert "verdict: link-bound" in text and "change:" in text
     assert "- link payload: uint8." in text
+
+
+def test_data_that_is_not_decoded_never_has_a_decode_bottleneck():
+    # Arrays or tokens (decode_on="none"): a slow JPEG decode measured on sample photos once
+    # gave "CPU-bound: JPEG decode ... decode on a GPU" for .bin / .npy data.
+    slow_cpu = fast(cpu_decode_per_core=50, cpu_cores=2, decode_on="none")
+    v = make_verdict(slow_cpu)
+    assert v.bottleneck != "cpu" and "JPEG" not in v.headline
+    assert not v.stage("cpu_decode").in_path and not v.stage("gpu_decode").in_path
+    assert not any("JPEG" in a.value + a.why or a.setting == "pipeline placement" for a in v.advice)
+    # What crosses the link is the sample as stored, not decoded pixels.
+    link = make_verdict(dataclasses.replace(slow_cpu, h2d_bps=0.5 * GB)).stage("link")
+    assert link.label == "GPU link (samples as stored)"
+    assert link.samples_per_s == pytest.approx(0.5 * GB / (110 * KB))
+    assert make_verdict(dataclasses.replace(slow_cpu, decode_on="cpu")).bottleneck == "cpu"
