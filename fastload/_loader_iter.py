@@ -49,12 +49,15 @@ class _Calls(Iterator[Any]):
 class _Progress:
     """Where the most recent epoch stands, for state_dict()."""
 
-    __slots__ = ("yielded", "active", "gen_start")
+    __slots__ = ("yielded", "active", "gen_start", "sampler_start")
 
-    def __init__(self, start: int = 0, gen_start: list[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, start: int = 0, gen_start: list[torch.Tensor] | None = None, sampler_start: list[Any] | None = None
+    ) -> None:
         self.yielded = start  # batches of the epoch behind the consumer, resumed ones included
         self.active = True
         self.gen_start = gen_start  # the tracked generators' states when the epoch began
+        self.sampler_start = sampler_start  # stateful samplers' state_dict() then
 
 
 class _TimedCollate:
