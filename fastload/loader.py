@@ -533,7 +533,8 @@ class DataLoader(tud.DataLoader[T_co]):
         tracker = None
         if read_fn is None and self.num_workers > 0:
             if loaded is None and reused and self._fl_workers is not None:
-                loaded = {"states": self._fl_workers.cur, "base_seed": self._fl_workers.base_seed}
+                # The same workers go on: their states (and torch's seed) carry over.
+                loaded = {**self._fl_workers.save(), "next": 0}
             base_seed = loaded.get("base_seed") if loaded else None
             tracker = WorkerStates(
                 self.num_workers, loaded, start, lambda: progress.yielded,

@@ -377,6 +377,7 @@ def save(loader: Any) -> dict[str, Any]:
         "generator_start": None,
         "sampler_start": None,
         "dataset": None,
+        "main_rng": None,
         "workers": None,
         "generator_state": None if loader.generator is None else encode_tensor(loader.generator.get_state()),
         "world_size": loader.world_size,
@@ -405,6 +406,8 @@ def save(loader: Any) -> dict[str, Any]:
         # A lazy sampler that has not drawn yet draws from the current state.
         state["rng"] = encode_rng(wrapper.snapshot or wrapper.capture())
     if loader.num_workers == 0:
+        # The dataset drew from this process's RNGs: they are part of its position.
+        state["main_rng"] = rng_state()
         if _stateful(loader.dataset):
             state["dataset"] = loader.dataset.state_dict()
     elif loader._fl_workers is not None:
@@ -454,6 +457,8 @@ def load(loader: Any, state: dict[str, Any]) -> None:
                 f"saved by {workers['num_workers'] if workers else 0} worker processes; fix: resume "
                 "with the num_workers that saved it"
             )
+    if state.get("main_rng") is not None and loader.num_workers == 0:
+        set_rng_state(state["main_rng"])
     if state.get("in_epoch") and not isinstance(loader.dataset, tud.IterableDataset):
         rng = state.get("rng")
         loader._resumable().resume_at(skip, None if rng is None else decode_rng(rng))
