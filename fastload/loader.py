@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data as tud
 
+from fastload import resume
 from fastload._loader_iter import (
     _Calls,
     _LiveLoaderIter,
@@ -46,7 +47,6 @@ from fastload.errors import ConfigError
 from fastload.lookahead import AheadSampler, Lookahead, depth_for
 from fastload.prefetch import DevicePrefetcher
 from fastload.readahead import ReadAhead
-from fastload import resume
 from fastload.resume import WorkerInit, WorkerStates, rotated_iterator
 from fastload.sampler import ResumableSampler, ShardedSampler
 from fastload.stats import LoaderStats, StatsCollector
@@ -508,8 +508,6 @@ class DataLoader(tud.DataLoader[T_co]):
         collector = self._fl_collector if self.stats_enabled else None
         read_fn = self._read_fn()
         timed = None
-        if not isinstance(self.dataset, tud.IterableDataset):
-            self._resumable()
         pending, self._fl_pending = self._fl_pending, None
         start, gen_start, sampler_start, restore_caller = resume.begin_epoch(self, pending)
         caller_rng = torch.get_rng_state() if restore_caller else None
@@ -523,23 +521,14 @@ class DataLoader(tud.DataLoader[T_co]):
             if collector is not None and hasattr(source, "_dataset_fetcher"):
                 # Splits time inside next() into reading samples and collating them.
                 timed = _TimedCollate(source, self._items_per_index_batch())
-        if caller_rng is not None:
-            # Don't draw the base seed twice from the caller's global stream: the
-            # interrupted run already did.
+        if caller_rng is not None:  # the interrupted run already drew the base seed from it
             torch.set_rng_state(caller_rng)
         progress = _Progress(start, gen_start, sampler_start)
         nxt: Callable[[], Any] = source.__next__
         plain = nxt
         tracker = None
-        if read_fn is None and self.num_workers > 0:
-            if loaded is None and reused and self._fl_workers is not None:
-                # The same workers go on: their states (and torch's seed) carry over.
-                loaded = {**self._fl_workers.save(), "next": 0}
-            base_seed = loaded.get("base_seed") if loaded else None
-            tracker = WorkerStates(
-                self.num_workers, loaded, start, lambda: progress.yielded,
-                getattr(source, "_base_seed", None) if base_seed is None else base_seed,
-            )  # fmt: skip
+        if self.num_workers > 0:
+            tracker = resume.worker_states(self, loaded, reused, start, progress, source)
             # Before the prefetcher: it must see plain batches.
             nxt = Unwrap(nxt, collector, _WORKER_COLLATE.get(source), self._warn_pickled, tracker)
         self._fl_workers = tracker

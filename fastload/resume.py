@@ -56,7 +56,7 @@ from fastload.sampler import RngSnapshot
 
 __all__ = [
     "STATE_VERSION", "WorkerInit", "WorkerStates", "decode_rng", "encode_rng", "load", "rng_state",
-    "rotated_iterator", "save", "set_rng_state", "worker_changes",
+    "rotated_iterator", "save", "set_rng_state", "worker_changes", "worker_states",
 ]  # fmt: skip
 
 STATE_VERSION = 2
@@ -276,6 +276,19 @@ class WorkerStates:
         return {
             "num_workers": self.workers, "next": self.next, "base_seed": self.base_seed, "states": copy.deepcopy(self.cur),
         }  # fmt: skip
+
+
+def worker_states(
+    loader: Any, loaded: dict[str, Any] | None, reused: bool, start: int, progress: Any, source: Any
+) -> WorkerStates:
+    """The tracker of a pass with workers: from the loaded states, or carried on by persistent workers."""
+    if loaded is None and reused and loader._fl_workers is not None:
+        # The same workers go on: their states (and torch's seed) carry over.
+        loaded = {**loader._fl_workers.save(), "next": 0}
+    base_seed = loaded.get("base_seed") if loaded else None
+    if base_seed is None:
+        base_seed = getattr(source, "_base_seed", None)
+    return WorkerStates(loader.num_workers, loaded, start, lambda: progress.yielded, base_seed)
 
 
 def rotated_iterator(loader: Any, first: int) -> Any:
