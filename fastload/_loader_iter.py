@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import random
+import sys
 from collections.abc import Callable, Iterator
 from time import perf_counter
 from typing import Any
@@ -360,7 +361,11 @@ class _LoaderIter(Iterator[Any]):
         self._scope = _NOT_ENTERED
         self.flush()
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # At interpreter exit module globals (ReadAhead...) are already None and there
+        # is nothing left to record: say nothing. (A default keeps is_finalizing bound.)
+        if _finalizing():
+            return
         self._end(finalizing_close)  # a finalizer joins no thread (readahead.finalizing_close)
 
 
