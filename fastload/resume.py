@@ -95,13 +95,13 @@ def decode_rng(state: dict[str, Any]) -> RngSnapshot:
     )
 
 
-def _python_state() -> list[Any]:
-    version, internal, gauss = random.getstate()
+def _python_state(state: Any = None) -> list[Any]:
+    version, internal, gauss = random.getstate() if state is None else state
     return [version, list(internal), gauss]
 
 
-def _numpy_state() -> list[Any]:
-    name, keys, pos, has_gauss, gauss = np.random.get_state()  # type: ignore[misc]
+def _numpy_state(state: Any = None) -> list[Any]:
+    name, keys, pos, has_gauss, gauss = np.random.get_state() if state is None else state
     return [name, base64.b64encode(np.asarray(keys, dtype="<u4").tobytes()).decode("ascii"), int(pos), int(has_gauss), float(gauss)]
 
 
@@ -163,9 +163,9 @@ def worker_changes() -> tuple[int, dict[str, Any] | None]:
     py, nps, ts = random.getstate(), np.random.get_state(), torch.get_rng_state().numpy().tobytes()
     old = w.raw
     if old is None or old[0] != py:
-        out["random"] = _python_state()
+        out["random"] = _python_state(py)
     if old is None or not _same_numpy(old[1], nps):
-        out["numpy"] = _numpy_state()
+        out["numpy"] = _numpy_state(nps)
     if old is None or old[2] != ts:
         out["torch"] = base64.b64encode(ts).decode("ascii")
     w.raw = (py, nps, ts)
