@@ -82,3 +82,24 @@ class OwnRandomSampler(Sampler[int]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
+
+
+class CallCountDS(Dataset):
+    """Sample i -> (i, calls so far in this process): a map-style dataset with its own state."""
+
+    def __init__(self, n: int = 20) -> None:
+        self.n = n
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.calls += 1
+        return torch.tensor([i, self.calls])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls = int(state["calls"])

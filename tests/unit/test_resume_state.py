@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from _loader_helpers import TensorDS, assert_same
-from _resume_helpers import CountingStream, DrawingDS, OwnRandomSampler, PlainStream
+from _resume_helpers import CallCountDS, CountingStream, DrawingDS, OwnRandomSampler, PlainStream
 
 from fastload.errors import ConfigError, LoaderError
 from fastload.loader import DataLoader
@@ -164,6 +164,23 @@ def test_stateful_iterable_dataset_resumes_mid_epoch(workers: int, every: int) -
         b.load_state_dict(state)
         assert_same(head + list(b), expected[0], f"k={k}")
     assert sorted(int(x[0]) for b in expected[0] for x in b) == list(range(30))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_map_dataset_resumes_in_each_worker(workers: int) -> None:
+    def make() -> DataLoader:
+        return DataLoader(CallCountDS(), batch_size=3, num_workers=workers)
+
+    expected = list(make())
+    for k in (1, 2, 4):  # with 2 workers: next batch from worker 1, 0, 0
+        a = make()
+        it = iter(a)
+        head = [next(it) for _ in range(k)]
+        state = _json(a.state_dict())
+        del it
+        b = make()
+        b.load_state_dict(state)
+        assert_same(head + list(b), expected, f"k={k}")
 
 
 def test_stateful_sampler_resumes_with_its_own_rng() -> None:
