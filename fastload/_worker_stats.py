@@ -23,6 +23,7 @@ shared-memory buffers (:mod:`fastload._worker_pack`), with or without stats;
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any
@@ -116,7 +117,7 @@ class WorkerCollate:
         dt = perf_counter() - t0
         n = len(data) if self.auto else 1
         delta = self._delta(("collate", n, nbytes(out), dt)) if self.stats else None
-        state = worker_changes() if self.resume else None
+        state = worker_changes(sys._getframe(1)) if self.resume else None  # torch's fetcher's frame
         if self.buffers is not None:
             info = get_worker_info()
             worker = 0 if info is None else info.id

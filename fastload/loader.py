@@ -521,6 +521,7 @@ class DataLoader(tud.DataLoader[T_co]):
             if collector is not None and hasattr(source, "_dataset_fetcher"):
                 # Splits time inside next() into reading samples and collating them.
                 timed = _TimedCollate(source, self._items_per_index_batch())
+        resume.after_build(self, pending, source)
         if caller_rng is not None:  # the interrupted run already drew the base seed from it
             torch.set_rng_state(caller_rng)
         progress = _Progress(start, gen_start, sampler_start)

@@ -137,6 +137,7 @@ class _Worker:
         self.count = count  # batches this worker produced in the epoch, resumed ones included
         self.first = True
         self.dataset = dataset if _stateful(dataset) else None
+        self.iterable = isinstance(dataset, tud.IterableDataset)
         self.raw: tuple[Any, Any, bytes] | None = None  # RNG states at the previous snapshot
 
 
@@ -144,11 +145,13 @@ class _Worker:
 _WORKER: _Worker | None = None
 
 
-def worker_changes() -> tuple[int, dict[str, Any] | None]:
+def worker_changes(caller: Any = None) -> tuple[int, dict[str, Any] | None]:
     """Worker, per batch: its id, and its state when a snapshot is due (changed parts only).
 
     Called by :class:`fastload._worker_stats.WorkerCollate` after the batch is collated,
-    so the state is the one after this batch.
+    so the state is the one after this batch. ``caller`` is the frame of torch's
+    fetcher that called it: an IterableDataset's iterator (``fetcher.dataset_iter``)
+    is found there, and saved when it has ``state_dict()``.
     """
     info = get_worker_info()
     wid = 0 if info is None else info.id
@@ -171,7 +174,30 @@ def worker_changes() -> tuple[int, dict[str, Any] | None]:
     w.raw = (py, nps, ts)
     if w.dataset is not None:
         out["dataset"] = w.dataset.state_dict()
+    if w.iterable and caller is not None:
+        it = _iterator_state(caller.f_locals.get("self"), w.dataset)
+        if it is not None:
+            out["iterator"] = it
     return wid, out
+
+
+def _iterator_state(fetcher: Any, dataset: Any) -> Any:
+    """The state of torch's fetcher's iterator over an IterableDataset, when it has one of its own."""
+    it = getattr(fetcher, "dataset_iter", None)
+    if it is None or it is dataset or not _stateful(it):
+        return None
+    return it.state_dict()
+
+
+def _hand_out(dataset: Any, it: Any) -> None:
+    """Make the next ``iter(dataset)`` (torch's fetcher's) return ``it``, once."""
+    cls = type(dataset)
+
+    def once(self: Any) -> Any:
+        self.__class__ = cls
+        return it
+
+    dataset.__class__ = type(cls.__name__, (cls,), {"__iter__": once, "__module__": cls.__module__})
 
 
 def _same_numpy(a: Any, b: Any) -> bool:
@@ -222,7 +248,13 @@ class WorkerInit:
             if st.get("dataset") is not None:
                 dataset.load_state_dict(st["dataset"])  # type: ignore[union-attr]
             replay = count - int(st["at"])
-            if replay and isinstance(dataset, tud.IterableDataset):
+            if st.get("iterator") is not None:
+                # As torchdata: the dataset's state, then a new iterator, then its state.
+                it = iter(dataset)  # type: ignore[call-overload]
+                it.load_state_dict(st["iterator"])
+                collections.deque(itertools.islice(it, replay * self.per_batch), maxlen=0)
+                _hand_out(dataset, it)
+            elif replay and isinstance(dataset, tud.IterableDataset):
                 # The batches this worker produced after its snapshot: read and dropped.
                 collections.deque(itertools.islice(iter(dataset), replay * self.per_batch), maxlen=0)
                 dataset.load_state_dict(dataset.state_dict())  # type: ignore[attr-defined]
@@ -349,6 +381,14 @@ def begin_epoch(loader: Any, pending: dict[str, Any] | None) -> tuple[int, list[
     return skip, [g.get_state() for g in gens], [s.state_dict() for s in samplers], in_epoch
 
 
+def after_build(loader: Any, pending: dict[str, Any] | None, source: Any) -> None:
+    """Once torch's single-process iterator exists: its dataset iterator's saved state, if any."""
+    if pending is None or not pending.get("in_epoch") or pending.get("iterator") is None:
+        return
+    if loader.num_workers == 0:
+        source._dataset_fetcher.dataset_iter.load_state_dict(pending["iterator"])
+
+
 def worker_plan(loader: Any, pending: dict[str, Any] | None) -> tuple[WorkerInit | None, int, dict[str, Any] | None]:
     """At ``iter()`` with workers: their init function, the worker of the first batch, the loaded states.
 
@@ -391,6 +431,7 @@ def save(loader: Any) -> dict[str, Any]:
         "sampler_start": None,
         "dataset": None,
         "main_rng": None,
+        "iterator": None,
         "workers": None,
         "generator_state": None if loader.generator is None else encode_tensor(loader.generator.get_state()),
         "world_size": loader.world_size,
@@ -423,6 +464,10 @@ def save(loader: Any) -> dict[str, Any]:
         state["main_rng"] = rng_state()
         if _stateful(loader.dataset):
             state["dataset"] = loader.dataset.state_dict()
+        if iterable:
+            live = loader._fl_live() if loader._fl_live is not None else None
+            fetcher = getattr(getattr(live, "_torch", None), "_dataset_fetcher", None)
+            state["iterator"] = _iterator_state(fetcher, loader.dataset)
     elif loader._fl_workers is not None:
         state["workers"] = loader._fl_workers.save()
     return state
@@ -449,8 +494,8 @@ def load(loader: Any, state: dict[str, Any]) -> None:
     skip = int(state.get("batches_yielded", 0))
     workers = state.get("workers")
     if isinstance(loader.dataset, tud.IterableDataset) and state.get("in_epoch") and skip:
-        stateful = _stateful(loader.dataset)
-        if not stateful:
+        iterators = [s for s in (workers or {}).get("states", []) if s and s.get("iterator") is not None]
+        if not (_stateful(loader.dataset) or state.get("iterator") is not None or iterators):
             raise LoaderError(
                 f"cannot resume {type(loader.dataset).__name__} (an IterableDataset) after {skip} batches: "
                 "it has no index order to skip in and no state_dict(); fix: give the dataset "
@@ -464,7 +509,7 @@ def load(loader: Any, state: dict[str, Any]) -> None:
                 f"{0 if workers is None else workers['num_workers']} worker processes, each with "
                 "its own shard; fix: resume with the num_workers that saved it"
             )
-        if loader.num_workers == 0 and state.get("dataset") is None:
+        if loader.num_workers == 0 and state.get("dataset") is None and state.get("iterator") is None:
             raise LoaderError(
                 f"cannot resume {type(loader.dataset).__name__} with num_workers=0 from a state "
                 f"saved by {workers['num_workers'] if workers else 0} worker processes; fix: resume "

@@ -103,3 +103,32 @@ class CallCountDS(Dataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.calls = int(state["calls"])
+
+
+class _Position(Iterator[torch.Tensor]):
+    def __init__(self, items: list[int]) -> None:
+        self.items, self.i = items, 0
+
+    def __next__(self) -> torch.Tensor:
+        if self.i >= len(self.items):
+            raise StopIteration
+        self.i += 1
+        return torch.tensor([float(self.items[self.i - 1]), float(torch.rand(()))])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.i = int(state["i"])
+
+
+class StatefulIterStream(IterableDataset):
+    """No state of its own: ``iter()`` returns an iterator with state_dict() (torchdata's other form)."""
+
+    def __init__(self, n: int = 26) -> None:
+        self.n = n
+
+    def __iter__(self) -> _Position:
+        info = get_worker_info()
+        wid, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return _Position(list(range(wid, self.n, workers)))

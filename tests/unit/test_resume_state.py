@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 import torch
 from _loader_helpers import TensorDS, assert_same
-from _resume_helpers import CallCountDS, CountingStream, DrawingDS, OwnRandomSampler, PlainStream
+from _resume_helpers import (
+    CallCountDS,
+    CountingStream,
+    DrawingDS,
+    OwnRandomSampler,
+    PlainStream,
+    StatefulIterStream,
+)
 
 from fastload.errors import ConfigError, LoaderError
 from fastload.loader import DataLoader
@@ -164,6 +171,26 @@ def test_stateful_iterable_dataset_resumes_mid_epoch(workers: int, every: int) -
         b.load_state_dict(state)
         assert_same(head + list(b), expected[0], f"k={k}")
     assert sorted(int(x[0]) for b in expected[0] for x in b) == list(range(30))
+
+
+@pytest.mark.parametrize(("workers", "every"), [(0, 1), (2, 1), (2, 2)])
+def test_stateful_iterator_of_a_stateless_dataset_resumes(workers: int, every: int) -> None:
+    def make() -> DataLoader:
+        return DataLoader(StatefulIterStream(), batch_size=3, num_workers=workers, snapshot_every_n_steps=every)
+
+    _seed_all(0)
+    expected = list(make())
+    for k in (1, 4):
+        _seed_all(0)
+        a = make()
+        it = iter(a)
+        head = [next(it) for _ in range(k)]
+        state = _json(a.state_dict())
+        del it
+        _seed_all(7)
+        b = make()
+        b.load_state_dict(state)
+        assert_same(head + list(b), expected, f"k={k}")
 
 
 @pytest.mark.parametrize("workers", [0, 2])
