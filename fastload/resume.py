@@ -250,7 +250,7 @@ class WorkerInit:
             replay = count - int(st["at"])
             if st.get("iterator") is not None:
                 # As torchdata: the dataset's state, then a new iterator, then its state.
-                it = iter(dataset)  # type: ignore[call-overload]
+                it: Any = iter(dataset)  # type: ignore[arg-type]
                 it.load_state_dict(st["iterator"])
                 collections.deque(itertools.islice(it, replay * self.per_batch), maxlen=0)
                 _hand_out(dataset, it)
