@@ -23,6 +23,7 @@ The parts:
 * the dataset, when it has ``state_dict``/``load_state_dict``: with
   ``num_workers=0`` its state at ``state_dict()``; with workers, each worker's
   state taken with the batches that worker produced (:class:`WorkerStates`);
+  likewise the iterator an IterableDataset's ``iter()`` returned, when it has them;
 * each worker's ``random``, ``numpy`` and ``torch`` RNG states, taken with its
   batches, restored in the same worker slot; the resumed iterator hands its
   first index batch to the worker that was next (:func:`rotated_iterator`), so
