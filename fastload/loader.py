@@ -47,7 +47,7 @@ from fastload.errors import ConfigError
 from fastload.lookahead import AheadSampler, Lookahead, depth_for
 from fastload.prefetch import DevicePrefetcher
 from fastload.readahead import ReadAhead
-from fastload.resume import WorkerInit, WorkerStates, rotated_iterator
+from fastload.resume import WorkerInit, WorkerStates, resumed_iterator
 from fastload.sampler import ResumableSampler, ShardedSampler
 from fastload.stats import LoaderStats, StatsCollector
 
@@ -154,8 +154,8 @@ class DataLoader(tud.DataLoader[T_co]):
 
         snapshot_every_n_steps: As in torchdata's StatefulDataLoader: each worker ships
             its state (RNG, a stateful dataset's ``state_dict()``) with every n-th of its
-            batches; a resume replays up to n - 1 batches per worker. Default 1 (exact,
-            no replay). Map-style datasets and persistent workers snapshot every batch.
+            batches (0: only with its first); a resume replays the batches since. Default 1
+            (no replay). Map-style datasets and persistent workers snapshot every batch.
 
     Resuming. ``state_dict()`` after ``k`` batches of an epoch, then
     ``load_state_dict()`` on a new loader built with the same arguments, makes the
@@ -205,8 +205,8 @@ class DataLoader(tud.DataLoader[T_co]):
         summary_writer: Any = None,
         snapshot_every_n_steps: int = 1,
     ) -> None:
-        if snapshot_every_n_steps < 1:
-            raise ConfigError(f"snapshot_every_n_steps={snapshot_every_n_steps} must be >= 1")
+        if snapshot_every_n_steps < 0:
+            raise ConfigError(f"snapshot_every_n_steps={snapshot_every_n_steps} must be >= 0")
         if prefetch_to_device < 1:
             raise ConfigError(f"prefetch_to_device={prefetch_to_device} must be >= 1")
         if read_threads is not None and read_threads < 0:
@@ -431,13 +431,13 @@ class DataLoader(tud.DataLoader[T_co]):
         )
 
     def _get_iterator(self) -> Any:
-        first = self.__dict__.get("_fl_first_worker", 0)
-        if self.num_workers > 0 and first:
+        first, undo = self.__dict__.get("_fl_first_worker", (0, None))
+        if self.num_workers > 0 and (first or undo is not None):
             self.check_worker_number_rationality()
-            return rotated_iterator(self, first)
+            return resumed_iterator(self, first, undo)
         return super()._get_iterator()
 
-    def _torch_iter(self, stats: bool, init: WorkerInit | None = None, first: int = 0) -> Iterator[Any]:
+    def _torch_iter(self, stats: bool, init: WorkerInit | None, first: int, undo: Callable[[], None] | None) -> Any:
         if self.num_workers == 0:
             return super().__iter__()
         # Workers run a collate_fn that also ships their stats with each batch
@@ -456,13 +456,13 @@ class DataLoader(tud.DataLoader[T_co]):
         user_init = self.worker_init_fn
         self.collate_fn = collate
         self.worker_init_fn = init
-        self.__dict__["_fl_first_worker"] = first
+        self.__dict__["_fl_first_worker"] = (first, undo)
         try:
             it = super().__iter__()
         finally:
             self.collate_fn = user
             self.worker_init_fn = user_init
-            self.__dict__["_fl_first_worker"] = 0
+            self.__dict__["_fl_first_worker"] = (0, None)
         it._collate_fn = user
         _WORKER_COLLATE[it] = collate  # the parent's buffers live as long as torch's iterator
         return it
@@ -509,21 +509,20 @@ class DataLoader(tud.DataLoader[T_co]):
         read_fn = self._read_fn()
         timed = None
         pending, self._fl_pending = self._fl_pending, None
-        start, gen_start, sampler_start, restore_caller = resume.begin_epoch(self, pending)
-        caller_rng = torch.get_rng_state() if restore_caller else None
+        start, gen_start, sampler_start, undo_seed = resume.begin_epoch(self, pending)
         init, first, loaded = resume.worker_plan(self, pending)
         reused = self.persistent_workers and self._iterator is not None
         keep: Any
         if read_fn is not None:
             source, keep = self._read_ahead_iter(read_fn)
         else:
-            source = keep = self._torch_iter(collector is not None, init, first)
+            source = keep = self._torch_iter(collector is not None, init, first, undo_seed)
             if collector is not None and hasattr(source, "_dataset_fetcher"):
                 # Splits time inside next() into reading samples and collating them.
                 timed = _TimedCollate(source, self._items_per_index_batch())
         resume.after_build(self, pending, source)
-        if caller_rng is not None:  # the interrupted run already drew the base seed from it
-            torch.set_rng_state(caller_rng)
+        if undo_seed is not None and self.num_workers == 0:  # (workers: in torch's _reset)
+            undo_seed()  # the interrupted run drew no (new) base seed here
         progress = _Progress(start, gen_start, sampler_start)
         nxt: Callable[[], Any] = source.__next__
         plain = nxt

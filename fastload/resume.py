@@ -26,7 +26,7 @@ The parts:
   likewise the iterator an IterableDataset's ``iter()`` returned, when it has them;
 * each worker's ``random``, ``numpy`` and ``torch`` RNG states, taken with its
   batches, restored in the same worker slot; the resumed iterator hands its
-  first index batch to the worker that was next (:func:`rotated_iterator`), so
+  first index batch to the worker that was next (:func:`resumed_iterator`), so
   in-order delivery continues exactly where it stopped.
 
 A worker ships its state with a batch every ``snapshot_every_n_steps`` of its
@@ -44,6 +44,7 @@ import collections
 import copy
 import itertools
 import random
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +58,7 @@ from fastload.sampler import RngSnapshot
 
 __all__ = [
     "STATE_VERSION", "WorkerInit", "WorkerStates", "decode_rng", "encode_rng", "load", "rng_state",
-    "rotated_iterator", "save", "set_rng_state", "worker_changes", "worker_states",
+    "resumed_iterator", "save", "set_rng_state", "worker_changes", "worker_states",
 ]  # fmt: skip
 
 STATE_VERSION = 2
@@ -324,17 +325,24 @@ def worker_states(
     return WorkerStates(loader.num_workers, loaded, start, lambda: progress.yielded, base_seed)
 
 
-def rotated_iterator(loader: Any, first: int) -> Any:
-    """torch's multi-process iterator, whose first index batch goes to worker ``first``.
+def resumed_iterator(loader: Any, first: int, undo: Callable[[], None] | None) -> Any:
+    """torch's multi-process iterator for a resumed pass.
 
-    Its later epochs (persistent workers) start at worker 0, as torch's do.
+    Its first index batch goes to worker ``first`` (its later epochs, with persistent
+    workers, start at worker 0 as torch's do), and ``undo`` runs between its base-seed
+    draw and its first index batches (torch's ``_reset`` draws them).
     """
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-    class _Rotated(_MultiProcessingDataLoaderIter):
+    class _Resumed(_MultiProcessingDataLoaderIter):
         def __init__(self, loader: Any) -> None:
             self._fl_rotate = first
             super().__init__(loader)
+
+        def _reset(self, loader: Any, first_iter: bool = False) -> None:
+            if first_iter and undo is not None:
+                undo()
+            super()._reset(loader, first_iter)
 
         @property
         def _worker_queue_idx_cycle(self) -> Any:
@@ -347,19 +355,23 @@ def rotated_iterator(loader: Any, first: int) -> Any:
                 next(cycle)
             self.__dict__["_fl_cycle"] = cycle
 
-    return _Rotated(loader)
+    return _Resumed(loader)
 
 
 # -- the loader's state ----------------------------------------------------------------
 
 
-def begin_epoch(loader: Any, pending: dict[str, Any] | None) -> tuple[int, list[torch.Tensor], list[Any], bool]:
+def begin_epoch(
+    loader: Any, pending: dict[str, Any] | None
+) -> tuple[int, list[torch.Tensor], list[Any], Callable[[], None] | None]:
     """At ``iter()``: apply a loaded state's RNG, sampler and dataset parts.
 
     Returns the epoch position of the first batch, the tracked generators' and the
-    stateful samplers' states at the epoch's start, and whether the caller's global
-    RNG must be put back once torch's iterator is built (a mid-epoch resume: the
-    interrupted run already drew the base seed from it).
+    stateful samplers' states at the epoch's start, and what to call once torch's
+    iterator is built, to undo its base-seed draw (None: keep it). A mid-epoch resume
+    puts the caller's global RNG back (the interrupted run drew the base seed from it
+    already); the epoch after a boundary state of persistent workers puts back the
+    saved RNG states (the interrupted run's iterator drew no new base seed).
     """
     gens = loader._generators()
     samplers = [s for s in loader._samplers() if _stateful(s)]
@@ -373,13 +385,25 @@ def begin_epoch(loader: Any, pending: dict[str, Any] | None) -> tuple[int, list[
             s.load_state_dict(st)
         if loader.num_workers == 0 and pending.get("dataset") is not None:
             loader.dataset.load_state_dict(pending["dataset"])
-    elif pending is not None and pending.get("start_rng") is not None:
-        start = pending["start_rng"]
-        torch.set_rng_state(decode_tensor(start["global"]))
-        for g, st in zip(gens, start["generators"]):
-            g.set_state(decode_tensor(st))
+        caller = torch.get_rng_state()
+        undo: Callable[[], None] | None = lambda: torch.set_rng_state(caller)  # noqa: E731
+    else:
+        undo = None
+        start = None if pending is None else pending.get("start_rng")
+        if start is not None:
+            torch.set_rng_state(decode_tensor(start["global"]))
+            for g, st in zip(gens, start["generators"]):
+                g.set_state(decode_tensor(st))
+            if start.get("reuse") and loader.num_workers > 0:
+                saved = torch.get_rng_state(), [g.get_state() for g in gens]
+
+                def undo() -> None:
+                    torch.set_rng_state(saved[0])
+                    for g, st in zip(gens, saved[1]):
+                        g.set_state(st)
+
     skip = int(pending["batches_yielded"]) if pending is not None and in_epoch else 0
-    return skip, [g.get_state() for g in gens], [s.state_dict() for s in samplers], in_epoch
+    return skip, [g.get_state() for g in gens], [s.state_dict() for s in samplers], undo
 
 
 def after_build(loader: Any, pending: dict[str, Any] | None, source: Any) -> None:
@@ -398,11 +422,11 @@ def worker_plan(loader: Any, pending: dict[str, Any] | None) -> tuple[WorkerInit
     """
     if loader.num_workers == 0:
         return None, 0, None
-    loaded = pending.get("workers") if pending is not None and pending.get("in_epoch") else None
+    loaded = pending.get("workers") if pending is not None else None
     if loaded is not None and loaded.get("num_workers") != loader.num_workers:
         loaded = None
     iterable = isinstance(loader.dataset, tud.IterableDataset)
-    every = loader.snapshot_every_n_steps if iterable and not loader.persistent_workers else 1
+    every = (loader.snapshot_every_n_steps or sys.maxsize) if iterable and not loader.persistent_workers else 1
     per_batch = int(loader.batch_size) if loader._auto_collation and loader.batch_size else 1
     if loaded is None:
         return WorkerInit(loader.worker_init_fn, None, every, per_batch), 0, None
@@ -442,10 +466,17 @@ def save(loader: Any) -> dict[str, Any]:
     if not in_epoch:
         # Between epochs: the next epoch starts from the RNG states as they are now, so
         # the state fixes its order (and its workers' seeds).
+        reuse = bool(loader.persistent_workers and loader._iterator is not None)
         state["start_rng"] = {
             "global": encode_tensor(torch.get_rng_state()),
             "generators": [encode_tensor(g.get_state()) for g in loader._generators()],
+            "reuse": reuse,  # the next epoch reuses persistent workers: no new base seed
         }
+        if reuse and loader._fl_workers is not None:
+            # ...and its workers' RNG goes on from where this epoch left it.
+            saved = loader._fl_workers.save()
+            rng = [{k: w[k] for k in ("random", "numpy", "torch") if k in w} for w in saved["states"]]
+            state["workers"] = {**saved, "next": 0, "states": [{"count": 0, "at": 0, **r} for r in rng]}
         return state
     if loader.num_workers > 0 and not loader.in_order:
         raise LoaderError(

@@ -83,6 +83,24 @@ def test_state_between_epochs_fixes_the_next_epochs_order() -> None:
     assert _values(resumed) == expected
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_state_between_epochs_with_workers_fixes_the_next_epoch(persistent: bool) -> None:
+    # Global-RNG shuffle and draws inside the workers. Persistent workers draw no new
+    # base seed for the next epoch and carry their RNG on: the state must too.
+    def make() -> DataLoader:
+        return DataLoader(DrawingDS(12), batch_size=3, shuffle=True, num_workers=2, persistent_workers=persistent)
+
+    torch.manual_seed(5)
+    ref = make()
+    list(ref)
+    state = _json(ref.state_dict())
+    expected = list(ref)
+    torch.manual_seed(77)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert_same(list(resumed), expected)
+
+
 # -- JSON ----------------------------------------------------------------------------------
 
 
@@ -152,7 +170,7 @@ def test_resume_across_another_num_workers_keeps_the_order() -> None:
 # -- stateful datasets and samplers -----------------------------------------------------------
 
 
-@pytest.mark.parametrize(("workers", "every"), [(0, 1), (2, 1), (2, 3), (3, 2)])
+@pytest.mark.parametrize(("workers", "every"), [(0, 1), (2, 1), (2, 3), (3, 2), (2, 0)])
 def test_stateful_iterable_dataset_resumes_mid_epoch(workers: int, every: int) -> None:
     def make() -> DataLoader:
         return DataLoader(CountingStream(), batch_size=2, num_workers=workers, snapshot_every_n_steps=every)
@@ -244,5 +262,5 @@ def test_iterable_state_needs_the_same_workers() -> None:
 
 
 def test_snapshot_every_n_steps_is_checked() -> None:
-    with pytest.raises(ConfigError, match="snapshot_every_n_steps=0"):
-        DataLoader(TensorDS(), snapshot_every_n_steps=0)
+    with pytest.raises(ConfigError, match="snapshot_every_n_steps=-1"):
+        DataLoader(TensorDS(), snapshot_every_n_steps=-1)
