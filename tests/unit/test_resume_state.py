@@ -107,7 +107,12 @@ def test_state_between_epochs_with_workers_fixes_the_next_epoch(persistent: bool
 @pytest.mark.parametrize("workers", [0, 2])
 def test_json_round_trip_resumes_exactly(workers: int) -> None:
     def make() -> DataLoader:
-        return DataLoader(DrawingDS(), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5), num_workers=workers)
+        # device="cpu" with workers: the prefetcher takes batches (and their worker
+        # states) ahead of the consumer; the state must still be the consumer's.
+        return DataLoader(
+            DrawingDS(), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5),
+            num_workers=workers, device="cpu" if workers else None, prefetch_to_device=3,
+        )  # fmt: skip
 
     _seed_all(0)
     expected = list(make())
