@@ -25,7 +25,7 @@ The parts:
   state taken with the batches that worker produced (:class:`WorkerStates`);
   likewise the iterator an IterableDataset's ``iter()`` returned, when it has them;
 * each worker's ``random``, ``numpy`` and ``torch`` RNG states, taken with its
-  batches, restored in the same worker slot; the resumed iterator hands its
+  batches, restored in the worker with the same id; the resumed iterator hands its
   first index batch to the worker that was next (:func:`resumed_iterator`), so
   in-order delivery continues exactly where it stopped.
 
@@ -211,7 +211,7 @@ class WorkerInit:
 
     Args:
         user: The loader's ``worker_init_fn`` (runs first, with the worker id).
-        states: Per worker slot, the state :class:`WorkerStates` saved (None: none).
+        states: Per worker id, the state :class:`WorkerStates` saved (None: none).
         every: Snapshot every this many of a worker's batches.
         per_batch: Items an IterableDataset yields per batch (for replay).
         base_seed: The interrupted pass's base seed: workers are seeded from it, as
