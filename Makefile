@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-all test-deps reliability-doc demo bench bench-cache lint clean gpu-check
+.PHONY: test test-all test-deps reliability-doc demo bench bench-cache lint clean gpu-check gpu-bundle
 
 $(STAMP): pyproject.toml setup.py native/_native.c native/_curl.c
 	@if [ ! -x $(BIN)/python ]; then \
@@ -70,10 +70,20 @@ clean:
 # gpu-check: every GPU path in one command and one JSON report, for the first CUDA
 # machine (docs/loader.md, "What has run on a GPU"). It runs scripts/gpu_check.py on
 # GPU_PY, the interpreter that holds the CUDA torch, against this checkout, and never
-# builds .venv: that could install the pinned CPU torch and hide the GPU. It needs
-# fastload's dependencies there (pip install -e . , or wheels on an offline machine).
-# Without a GPU it says so and exits 0. Under 5 minutes on one GPU.
+# builds .venv: that could install the pinned CPU torch and hide the GPU. fastload's
+# dependencies must import there: pip install -e . , or on a machine with no registry
+# GPU_WHEELS=.gpu-bundle (made here by `make gpu-bundle`). Without a GPU it says so and
+# exits 0. Its steps are budgeted to 285 s; no GPU has run it yet.
 GPU_PY ?= python3
 GPU_REPORT ?= benchmarks/gpu/results/gpu-check.json
+GPU_WHEELS ?=
 gpu-check:
-	$(GPU_PY) scripts/gpu_check.py --out $(GPU_REPORT)
+	$(GPU_PY) scripts/gpu_check.py --out $(GPU_REPORT)$(if $(GPU_WHEELS), --wheels $(GPU_WHEELS))
+
+# gpu-bundle: downloads (here, where a registry is reachable) the wheels of every
+# runtime dependency of fastload and of gpu-check, for GPU_BUNDLE_PYTHON on manylinux
+# x86_64, into .gpu-bundle/ (git ignores it; under 64 MiB). scripts/gpu_bundle.py says why
+# fastload itself runs from the checkout instead.
+GPU_BUNDLE_PYTHON ?= 3.12
+gpu-bundle:
+	$(PY) scripts/gpu_bundle.py --python $(GPU_BUNDLE_PYTHON) --out .gpu-bundle

@@ -19,7 +19,6 @@ from fastload.errors import (
     CacheReadOnlyError,
     CodecError,
     ConfigError,
-    CorruptEntryError,
     CredentialsError,
     DecodeError,
     EmptyDatasetError,
@@ -28,8 +27,9 @@ from fastload.errors import (
     RemoteChangedError,
     RemoteNotFoundError,
     SourceError,
+    StoppedError,
 )
-from fastload.fs import FastloadFileSystem, open
+from fastload.fs import FastloadFileSystem, arrow_filesystem, open
 from fastload.reader import Reader
 from fastload.source import RemoteItem, Source
 from fastload.stage import StageReport, stage
@@ -60,7 +60,6 @@ __all__ = [
     "CacheReadOnlyError",
     "CodecError",
     "ConfigError",
-    "CorruptEntryError",
     "CredentialsError",
     "DataLoader",
     "DecodeError",
@@ -82,9 +81,11 @@ __all__ = [
     "SourceError",
     "StageReport",
     "StatsCollector",
+    "StoppedError",
     "TarDataset",
     "TokenDataset",
     "TorchPatch",
+    "arrow_filesystem",
     "current_collector",
     "format_size",
     "open",

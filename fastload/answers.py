@@ -74,4 +74,6 @@ def first_info(url: str, nbytes: int, status: int, headers: Mapping[str, str], b
     for field in ("ETag", "Content-MD5", "Digest", "Last-Modified"):  # what fsspec's HEAD keeps
         if headers.get(field):
             info[field] = headers[field]
+    if headers.get("x-goog-generation"):  # GCS: the version its listing gives (fastload.source.gcs)
+        info["generation"] = headers["x-goog-generation"]
     return info, body

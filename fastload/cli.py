@@ -1,7 +1,8 @@
 """The ``fastload`` command line: ``cache``, ``info``/``ls``, ``clear``, ``evict``, ``diagnose``, ``bench``.
 
 Exit codes: 0 success, 1 failure (a :class:`FastloadError`, or bad entries that
-could not be repaired), 2 usage error (argparse), 130 interrupted (Ctrl-C). ``--json`` prints one JSON
+could not be repaired), 2 usage error (argparse), 130 interrupted (Ctrl-C), 141 stdout
+closed early (``fastload info | head -4``: quiet, as a command killed by SIGPIPE). ``--json`` prints one JSON
 document on stdout for machines; humans get tables, and progress bars on stderr.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +19,7 @@ from typing import Any
 from fastload.config import Settings, format_size, parse_size
 from fastload.errors import ConfigError, FastloadError
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 
 
 def _json_arg(text: str) -> dict[str, Any]:
@@ -56,14 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--workers", type=int, help="most requests in flight to one host (default 64; an adaptive limit runs under it)")
     cache.add_argument("--level", type=int, choices=range(0, 13), metavar="0..12", help="0 = fast LZ4 (default), 1..12 = LZ4-HC")
     cache.add_argument("--block-size", type=_size_arg, help="cache large files in blocks of this size (default 8MiB)")
-    cache.add_argument("--dry-run", action="store_true", help="list and report the size against the cache limit; fetch nothing")
+    cache.add_argument("--dry-run", action="store_true", help="list and report the size against the cache limit; fetch nothing (an HTTP listing has no "
+                       "sizes: it costs a HEAD per object)")
     cache.add_argument("--verify", action="store_true", help="re-check every entry's checksum; refetch bad ones")
     cache.add_argument("--refresh", action="store_true", help="re-list the remote instead of trusting the recorded manifest")
+    cache.add_argument("--nodes", type=int, help="stage one node's part (partition='node') of a job on this many nodes; "
+                       "default with --node-rank: from torchrun's or Slurm's environment")
+    cache.add_argument("--node-rank", type=int, help="this node, in [0, nodes); default with --nodes: from the environment")
     cache.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     cache.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
 
-    for name in ("info", "ls"):
-        sub.add_parser(name, parents=[common], help="show what is cached, per dataset")
+    sub.add_parser("info", parents=[common], help="show what is cached, per dataset")
 
     clear = sub.add_parser("clear", parents=[common], help="delete cached data (everything, or one dataset)")
     clear.add_argument("url", nargs="?", help="only this dataset (as staged); default: everything")
@@ -105,6 +110,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         verify=args.verify,
         progress=progress,
+        nodes=args.nodes,
+        node_rank=args.node_rank,
     )
     _emit(args, report.to_dict(), str(report))
     return EXIT_OK if (report.fits or not report.dry_run) else EXIT_FAIL
@@ -119,29 +126,34 @@ def _read_url_list(path: str) -> list[str]:
 
 
 def dataset_summaries(settings: Settings) -> dict[str, Any]:
-    """Cache totals plus, per recorded dataset, how much of it is cached."""
+    """Cache totals plus, per recorded dataset, how much of it is cached (under any block size)."""
     from fastload.reader import Reader
     from fastload.source import RemoteItem
 
     reader = Reader(settings)
+    manifests = reader.manifests()
+    entries = list(reader.cache.entries())
+    stored_of = {e.key: e.stored for e in entries}
+    sizes = _block_sizes(settings, manifests, entries)
     datasets = []
-    for m in reader.manifests():
+    for m in manifests:
         items = [RemoteItem.from_json(r) for r in m["items"]]
-        cached_items, stored = 0, 0
+        cached_items, found = 0, set[str]()
         for item in items:
-            found = [reader.cache.entry(reader.key(item, b)) for b in reader.blocks(item)]
-            if all(found):
-                cached_items += 1
-            stored += sum(e.stored for e in found if e is not None)
+            whole = False
+            for bs in sizes:
+                keys = _keys_of(item, bs)
+                found.update(k for k in keys if k in stored_of)
+                whole = whole or all(k in stored_of for k in keys)
+            cached_items += int(whole)
         datasets.append({
             "url": m["root"],
             "pattern": m["pattern"],
             "items": len(items),
             "cached_items": cached_items,
             "remote_bytes": sum(i.size for i in items),
-            "stored_bytes": stored,
+            "stored_bytes": sum(stored_of[k] for k in found),
         })
-    entries = list(reader.cache.entries())
     return {
         "cache_dir": str(settings.cache_dir),
         "cache_limit_bytes": settings.cache_limit_bytes,
@@ -154,6 +166,26 @@ def dataset_summaries(settings: Settings) -> dict[str, Any]:
         "corrupt_detected": reader.cache.corrupt_count(),
         "datasets": datasets,
     }
+
+
+def _block_sizes(settings: Settings, manifests: list[dict[str, Any]], entries: list[Any]) -> set[int]:
+    """Every block size the cache holds entries of: this reader's, those listings were recorded
+    under, and those its multi-block objects show (block 0 of such an object is one whole block).
+
+    `fastload info` counted only the entries of the block size it ran with: a dataset staged
+    with --block-size 1MiB showed 0/800 (issue 24; tests/unit/test_block_sizes.py).
+    """
+    multi = {e.url for e in entries if e.block > 0}
+    return ({settings.block_bytes} | {m["block_bytes"] for m in manifests if m.get("block_bytes")}
+            | {e.raw for e in entries if e.block == 0 and e.url in multi})
+
+
+def _keys_of(item: Any, block_bytes: int) -> list[str]:
+    """The cache keys of every block of ``item`` (a RemoteItem) under ``block_bytes``."""
+    from fastload.cache import entry_key
+
+    n = max(1, -(-item.size // block_bytes))
+    return [entry_key(item.url, item.size, item.version, b, block_bytes) for b in range(n)]
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -192,18 +224,18 @@ def cmd_clear(args: argparse.Namespace) -> int:
         _emit(args, {"cleared": "all"}, f"cleared {reader.settings.cache_dir}")
         return EXIT_OK
     root = reader.canonical(args.url).rstrip("/")
-    dropped, found = 0, False
-    for m in reader.manifests():
-        if m["root"] != root:
-            continue
-        found = True
-        for row in m["items"]:
-            item = RemoteItem.from_json(row)
-            dropped += sum(reader.cache.drop(reader.key(item, b)) for b in reader.blocks(item))
-            reader.cache.index.pop(keys.pin(item.url), None)
-        reader.cache.index.pop(keys.manifest(m["root"], m["pattern"]), None)
-    if not found:
+    mine = [m for m in reader.manifests() if m["root"] == root]
+    if not mine:
         raise ConfigError(f"no staged dataset {root!r} in {reader.settings.cache_dir}; `fastload info` lists them")
+    # Its objects' entries of every block size and version: dropping only the keys of this
+    # run's block size said "cleared: 0 entries" and orphaned a dataset staged with
+    # --block-size (issue 24; tests/unit/test_block_sizes.py).
+    urls = {RemoteItem.from_json(row).url for m in mine for row in m["items"]}
+    dropped = reader.cache.drop_entries([e for e in reader.cache.entries() if e.url in urls])
+    for url in urls:
+        reader.cache.index.pop(keys.pin(url), None)
+    for m in mine:
+        reader.cache.index.pop(keys.manifest(m["root"], m["pattern"]), None)
     _emit(args, {"cleared": root, "entries": dropped}, f"cleared {root}: {dropped} entries")
     return EXIT_OK
 
@@ -233,12 +265,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_command(args)
 
 
-COMMANDS = {"cache": cmd_cache, "info": cmd_info, "ls": cmd_info, "clear": cmd_clear, "evict": cmd_evict,
+COMMANDS = {"cache": cmd_cache, "info": cmd_info, "clear": cmd_clear, "evict": cmd_evict,
             "diagnose": cmd_diagnose, "bench": cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (0 ok, 1 failure, 2 usage)."""
+    """Run the CLI; returns the exit code (0 ok, 1 failure, 2 usage, 130 interrupted, 141 stdout closed)."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # a reader that went away shows here, not as a traceback at exit
+        return code
+    except BrokenPipeError:
+        # The reader of stdout closed it (`| head`): exit quietly. Python would print the
+        # error again when it flushes stdout at exit, so stdout goes to /dev/null first
+        # (tests/unit/test_cli_pipe.py).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_PIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

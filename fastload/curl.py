@@ -51,7 +51,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from fastload.config import pure_python
 from fastload.errors import ConfigError
@@ -252,7 +252,8 @@ class Pending:
 
     __slots__ = ("__weakref__", "host", "nbytes", "page", "transfer", "url")
 
-    def __init__(self, transfer: Any, url: str, nbytes: int, host: _Host | None = None, page: bool = False) -> None:
+    def __init__(self, transfer: Any, url: str, nbytes: int, host: _Host | None = None, page: tuple[str, ...] = ()) -> None:
+        # page: a listing page's content types whose body is the listing (CurlRoute.page_types); (): a first block
         self.transfer, self.url, self.nbytes, self.host, self.page = transfer, url, nbytes, host, page
 
     def done(self) -> bool:
@@ -275,7 +276,7 @@ class Pending:
         res = self.transfer.result()
         if res[0] in _CANNOT_SPEAK and self.host is not None:
             self.host.broken = self.host.broken or f"libcurl error {res[0]}: {res[10]}"
-        return _page_answer(res, self.url) if self.page else _answer(res, self.url, self.nbytes)
+        return _page_answer(res, self.url, self.page) if self.page else _answer(res, self.url, self.nbytes)
 
 
 def wait(futures: Sequence[Any], timeout_s: float) -> list[Any]:
@@ -328,21 +329,22 @@ def _answer(res: tuple[Any, ...], url: str, nbytes: int) -> tuple[dict[str, Any]
     """An engine answer as _http_get_first's (info, body), or the error it stands for."""
     from fastload.answers import first_info
 
-    code, status, body, content_range, content_length, etag, modified, md5, digest, _closes, message, _, _ = res
+    code, status, body, content_range, content_length, etag, modified, md5, digest, _closes, message, _, _, generation = res
     _failed(code, status, message, url)
     if status not in (200, 206, 416):
         raise HttpStatusError(status, url, body)
     if status == 200 and content_length is None and len(body) >= nbytes:
         raise HttpStatusError(status, url)  # no length, and cut at nbytes: its size is unknown here
     headers = _Headers({"content-range": content_range, "content-length": content_length, "etag": etag,
-                        "last-modified": modified, "content-md5": md5, "digest": digest})
+                        "last-modified": modified, "content-md5": md5, "digest": digest, "x-goog-generation": generation})
     return first_info(url, nbytes, status, headers, body)
 
 
-def _page_answer(res: tuple[Any, ...], url: str) -> tuple[str, int | None, str | None]:
+def _page_answer(res: tuple[Any, ...], url: str, types: tuple[str, ...]) -> tuple[str, int | None, str | None]:
     """A folder page's answer as ``(final_url, size, text)``, as ``fastload.source.aio.http_page`` reads one on
-    aiohttp: the text only for HTML (the engine kept no other body), or the error it stands for."""
-    code, status, body, _, content_length, _, _, _, _, _, message, content_type, final = res
+    aiohttp: the text only for a page of one of ``types`` (HTML for a web server's folder), or the error it
+    stands for."""
+    code, status, body, _, content_length, _, _, _, _, _, message, content_type, final, _ = res
     _failed(code, status, message, url)
     if not 200 <= status < 300:
         raise HttpStatusError(status, url, body)
@@ -350,7 +352,7 @@ def _page_answer(res: tuple[Any, ...], url: str) -> tuple[str, int | None, str |
     size = int(content_length) if content_length and content_length.isdigit() else None
     mimetype, _, params = (content_type or "").partition(";")
     mimetype = mimetype.strip().lower()
-    if not (mimetype in ("text/html", "application/xml") or (not mimetype and final.endswith("/"))):
+    if not (mimetype in types or (not mimetype and final.endswith("/"))):
         return final, size, None
     if len(body) >= PAGE_MAX:
         raise OSError(f"{url}: folder page of {PAGE_MAX} B or more; read on aiohttp, whole")
@@ -390,6 +392,10 @@ class CurlRoute:
     trust_env: bool
     encode: Any  # the filesystem's URL encoder (fs.encode_url), for URLs libcurl would not take as they are
 
+    # A listing page's content types whose body is the listing: a web server's folder index (S3 and GCS
+    # routes list in XML and JSON).
+    page_types: ClassVar[tuple[str, ...]] = ("text/html",)
+
     def start(self, urls: Sequence[str], nbytes: int, timeout_s: float, limit: HostLimit,
               stop: threading.Event) -> list[Pending]:
         """Hand one GET of the first ``nbytes`` bytes per URL to the engine; they run in ``limit``'s
@@ -409,6 +415,11 @@ class CurlRoute:
         """A batch's signature: header lines for all of its GETs, and one more line per GET (or None)."""
         return [], None
 
+    def refused(self, url: str, err: HttpStatusError) -> Exception | None:
+        """The error an answer that refuses the credentials stands for (an object store's: its route
+        reads the store's own error), or None: the request is done again on the other road."""
+        return None
+
     def _submit(self, urls: Sequence[str], max_bytes: int, extra: list[str], timeout_s: float, limit: HostLimit,
                 stop: threading.Event, page: bool) -> list[Pending]:
         eng = engine()
@@ -420,7 +431,7 @@ class CurlRoute:
         batch, lines = self.sign(wire, headers)
         transfers = eng.submit(host.id, wire, max_bytes, [*headers, *batch], timeout_s, self.userpwd, self.trust_env, page,
                                lines)
-        pendings = [Pending(t, u, max_bytes, host, page) for t, u in zip(transfers, urls)]
+        pendings = [Pending(t, u, max_bytes, host, self.page_types if page else ()) for t, u in zip(transfers, urls)]
         state = _STATE
         with state.lock:
             entry = state.stoppable.get(id(stop))

@@ -212,6 +212,21 @@ class FileDataset(_CachedDataset):
     def __len__(self) -> int:
         return len(self.items)
 
+    def item_keys(self) -> list[str]:
+        """Each sample's URL: its name in node partitions (fastload.partition), the same on every node."""
+        return [i.url for i in self.items]
+
+    def item_sizes(self) -> list[int]:
+        """Each sample's size in bytes, for node partitions; a sizeless listing costs one HEAD per
+        item, once (the sizes are recorded with the manifest), so every node splits alike."""
+        if self._unsized:  # what another process pinned meanwhile (a rank beside this one) needs no HEAD
+            self._pinned([k for k, i in enumerate(self.items) if i.size < 0])
+        if self._unsized:
+            todo = [k for k, i in enumerate(self.items) if i.size < 0]
+            src = self.reader.source(self.items[todo[0]].url)
+            self._adopt(todo, src.complete_all([self.items[k] for k in todo]))
+        return [i.size for i in self.items]
+
     def label_of(self, index: int) -> Any:
         rel = self.relpaths[index]
         if isinstance(self.label, list):

@@ -54,10 +54,6 @@ class CacheLimitError(CacheFullError, ValueError):
     """The cache limit is smaller than a single item, so nothing could ever be cached."""
 
 
-class CorruptEntryError(CacheError):
-    """A cache entry failed its size or checksum check (it is dropped and refetched)."""
-
-
 class CodecError(FastloadError, ValueError):
     """A payload header or body is malformed (bad magic, sizes, checksum)."""
 

@@ -8,21 +8,55 @@ A user's own Dataset reads through the cache by changing one line::
 or ``fastload.open("s3://bucket/x.jpg")``. Files are read-only and seekable;
 reads touch only the cached blocks they need. The protocol is registered
 through the ``fsspec.specs`` entry point in pyproject.toml.
+
+Every open in a process shares one :class:`~fastload.reader.Reader` (and so one
+Cache, one index connection, one Source per protocol) per settings and storage
+options (:func:`shared_reader`): a warm open is a pin lookup and a block read, not
+a new Reader, Cache and index each time. A forked child starts with none and builds
+its own on its first open (the parent's sqlite handles and sockets are not its).
 """
 
 from __future__ import annotations
 
 import io
+import os
+import threading
 from typing import Any
 
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.chained import ChainedFileSystem
 
-from fastload.config import Settings
-from fastload.errors import ConfigError
+from fastload.cache import keys
+from fastload.config import Settings, env_settings
+from fastload.errors import ConfigError, EmptyDatasetError
 from fastload.reader import Reader
 from fastload.source import RemoteItem
+
+_SHARED: dict[tuple[Settings, str], Reader] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _forget_shared() -> None:
+    global _SHARED_LOCK
+    _SHARED.clear()
+    _SHARED_LOCK = threading.Lock()  # the parent may have held it mid-fork
+
+
+os.register_at_fork(after_in_child=_forget_shared)
+
+
+def shared_reader(settings: Settings | None = None, storage_options: dict[str, Any] | None = None) -> Reader:
+    """This process's Reader for ``settings`` (default: from ``FASTLOAD_*``) and ``storage_options``."""
+    settings = settings or env_settings()
+    key = (settings, repr(sorted((storage_options or {}).items())))
+    reader = _SHARED.get(key)
+    if reader is None:
+        with _SHARED_LOCK:
+            reader = _SHARED.get(key)
+            if reader is None:
+                reader = _SHARED[key] = Reader(settings, storage_options)
+    return reader
 
 
 class BlockFile(io.RawIOBase):
@@ -55,6 +89,17 @@ class BlockFile(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
+    def readall(self) -> bytes:
+        """The rest of the object in one piece (BufferedReader.read() calls it): a whole
+        cached block is returned as it is, not copied through 8 KiB reads."""
+        start, end = self._pos, self.item.size
+        if start >= end:
+            return b""
+        self._pos = end
+        if start == 0 and end <= self.reader.settings.block_bytes:
+            return self.reader.read_block(self.item, 0)
+        return self.reader.read_range(self.item, start, end)
+
     def readinto(self, buf: Any) -> int:
         view = memoryview(buf).cast("B")
         bb = self.reader.settings.block_bytes
@@ -86,27 +131,40 @@ def open(  # noqa: A001 - mirrors fsspec.open / builtins.open on purpose
         mode: Only ``"rb"``: the cache is read-only.
         storage_options: fsspec options for the remote.
         settings: Cache settings (defaults from ``FASTLOAD_*``).
-        reader: Share an existing reader (and its cache handle).
+        reader: A reader to read through; default: this process's shared one for
+            ``settings`` and ``storage_options`` (:func:`shared_reader`).
 
     Returns:
         A seekable binary file.
     """
     if mode != "rb":
         raise ConfigError(f"fastload.open mode {mode!r} is not supported; the cache is read-only, use 'rb'")
-    reader = reader or Reader(settings, storage_options)
+    reader = reader or shared_reader(settings, storage_options)
     item = reader.stat(url)
-    return io.BufferedReader(BlockFile(reader, item), buffer_size=min(reader.settings.block_bytes, 1024**2))
+    # No bigger a buffer than the object: a 1 MiB one per open of a small file was an mmap and munmap each.
+    size = min(reader.settings.block_bytes, 1024**2, max(item.size, io.DEFAULT_BUFFER_SIZE))
+    return io.BufferedReader(BlockFile(reader, item), buffer_size=size)
 
 
 class FastloadFileSystem(ChainedFileSystem):
     """fsspec filesystem ``fastload::<url>`` reading any fsspec URL through the cache.
 
+    Files are read through the cache; folders come from fastload's recorded listings
+    (manifests, :meth:`Reader.list`), so ``info``, ``ls`` and ``find`` of a folder
+    are right for http, s3 and local paths, and a second pass over a listed folder
+    sends the remote no request at all. With neither ``target_protocol`` nor ``fs``
+    (``fastload.arrow_filesystem``) every path is a full URL and picks its own
+    filesystem; paths then come back as URLs (local ones as paths).
+
     Args:
         target_protocol: The wrapped protocol (set by fsspec for chained URLs).
-        target_options: Options of the wrapped filesystem (credentials...).
-        fs: An already-built target filesystem, instead of the two above.
+        target_options: Options of the wrapped filesystem (credentials...); with no
+            target, the storage options of every URL.
+        fs: An already-built target filesystem, instead of the two above; its own
+            options (``S3FileSystem(key=..., secret=...)``) are the ones read with.
         cache_dir: Override ``FASTLOAD_CACHE_DIR``.
         cache_limit: Override ``FASTLOAD_CACHE_LIMIT`` (e.g. ``"200GB"``).
+        settings: Cache settings, instead of ``cache_dir``/``cache_limit`` over the environment.
     """
 
     protocol = "fastload"
@@ -119,26 +177,85 @@ class FastloadFileSystem(ChainedFileSystem):
         cache_dir: str | None = None,
         cache_limit: str | int | None = None,
         fo: str | None = None,
+        settings: Settings | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if fs is None:
-            if target_protocol is None:
-                raise ConfigError("fastload:: needs a target, e.g. 'fastload::s3://bucket/key'")
+        if fs is None and target_protocol is not None:
             fs, _ = url_to_fs(f"{target_protocol}://", **(target_options or {}))
-        self.target = fs
-        settings = Settings.from_env(cache_dir=cache_dir, cache_limit_bytes=cache_limit)
-        self.reader = Reader(settings, target_options)
+        self.target: AbstractFileSystem | None = fs
+        if settings is None:
+            settings = Settings.from_env(cache_dir=cache_dir, cache_limit_bytes=cache_limit)
+        # A built filesystem's own options (its credentials, endpoint) are the ones to read with.
+        options = target_options if target_options is not None else getattr(fs, "storage_options", None)
+        self.reader = shared_reader(settings, options)
 
     def _url(self, path: str) -> str:
-        return self.target.unstrip_protocol(self.target._strip_protocol(path))
+        if self.target is None:
+            return path if "://" in path else os.path.abspath(path)
+        return str(self.target.unstrip_protocol(self.target._strip_protocol(path)))
+
+    def _name(self, url: str) -> str:
+        """``url`` as this filesystem names paths."""
+        if self.target is not None:
+            return str(self.target._strip_protocol(url))
+        return url[len("file://"):] if url.startswith("file://") else url
+
+    def _fs(self, url: str) -> AbstractFileSystem:
+        if self.target is not None:
+            return self.target
+        return url_to_fs(url, **self.reader.storage_options)[0]
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> io.BufferedReader:  # type: ignore[override]
         return open(self._url(path), mode, reader=self.reader)
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
-        item = self.reader.stat(self._url(path))
-        return {"name": path, "size": item.size, "type": "file", "version": item.version}
+        url = self._url(path)
+        reader = self.reader
+        canon = reader.canonical(url)
+        folder = {"name": self._name(canon.rstrip("/")), "size": 0, "type": "directory"}
+        if reader.cache.index.get(keys.manifest(canon.rstrip("/"), None)) is not None:
+            return folder  # listed before: no request
+        if reader.cache.index.get(keys.pin(canon)) is None:
+            if url.endswith("/"):
+                return folder
+            found = self._fs(url).info(url)
+            # An HTTP folder answers its URL without "/" with a redirect to the one with it.
+            if found.get("type") == "directory" or str(found.get("url", "")).endswith("/"):
+                return folder
+        item = reader.stat(url)
+        return {"name": self._name(item.url), "size": item.size, "type": "file", "version": item.version}
+
+    def _listing(self, path: str) -> tuple[str, list[Any]]:
+        """The folder's canonical URL and its files (a recorded listing, else listed and recorded)."""
+        url = self._url(path)
+        root = self.reader.canonical(url).rstrip("/")
+        try:
+            return root, self.reader.list(url)
+        except EmptyDatasetError as err:
+            raise FileNotFoundError(f"{url}: no files under it ({err})") from err
+
+    def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, detail: bool = False,
+             **kwargs: Any) -> Any:
+        root, items = self._listing(path)
+        out: dict[str, dict[str, Any]] = {}
+        for item in items:
+            rel = item.url[len(root) + 1:] if item.url.startswith(root + "/") else ""
+            parts = rel.split("/") if rel else []
+            depth = len(parts) if maxdepth is None else min(len(parts), maxdepth + 1)
+            for k in range(1, depth if withdirs else 0):  # the folders above the file, as deep as asked
+                name = self._name(root + "/" + "/".join(parts[:k]))
+                out.setdefault(name, {"name": name, "size": 0, "type": "directory"})
+            if maxdepth is not None and len(parts) > maxdepth:
+                continue
+            name = self._name(item.url)
+            out[name] = {"name": name, "size": item.size, "type": "file", "version": item.version}
+        names = sorted(out)
+        return {n: out[n] for n in names} if detail else names
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        found = self.find(path, maxdepth=1, withdirs=True, detail=True)
+        return list(found.values()) if detail else list(found)
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         item = self.reader.stat(self._url(path))
@@ -146,5 +263,25 @@ class FastloadFileSystem(ChainedFileSystem):
         end = item.size if end is None else (end if end >= 0 else item.size + end)
         return self.reader.read_range(item, start, end)
 
-    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
-        return self.target.ls(path, detail=detail, **kwargs)
+
+def arrow_filesystem(storage_options: dict[str, Any] | None = None, settings: Settings | None = None) -> Any:
+    """A ``pyarrow.fs.FileSystem`` that reads any URL through fastload's cache.
+
+    Paths are full URLs (``https://host/dir/``, ``s3://bucket/prefix``) or local
+    paths; ``pyarrow.dataset``, pandas and Ray Data's readers take it as
+    ``filesystem=``. Folder listings are recorded (manifests), so a second pass
+    makes no request.
+
+    Args:
+        storage_options: fsspec options for every URL (credentials, endpoint).
+        settings: Cache settings (defaults from ``FASTLOAD_*``).
+
+    Raises:
+        ConfigError: pyarrow is not installed.
+    """
+    try:
+        from pyarrow.fs import FSSpecHandler, PyFileSystem
+    except ImportError as err:
+        raise ConfigError("fastload.arrow_filesystem needs pyarrow; fix: pip install pyarrow") from err
+    fs = FastloadFileSystem(target_options=dict(storage_options or {}), settings=settings, skip_instance_cache=True)
+    return PyFileSystem(FSSpecHandler(fs))

@@ -42,8 +42,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
-import lz4.block
-
 from fastload import codec
 from fastload.config import pure_python
 from fastload.errors import CodecError
@@ -51,7 +49,6 @@ from fastload.errors import CodecError
 __all__ = ["Job", "backend", "gather", "gather_native", "gather_python", "info", "read_payload_file", "use_backend"]
 
 Result = tuple[str, Any] | None
-_INT_MAX = 2**31 - 1
 
 
 class Job(NamedTuple):
@@ -163,9 +160,6 @@ def _copy_out(payload: bytes, job: Job, out: memoryview) -> None:
             out[dst : dst + n] = pv[body + src : body + src + n]
         return
     if not intact or (len(copies) == 1 and copies[0][:2] == (0, info.raw_size)):
-        if info.codec == codec.LZ4 and max([*info.chunk_sizes, *info.chunk_raw_sizes()], default=0) > _INT_MAX:
-            # lz4.block takes C ints: codec.decode would raise OverflowError, not CodecError.
-            raise CodecError(f"LZ4 chunk at offset {info.body_offset} is corrupt: a chunk of {info.chunk_bytes} B is too large")
         raw = codec.decode(payload, verify=not intact, info=info)
         for src, n, dst in copies:
             out[dst : dst + n] = raw[src : src + n]
@@ -178,22 +172,9 @@ def _copy_out(payload: bytes, job: Job, out: memoryview) -> None:
         for i in range(src // cb, (src + n - 1) // cb + 1):
             part = chunks.get(i)
             if part is None:
-                part = chunks[i] = _decode_chunk(pv, offsets[i], info.chunk_sizes[i], raw_sizes[i])
+                part = chunks[i] = codec.decode_chunk(pv, offsets[i], info.chunk_sizes[i], raw_sizes[i])
             lo, hi = max(src, i * cb), min(src + n, i * cb + raw_sizes[i])
             out[dst + lo - src : dst + hi - src] = part[lo - i * cb : hi - i * cb]
-
-
-def _decode_chunk(payload: memoryview, offset: int, size: int, raw_size: int) -> bytes:
-    # The messages are codec.decode's.
-    if size > _INT_MAX or raw_size > _INT_MAX:
-        raise CodecError(f"LZ4 chunk at offset {offset} is corrupt: a chunk of {raw_size} B is too large")
-    try:
-        part = lz4.block.decompress(payload[offset : offset + size], uncompressed_size=raw_size)
-    except lz4.block.LZ4BlockError as err:
-        raise CodecError(f"LZ4 chunk at offset {offset} is corrupt: {err}") from err
-    if len(part) != raw_size:
-        raise CodecError(f"LZ4 chunk at offset {offset} decoded to {len(part)} B, expected {raw_size} B")
-    return part
 
 
 # -- the native path ------------------------------------------------------------------

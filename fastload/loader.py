@@ -114,6 +114,9 @@ class DataLoader(tud.DataLoader[T_co]):
             ``drop_last`` then also cuts, instead of padding, the shard tail). Never
             implied by an initialised process group.
         rank, world_size: This process's shard; default from ``torch.distributed``.
+        partition, nodes, node_rank: With ``distributed=True``, ``"global"`` (default,
+            DistributedSampler's split) or ``"node"`` (a fixed part per node, so each
+            node's cache holds and fetches only its part); see :class:`ShardedSampler`.
         seed: With ``distributed=True``, the shard permutation seed (default 0, as
             DistributedSampler). Otherwise, when ``generator`` is None, seeds a private
             generator for shuffling.
@@ -196,6 +199,9 @@ class DataLoader(tud.DataLoader[T_co]):
         distributed: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        partition: str = "global",
+        nodes: int | None = None,
+        node_rank: int | None = None,
         seed: int | None = None,
         stats: bool = True,
         read_threads: int | None = None,
@@ -252,10 +258,13 @@ class DataLoader(tud.DataLoader[T_co]):
                 shuffle=bool(shuffle),
                 seed=0 if seed is None else seed,
                 drop_last=drop_last,
+                partition=partition,
+                nodes=nodes,
+                node_rank=node_rank,
             )
             shuffle = None  # the sampler shuffles; torch rejects sampler= with shuffle=True
-        elif rank is not None or world_size is not None:
-            raise ConfigError("rank= and world_size= only apply with distributed=True")
+        elif rank is not None or world_size is not None or partition != "global" or nodes is not None or node_rank is not None:
+            raise ConfigError("rank=, world_size=, partition=, nodes= and node_rank= only apply with distributed=True")
         elif seed is not None and generator is None:
             generator = torch.Generator()
             generator.manual_seed(seed)
@@ -285,6 +294,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self.distributed = distributed
         self.rank = rank
         self.world_size = world_size
+        self.partition, self.nodes, self.node_rank = partition, nodes, node_rank
         self.seed = seed
         self.stats_enabled = stats
         self.read_threads = read_threads

@@ -242,11 +242,11 @@ class _CudaBackend(_HostBackend):
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def release_cached(self, timeout: float) -> None:
-        # The dropped slot's block sits in torch's host cache, still pinned, and a
-        # grown slot never fits in it again. The allocator frees a block that copies
-        # used only once an event it records on their stream at free time has
-        # completed, so mark the side stream after that event and poll the mark
-        # (a bounded wait for the copies queued there, no device sync) first.
+        # The dropped slot's block stays cached, still pinned, and no grown slot fits
+        # it. It is freed only once an event recorded on the side stream at free time
+        # completes, so poll a mark recorded after it (a bounded wait). Emptying the
+        # cache ends in cudaFreeHost: a whole-device sync that frees every unused cached
+        # pinned block of the process, once per slot growth (docs/loader.md).
         mark = torch.cuda.Event()
         mark.record(self.stream)
         deadline = time.monotonic() + timeout

@@ -88,6 +88,7 @@ class Reader:
         self._keys: dict[tuple[RemoteItem, int], str] = {}
         self.fetcher = Fetcher(self)  # every miss, fetch ahead and staging fetch goes through it
         self._warned_limit = False
+        self._warned_blocks = False  # _note_block_size, once per reader
         self.hits = 0
         self.misses = 0
 
@@ -148,18 +149,45 @@ class Reader:
             return self._list_urls(url, refresh=refresh, complete=complete)
         src = self.source(url)
         root = src.canonical(url).rstrip("/")
-        key = keys.manifest(root, pattern)
         if not refresh:
-            manifest = self.cache.index.get(key)
-            if manifest is not None:
-                return [RemoteItem.from_json(r) for r in manifest["items"]]
-            covered = self._covered(root, pattern)
-            if covered is not None:
-                return covered
+            recorded = self.recorded(root, pattern)
+            if recorded is not None:
+                return recorded
         items = Source(url, self.storage_options, self.settings, self.stop).list(pattern, complete=complete)
         if all(i.size >= 0 for i in items):
             self.save_manifest(root, pattern, items)
         return items
+
+    def recorded(self, root: str, pattern: str | None) -> builtins.list[RemoteItem] | None:
+        """``root``'s items matching ``pattern`` from a recorded listing (its own, or a whole-folder
+        one of it or of a folder above it); None when none is recorded. ``root``: :meth:`manifest_root`."""
+        manifest = self.cache.index.get(keys.manifest(root, pattern))
+        if manifest is not None:
+            items = [RemoteItem.from_json(r) for r in manifest["items"]]
+            self._note_block_size(manifest, items)
+            return items
+        return self._covered(root, pattern)
+
+    def _note_block_size(self, manifest: dict[str, Any], items: builtins.list[RemoteItem]) -> None:
+        """Say once when a listing was recorded under another block size: its objects larger
+        than a block are cached per block size, so this reader fetches them again."""
+        staged, bb = manifest.get("block_bytes"), self.settings.block_bytes
+        if self._warned_blocks or staged is None or staged == bb:
+            return
+        larger = [i for i in items if i.size > min(staged, bb)]
+        # Those already cached under this block size too (an earlier run's) are not fetched again.
+        found = self.cache.entries_for([self.key(i, 0) for i in larger]) if larger else []
+        again = [i for i, e in zip(larger, found) if e is None]
+        if again:
+            self._warned_blocks = True
+            _log.warning(
+                "%d of the %d objects listed here (%s) were cached in blocks of %s and are read in blocks of %s: "
+                "those larger than a block are fetched again and stored a second time (smaller ones are shared); "
+                "fix: read with the block size they were staged with (FASTLOAD_BLOCK_SIZE=%s, Settings(block_bytes=)), "
+                "or `fastload clear` the dataset and stage it with --block-size %s",
+                len(again), len(items), format_size(sum(i.size for i in again)), format_size(staged),
+                format_size(bb), staged, bb,
+            )
 
     def _covered(self, root: str, pattern: str | None) -> builtins.list[RemoteItem] | None:
         """``root``'s items matching ``pattern`` from a recorded whole-folder listing of it or of
@@ -182,6 +210,7 @@ class Reader:
             if not rels:
                 continue
             items = [item for rel, item in sorted(rels.items()) if regex is None or regex.match(rel)]
+            self._note_block_size(manifest, items)
             if not items:
                 folders = len({rel.rpartition("/")[0] for rel in rels} - {""})
                 raise nothing_matched(root, pattern, folders, builtins.list(rels))
@@ -219,7 +248,8 @@ class Reader:
         """Record a listing and pin each item's fingerprint."""
         index = self.cache.index
         with index.transact():
-            index.set(keys.manifest(root, pattern), {"created": time.time(), "items": [i.to_json() for i in items]})
+            index.set(keys.manifest(root, pattern), {"created": time.time(), "items": [i.to_json() for i in items],
+                                                     "block_bytes": self.settings.block_bytes})
             self.pin(items)
 
     def pin(self, items: builtins.list[RemoteItem]) -> None:

@@ -20,6 +20,13 @@ Shard semantics (the same as DistributedSampler):
   skipped this epoch (with shuffling, different ones each epoch).
 * Rank ``r`` takes positions ``r, r + world_size, r + 2 * world_size, ...``.
 
+``partition="node"`` splits the dataset into one fixed part per node instead
+(:mod:`fastload.partition`): each epoch permutes the node's part (seeded with
+``seed + epoch``) and deals it to the node's ranks. Every rank of every node takes
+``ceil(largest part / ranks per node)`` indices (padding each part with its own
+head), or with ``drop_last`` ``smallest part // ranks per node``, so step counts
+stay equal across the whole job.
+
 :class:`ResumableSampler` wraps any sampler or batch sampler and can begin the
 next epoch after ``k`` items *without fetching them*: it regenerates the epoch's
 index order (replaying the RNG state recorded when the epoch's order was drawn)
@@ -38,6 +45,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils.data import BatchSampler, Sampler
 
+from fastload import partition as parts
 from fastload.errors import ConfigError
 
 __all__ = ["ResumableSampler", "RngSnapshot", "ShardedSampler"]
@@ -55,9 +63,15 @@ class ShardedSampler(Sampler[int]):
         shuffle: Permute the indices with a generator seeded by ``seed + epoch``.
         seed: Base seed; must be the same on every rank.
         drop_last: Cut the tail (True) or pad with the head (False); see the module docs.
+        partition: ``"global"`` (default): DistributedSampler's split, a new one each
+            epoch. ``"node"``: a fixed part per node, shuffled within it
+            (:mod:`fastload.partition`).
+        nodes, node_rank: With ``partition="node"``, the node count and this rank's node;
+            default from torchrun's or Slurm's environment (:func:`fastload.partition.topology`).
 
     Raises:
-        ConfigError: ``world_size < 1`` or ``rank`` outside ``[0, world_size)``.
+        ConfigError: ``world_size < 1`` or ``rank`` outside ``[0, world_size)``; an
+            unknown ``partition``; a node topology that cannot be found or does not fit.
 
     Example:
         >>> s = ShardedSampler(range(10), world_size=2, rank=1, shuffle=False)
@@ -74,6 +88,9 @@ class ShardedSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        partition: str = "global",
+        nodes: int | None = None,
+        node_rank: int | None = None,
     ) -> None:
         if world_size < 1:
             raise ConfigError(f"world_size={world_size} must be >= 1")
@@ -96,6 +113,35 @@ class ShardedSampler(Sampler[int]):
         else:
             self.num_samples = math.ceil(n / world_size)
         self.total_size = self.num_samples * world_size
+        self.partition = partition
+        self.topology: parts.Topology | None = None
+        self._part: list[int] = []
+        if partition == "node":
+            self._split(nodes, node_rank)
+        elif partition != "global" or nodes is not None or node_rank is not None:
+            raise ConfigError(
+                f"partition={partition!r} with nodes={nodes}, node_rank={node_rank}: use partition='global' "
+                "(DistributedSampler's split; no nodes=) or partition='node' (a fixed part per node)"
+            )
+
+    def _split(self, nodes: int | None, node_rank: int | None) -> None:
+        """Find this rank's node, and that node's part; size the shard so all ranks step alike."""
+        top = parts.topology(self.world_size, self.rank, nodes, node_rank)
+        keys, sizes = parts.dataset_weights(self.dataset)
+        owner = parts.assign(keys, sizes, top.nodes)
+        parts.log_move(self.dataset, keys, sizes, top.nodes, announce=top.local_rank == 0)
+        self.topology = top
+        self._part = parts.node_items(owner, top.node_rank)
+        counts = [int((owner == k).sum()) for k in range(top.nodes)]
+        per = top.local_world_size
+        if min(counts) == 0 or (self.drop_last and min(counts) < per):
+            raise ConfigError(
+                f"the dataset's {len(owner)} items split over {top.nodes} nodes leave a part of {min(counts)} "
+                f"items for {per} ranks per node (drop_last={self.drop_last}); fix: use partition='global' "
+                "for a dataset this small"
+            )
+        self.num_samples = min(counts) // per if self.drop_last else math.ceil(max(counts) / per)
+        self.total_size = self.num_samples * self.world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Select the permutation of epoch ``epoch`` (same on every rank)."""
@@ -109,6 +155,8 @@ class ShardedSampler(Sampler[int]):
 
     def indices(self) -> list[int]:
         """Return this rank's full index list for the current epoch."""
+        if self.topology is not None:
+            return self._node_indices(self.topology)
         n = len(self.dataset)
         if self.shuffle:
             # Same generator construction as DistributedSampler, so the orders match.
@@ -126,6 +174,18 @@ class ShardedSampler(Sampler[int]):
         else:
             order = order[: self.total_size]
         return order[self.rank : self.total_size : self.world_size]
+
+    def _node_indices(self, top: parts.Topology) -> list[int]:
+        part = self._part
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = [part[j] for j in torch.randperm(len(part), generator=g).tolist()]
+        else:
+            order = list(part)
+        size = self.num_samples * top.local_world_size
+        order = (order * math.ceil(size / len(order)))[:size]  # pads with the part's own head, or cuts
+        return order[top.local_rank :: top.local_world_size]
 
     def __iter__(self) -> Iterator[int]:
         start, self._start = self._start, 0

@@ -6,10 +6,15 @@ Because cached entries are skipped, rerunning after an interruption (even a
 SIGKILL) resumes where it stopped; entries are published atomically, so an
 interrupted write is never mistaken for a valid one
 (tests/reliability/test_stage_kill.py).
+
+With ``nodes=``/``node_rank=`` it stages one node's part: exactly the items
+``partition="node"`` reads on that node (:mod:`fastload.partition`), split from the
+whole listing, whose manifest it records whole.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -20,13 +25,21 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
+from fastload import partition
 from fastload.cache import keys
 from fastload.config import Settings, format_size
-from fastload.errors import CacheFullError, StoppedError
+from fastload.errors import (
+    CacheFullError,
+    ConfigError,
+    EmptyDatasetError,
+    FastloadError,
+    StoppedError,
+)
 from fastload.reader import Reader
-from fastload.source import RemoteItem
+from fastload.source import RemoteItem, Source
 
 T = TypeVar("T")
+_log = logging.getLogger("fastload")
 
 
 @dataclass
@@ -51,6 +64,12 @@ class StageReport:
         concurrency: The remote host's request limit after the run: ``limit`` (what the
             controller settled on), ``cap`` (``workers``), ``peak`` in flight, ``cuts``
             (fastload.hostlimit); empty for local files.
+        node: ``"<node_rank>/<nodes>"`` when one node's part was staged, else empty;
+            ``items`` and the byte counts are then that part's.
+        remote_changed: Staged from a recorded listing: its objects whose size or version
+            the remote's listing now shows changed (0 where the listing has neither: HTTP).
+        remote_new: Objects the remote lists now that the recorded listing lacks.
+        remote_gone: Objects of the recorded listing the remote lists no more.
     """
 
     url: str
@@ -68,6 +87,10 @@ class StageReport:
     fits: bool = True
     dry_run: bool = False
     concurrency: dict[str, Any] = field(default_factory=dict)
+    node: str = ""
+    remote_changed: int = 0
+    remote_new: int = 0
+    remote_gone: int = 0
 
     @property
     def ratio(self) -> float:
@@ -90,7 +113,7 @@ class StageReport:
                 f"{verdict} the cache limit {format_size(self.cache_limit_bytes)}"
             )
         lines = [
-            f"staged      {self.url}",
+            f"staged      {self.url}" + (f" (node {self.node})" if self.node else ""),
             f"items       {self.items} ({self.blocks} cache entries)",
             f"fetched     {self.fetched_blocks} entries, {format_size(self.fetched_bytes)} "
             f"(skipped {self.skipped_blocks} already cached)",
@@ -117,6 +140,8 @@ def stage(
     dry_run: bool = False,
     verify: bool = False,
     progress: bool | None = None,
+    nodes: int | None = None,
+    node_rank: int | None = None,
 ) -> StageReport:
     """Copy the dataset at ``url`` into the cache; see the module docstring.
 
@@ -130,20 +155,44 @@ def stage(
         dry_run: Only list and report the size against the cache limit.
         verify: After staging, re-read every entry and check its checksum.
         progress: Show a progress bar (default: when stderr is a terminal).
+        nodes, node_rank: Stage only what ``partition="node"`` reads on node ``node_rank``
+            of ``nodes``; one given, the other comes from torchrun's or Slurm's
+            environment (:func:`fastload.partition.node_env`). Neither: the whole dataset.
 
     Raises:
         CacheFullError: The dataset is larger than the cache limit, or the disk filled up.
+        ConfigError: One of ``nodes``/``node_rank`` given and the other not found.
     """
     settings = settings or Settings.from_env()
     reader = Reader(settings, storage_options)
     t0 = time.perf_counter()
     # Dry runs need every size now; real runs complete sizeless (HTTP) items
     # inside the fetch workers, so HEADs overlap with transfers.
-    items = reader.list(url, pattern, refresh=refresh, complete=dry_run)
+    part = nodes is not None or node_rank is not None
     root = reader.manifest_root(url)
+    snapshot = reader.recorded(root, pattern) if isinstance(url, str) and not refresh else None
+    if snapshot is not None and part and any(i.size < 0 for i in snapshot):
+        snapshot = None  # a node's part is split by bytes: the listing is completed below
+    # A node's part is split by bytes, so it needs every size first (as the sampler does).
+    items = snapshot if snapshot is not None else reader.list(url, pattern, refresh=refresh, complete=dry_run or part)
+    node = ""
+    if part:
+        env_nodes, env_rank = partition.node_env()
+        nodes = env_nodes if nodes is None else nodes
+        node_rank = env_rank if node_rank is None else node_rank
+        if nodes is None or node_rank is None or not 0 <= node_rank < nodes:
+            raise ConfigError(
+                f"staging one node's part needs nodes= and node_rank= in [0, nodes) (got {nodes}, {node_rank}), "
+                "and torchrun's or Slurm's environment does not give them; fix: pass both (--nodes, --node-rank)"
+            )
+        owner = partition.assign([i.url for i in items], [i.size for i in items], nodes)
+        items = [items[k] for k in partition.node_items(owner, node_rank)]
+        node = f"{node_rank}/{nodes}"
     # The limit in force: --cache-limit, capped so the disk keeps its reserve free (fastload/cache/writes.py).
     limit = reader.cache.limit_bytes()
-    report = StageReport(url=root, items=len(items), cache_limit_bytes=limit)
+    report = StageReport(url=root, items=len(items), cache_limit_bytes=limit, node=node)
+    if snapshot is not None and isinstance(url, str):
+        _compare_with_remote(reader, url, pattern, snapshot, report)
     known = [i for i in items if i.size >= 0]
     report.remote_bytes = sum(i.size for i in known)
     report.fits = report.remote_bytes <= limit
@@ -153,8 +202,11 @@ def stage(
         report.stored_bytes = _stored(reader, items)
         report.seconds = time.perf_counter() - t0
         return report
-    if not report.fits:
-        raise CacheFullError(_too_big(report, settings))
+    sizeless = len(known) < len(items)
+    # Before any request for an object: the sizes known say so already. A dataset cached
+    # whole only needs checking, though another program took the room since.
+    if not report.fits and (sizeless or not _all_cached(reader, items)):
+        raise CacheFullError(_too_big(report, settings, sized=len(known) if sizeless else None))
     writable = reader.cache.unwritable is None  # a read-only cache may still hold it all: then it only checks
     reader.cache.check()
     # An interrupted stage leaves this marker behind. Its rerun (and a refresh) completes
@@ -164,14 +216,14 @@ def stage(
     fresh = not refresh and reader.cache.index.get(marker) is None
     if writable:
         reader.cache.index.set(marker, time.time())
-    items = _fetch_all(reader, items, report, _show(progress), "staging", heads="pinned" if fresh else "all")
+    items = _fetch_all(reader, items, report, _show(progress), "staging", heads="pinned" if fresh else "all",
+                       limit=limit if sizeless else None)
     if writable:
-        reader.save_manifest(root, pattern, items)
+        if not part:  # a part's listing was recorded whole when it was listed
+            reader.save_manifest(root, pattern, items)
         reader.cache.index.delete(marker)
     report.remote_bytes = sum(i.size for i in items)
     report.blocks = sum(len(reader.blocks(i)) for i in items)
-    if report.remote_bytes > limit:
-        raise CacheFullError(_too_big(report, settings))
     if verify:
         bad = _verify(reader, items, settings.workers, _show(progress))
         report.verified_entries, report.bad_entries = report.blocks, len(bad)
@@ -189,20 +241,64 @@ def stage(
     return report
 
 
-def _too_big(report: StageReport, settings: Settings) -> str:
+def _compare_with_remote(reader: Reader, url: str, pattern: str | None, snapshot: list[RemoteItem],
+                         report: StageReport) -> None:
+    """Staging from a recorded listing stages that snapshot (docs/cache.md); list the remote once
+    more (the listing only, no object) and say how many objects changed since, and the fix.
+
+    A rerun on a changed remote said "skipped 14 already cached" and nothing else (issue 24).
+    An HTTP listing has no sizes or versions: there only new and gone objects show.
+    """
+    try:
+        now = Source(url, reader.storage_options, reader.settings, reader.stop).list(pattern, complete=False)
+    except EmptyDatasetError:
+        now = []  # everything recorded is gone
+    except FastloadError as err:  # unreachable: the snapshot is all there is to stage
+        _log.info("staging %s from its recorded listing; the remote could not be listed to compare (%s)", url, err)
+        return
+    was = {i.url: i for i in snapshot}
+    is_ = {i.url: i for i in now}
+    report.remote_changed = sum(
+        1 for u, i in is_.items()
+        if u in was and i.size >= 0 and (i.size != was[u].size or bool(i.version) and i.version != was[u].version)
+    )
+    report.remote_new = len(is_.keys() - was.keys())
+    report.remote_gone = len(was.keys() - is_.keys())
+    if report.remote_changed or report.remote_new or report.remote_gone:
+        _log.warning(
+            "%s: the remote differs from its recorded listing: %d changed, %d new, %d gone "
+            "object(s); this run stages the recorded snapshot, as training reads it; fix: `fastload cache --refresh` "
+            "(refresh=True) to stage the remote as it is now",
+            report.url, report.remote_changed, report.remote_new, report.remote_gone,
+        )
+
+
+def _too_big(report: StageReport, settings: Settings, sized: int | None = None) -> str:
+    """The error for a dataset larger than the limit; ``sized``: only that many of its objects'
+    sizes are known yet (their sum is ``report.remote_bytes``), so it is at least that large."""
     capped = report.cache_limit_bytes < settings.cache_limit_bytes
     why = (f"the cache limit in force is {format_size(report.cache_limit_bytes)} (--cache-limit "
            f"{format_size(settings.cache_limit_bytes)}, capped by the disk's free space less its reserve)"
            if capped else f"the cache limit is {format_size(report.cache_limit_bytes)}")
     fix = "free space on the cache's disk, move FASTLOAD_CACHE_DIR" if capped else "raise --cache-limit"
+    size = format_size(report.remote_bytes)
+    if sized is not None:
+        size = (f"at least {size} (the size of {sized} of its {report.items} objects; staging stopped before "
+                "fetching the rest)")
     return (
-        f"dataset {report.url} is {format_size(report.remote_bytes)} but {why}; fix: {fix}, stage a subset with "
+        f"dataset {report.url} is {size} but {why}; fix: {fix}, stage a subset with "
         "--pattern, or skip staging and let training stream it"
     )
 
 
 def _show(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
+
+
+def _all_cached(reader: Reader, items: list[RemoteItem]) -> bool:
+    """Whether every block of every (sized) item is in the cache."""
+    keys_ = [reader.key(item, b) for item in items for b in reader.blocks(item)]
+    return all(e is not None for e in reader.cache.entries_for(keys_))
 
 
 def _stored(reader: Reader, items: list[RemoteItem]) -> int:
@@ -228,6 +324,7 @@ class _Progress:
 
     def __init__(self, report: StageReport, total_bytes: int | None, items: int, show: bool, label: str) -> None:
         self.report, self.items, self.done, self.nbytes = report, items, 0, 0
+        self.sized_items = self.sized_bytes = 0  # objects whose size staging has learned, and their sum
         self.by_bytes = total_bytes is not None
         self.lock = threading.Lock()
         if self.by_bytes:
@@ -312,7 +409,7 @@ BATCH_BYTES = 64 * 1024**2  # blocks one fetch call holds in memory, at most
 
 
 def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, show: bool, label: str,
-               heads: str) -> list[RemoteItem]:
+               heads: str, limit: int | None = None) -> list[RemoteItem]:
     """Complete, skip-or-fetch every block of every item through the fetch stage; returns completed items.
 
     CHUNK items per task: their sizeless ones are completed together (a GET each that
@@ -320,6 +417,11 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
     the blocks not cached yet are fetched together. Staging exists to cache, so a
     cache that cannot hold a block ends it (``strict``; tests/reliability/test_disk_full.py).
     Every cache write passes the stop (Ctrl-C), so none begins after it.
+
+    ``limit``: where the listing had no sizes (HTTP), the dataset's size is learned as
+    its objects are completed; once the sizes learned pass the limit, staging stops
+    (CacheFullError): past the chunks that fit, at most one chunk per task in flight. It
+    fetched all 800 objects of a 10 MB folder before saying it was over a 1 MB limit (issue 24).
     """
     if not items:
         return []
@@ -333,6 +435,13 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
     def do_chunk(indices: list[int]) -> None:
         stop.check()
         done, fresh = fetcher.complete([items[i] for i in indices], heads=heads, strict=True, gate=stop.write)
+        if limit is not None:
+            with progress.lock:
+                progress.sized_items += len(done)
+                progress.sized_bytes += sum(i.size for i in done)
+                if progress.sized_bytes > limit:
+                    report.remote_bytes = progress.sized_bytes
+                    raise CacheFullError(_too_big(report, reader.settings, sized=progress.sized_items))
         todo: list[tuple[RemoteItem, int]] = []
         for i, item in zip(indices, done):
             completed[i] = item

@@ -163,8 +163,9 @@ static int load_libcurl(void) {
 /* ---- requests --------------------------------------------------------------- */
 
 enum { INCOMING, QUEUED, ACTIVE, DONE };
-enum { H_RANGE, H_LENGTH, H_ETAG, H_MODIFIED, H_MD5, H_DIGEST, H_TYPE, N_HEADERS };
-static const char *const header_names[N_HEADERS] = {"content-range", "content-length", "etag", "last-modified", "content-md5", "digest", "content-type"};
+/* x-goog-generation: a GCS object's version, as its listing gives it (fastload.source.gcs) */
+enum { H_RANGE, H_LENGTH, H_ETAG, H_MODIFIED, H_MD5, H_DIGEST, H_TYPE, H_GENERATION, N_HEADERS };
+static const char *const header_names[N_HEADERS] = {"content-range", "content-length", "etag", "last-modified", "content-md5", "digest", "content-type", "x-goog-generation"};
 #define CANCELLED (-1) /* Req.code of a request cancelled before it finished */
 #define RECV_BUFFER (256 * 1024) /* libcurl's receive buffer: fewer recv() calls per answer */
 
@@ -298,7 +299,8 @@ static size_t on_header(char *line, size_t size, size_t n, void *ud) {
 
 /* A listing page's body is read only when it is HTML, as fastload.source.aio.http_page does on
  * aiohttp: a Content-Type of text/html, or none and a final URL ending in "/"; or an object
- * store's listing (application/xml: S3's ListObjectsV2, fastload.source.s3). */
+ * store's listing (application/xml: S3's ListObjectsV2, fastload.source.s3; application/json: GCS's
+ * objects.list, fastload.source.gcs). */
 static int page_wanted(Req *r) {
     const char *type = r->h[H_TYPE];
     if (type) {
@@ -307,7 +309,8 @@ static int page_wanted(Req *r) {
         size_t n = strcspn(type, "; \t");
         if (n)
             return (n == 9 && strncasecmp(type, "text/html", 9) == 0) ||
-                   (n == 15 && strncasecmp(type, "application/xml", 15) == 0);
+                   (n == 15 && strncasecmp(type, "application/xml", 15) == 0) ||
+                   (n == 16 && strncasecmp(type, "application/json", 16) == 0);
     }
     char *eff = NULL;
     lib.easy_getinfo(r->easy, I_EFFECTIVE_URL, &eff);
@@ -682,11 +685,11 @@ static PyObject *Transfer_result(Transfer *self, PyObject *unused) {
     if (!body)
         return NULL;
     const char *message = r->code > 0 ? lib.easy_strerror(r->code) : (r->code == CANCELLED ? "cancelled" : "");
-    self->answer = Py_BuildValue("(iiNNNNNNNNsNN)", r->code, (int)r->status, body, header_or_none(r->h[H_RANGE]),
+    self->answer = Py_BuildValue("(iiNNNNNNNNsNNN)", r->code, (int)r->status, body, header_or_none(r->h[H_RANGE]),
                                  header_or_none(r->h[H_LENGTH]), header_or_none(r->h[H_ETAG]),
                                  header_or_none(r->h[H_MODIFIED]), header_or_none(r->h[H_MD5]),
                                  header_or_none(r->h[H_DIGEST]), PyBool_FromLong(r->closes || r->http_version == HTTP_VERSION_1_0),
-                                 message, header_or_none(r->h[H_TYPE]), header_or_none(r->final));
+                                 message, header_or_none(r->h[H_TYPE]), header_or_none(r->final), header_or_none(r->h[H_GENERATION]));
     if (!self->answer)
         return NULL;
     free(r->buf); /* the bytes now live in the answer */
@@ -757,7 +760,8 @@ static void Transfer_dealloc(Transfer *self) {
 static PyMethodDef Transfer_methods[] = {
     {"result", (PyCFunction)Transfer_result, METH_NOARGS,
      "None while it runs; then (code, status, body, content_range, content_length, etag, last_modified, "
-     "content_md5, digest, closes, message, content_type, final_url); the last two for a page only, else None. "
+     "content_md5, digest, closes, message, content_type, final_url, x_goog_generation); content_type and final_url "
+     "for a page only, else None. "
      "code: libcurl's (0 ok, -1 cancelled)."},
     {"done", (PyCFunction)Transfer_done, METH_NOARGS, "Whether it finished (or was cancelled)."},
     {"started", (PyCFunction)Transfer_started, METH_NOARGS, "Whether it left its host's queue (running or done)."},

@@ -1,4 +1,4 @@
-"""Shared fixtures: real nginx, moto S3 and shaped-link servers.
+"""Shared fixtures: real nginx, moto S3, a GCS emulator and shaped-link servers.
 
 Where a server is missing, its tests skip with the reason, and the run ends with
 one line per missing server saying how many tests skipped and how to get it.
@@ -24,6 +24,9 @@ import pytest
 from fastload import _servers
 
 ROOT = Path(__file__).resolve().parents[1]
+# gcsfs >= 2026.10 asks GCS's gRPC control plane for each bucket's layout, and an
+# emulator has none: each call then waits 60 s before gcsfs falls back. Read at its import.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +105,16 @@ def signed_moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.S
     """moto's S3 in a child process that checks every signature (bucket "signed"), for the session."""
     require_server(_servers.moto_available(), "moto server missing", "pip install 'moto[server]'")
     server = _servers.SignedMotoServer(tmp_path_factory.mktemp("signed-moto") / "requests.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.GcsEmulator]:
+    """gcp-storage-emulator in a child process for the session; use unique buckets."""
+    require_server(_servers.gcs_emulator_available(), "gcp-storage-emulator missing", "pip install gcp-storage-emulator")
+    require_server(importlib.util.find_spec("gcsfs") is not None, "gcsfs missing", "pip install gcsfs")
+    server = _servers.GcsEmulator(tmp_path_factory.mktemp("gcs-emulator") / "requests.log").start()
     yield server
     server.stop()
 

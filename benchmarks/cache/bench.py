@@ -69,7 +69,7 @@ from fastload.reader import Reader
 from fastload.samples import make_image_folder, make_token_file, make_uint8_arrays
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from throttle_proxy import ThrottledProxy  # noqa: E402
+from throttle_proxy import ThrottledProxy, TokenBucket  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results"
@@ -174,6 +174,7 @@ class Link:
     nominal_bytes_per_s: float
     prefix: list[str] = field(default_factory=list)  # runs a command on the client side
     fallback_reason: str | None = None
+    bucket: TokenBucket | None = None  # the proxy's, in the fallback mode
 
     def run(self, cmd: list[str], timeout_s: float = 900) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FASTLOAD_")}  # measure the defaults
@@ -214,7 +215,7 @@ def open_link(args: argparse.Namespace, root: Path) -> Iterator[Link]:
                 "proxy-token-bucket",
                 f"FALLBACK (no kernel shaping: {reason}): in-process HTTP proxy in front of nginx, one token bucket "
                 f"of {args.rate} / {args.burst} shared by all response bodies (headers and requests unthrottled)",
-                proxy.url, rate, fallback_reason=reason,
+                proxy.url, rate, fallback_reason=reason, bucket=proxy.bucket,
             )
 
 
@@ -253,6 +254,8 @@ def measure_link(link: Link, repeats: int) -> dict[str, Any]:
         "file_bytes": runs[0]["bytes"],
         "runs_mb_s": [round(r, 3) for r in rates],
         "mb_s": round(statistics.median(rates), 3),
+        # The fallback proxy's shaping, as it saw it: seconds it held the downloads back.
+        **({"bucket_held_s": round(link.bucket.held_s, 3)} if link.bucket is not None else {}),
     }
 
 

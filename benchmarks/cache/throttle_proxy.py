@@ -55,6 +55,7 @@ class TokenBucket:
         self._tokens = float(burst)
         self._last = time.monotonic()
         self._lock = threading.Lock()
+        self.held_s = 0.0  # how long callers were held back, all together: > 0 once the bucket shaped anything
 
     def take(self, nbytes: int) -> None:
         """Blocks until ``nbytes`` may pass."""
@@ -64,6 +65,7 @@ class TokenBucket:
             self._last = now
             self._tokens -= nbytes
             wait_s = -self._tokens / self.rate if self._tokens < 0 else 0.0
+            self.held_s += wait_s
         if wait_s > 0:
             time.sleep(wait_s)
 

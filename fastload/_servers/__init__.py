@@ -2,7 +2,7 @@
 
 Nothing here is mocked: :class:`NginxServer` runs the real nginx binary over a
 directory (``nginx.py``), :class:`MotoServer` runs moto's S3 server in a thread
-(``s3.py``), and :class:`ShapedLink` builds a network namespace whose loopback
+(``s3.py``), :class:`GcsEmulator` runs gcp-storage-emulator in a child process (``gcs.py``), and :class:`ShapedLink` builds a network namespace whose loopback
 the kernel throttles with ``tc qdisc ... tbf`` (``netns.py``). Import them all
 from here.
 
@@ -23,6 +23,7 @@ This package is private: tests, benchmarks and the demo import it; users should 
 """
 
 from fastload._servers.errors import ServerError
+from fastload._servers.gcs import GcsEmulator, gcs_emulator_available
 from fastload._servers.netns import ShapedLink, shaping_available, shaping_unavailable_reason
 from fastload._servers.nginx import NginxServer, find_nginx, nginx_available
 from fastload._servers.s3 import (
@@ -35,6 +36,7 @@ from fastload._servers.s3 import (
 )
 
 __all__ = [
+    "GcsEmulator",
     "MotoServer",
     "NginxServer",
     "ServerError",
@@ -42,6 +44,7 @@ __all__ = [
     "SignedMotoServer",
     "create_bucket",
     "find_nginx",
+    "gcs_emulator_available",
     "moto_available",
     "nginx_available",
     "s3_storage_options",

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from pathlib import Path
 from typing import Any
 
 import diskcache
 
-from fastload.cache.disk import KIND_WORDS, ReadOnlyIndex, unwritable_kind
+from fastload.cache.disk import KIND_WORDS, ReadOnlyIndex, file_in_path, unwritable_kind, user_name
 from fastload.cache.entry import Entry
 from fastload.cache.index import FileLock, GatedIndex
 from fastload.config import Settings
@@ -30,6 +31,36 @@ def in_flight_on(device: int) -> int:
     return sum(n for dev, n in list(IN_FLIGHT.values()) if dev == device)  # a copy: other threads add and remove
 
 
+def open_error(root: Path, err: BaseException, kind: str | None) -> CacheError:
+    """Why the cache folder ``root`` cannot be created or opened, and the fix.
+
+    Every failure here once ended in "fix: free space there" (issue 24): a cache dir
+    that is a file, a path under a file and a folder this user may not write each
+    name their own cause (tests/unit/test_cache_open_errors.py).
+    """
+    also = "or set FASTLOAD_CACHE_DIR (--cache-dir) to a folder this user can write"
+    if kind == "read-only":
+        return CacheReadOnlyError(f"cache dir {root} cannot be created or opened: the file system is read-only ({err}); "
+                                  f"fix: remount it read-write, {also}")
+    if kind == "full":
+        return CacheFullError(f"cache dir {root} cannot be created or opened: the disk is full ({err}); "
+                              f"fix: free space there, {also}")
+    blocker = file_in_path(root)
+    if blocker == root:
+        return CacheError(f"cache dir {root} exists as a file, not a directory; fix: move that file away, {also}")
+    if blocker is not None:
+        return CacheError(f"cache dir {root} cannot be created: {blocker} is a file, not a directory; "
+                          f"fix: give a path under a folder, {also}")
+    denied = isinstance(err, PermissionError) or (isinstance(err, sqlite3.Error) and not os.access(root, os.W_OK))
+    if denied:
+        where = getattr(err, "filename", None) or root
+        user = user_name()
+        return CacheError(f"cache dir {root} cannot be created or opened: permission denied on {where} for user "
+                          f"{user} (uid {os.geteuid()}); fix: give {user} write access to it (e.g. `chown -R {user} "
+                          f"{root}`), {also}")
+    return CacheError(f"cache dir {root} cannot be created or opened ({err}); fix: {also}")
+
+
 class CacheBase:
     """The cache's folders and index; :class:`fastload.cache.Cache` adds its jobs."""
 
@@ -37,6 +68,7 @@ class CacheBase:
         self.settings = settings or Settings.from_env()
         self.root = self.settings.cache_dir
         self.data_dir = self.root / "data"
+        self.data_prefix = str(self.data_dir) + os.sep  # a payload's path as text, without pathlib's ~5 us per join
         self.tmp_dir = self.root / "tmp"
         self.index: GatedIndex | ReadOnlyIndex
         # Why this cache cannot store (None: it can): "read-only" or "full". It then
@@ -56,10 +88,7 @@ class CacheBase:
                 self.index = ReadOnlyIndex(self.root / "index", KIND_WORDS[kind])
                 self.unwritable = kind
             except (OSError, sqlite3.Error):
-                error = CacheReadOnlyError if kind == "read-only" else CacheFullError if kind == "full" else CacheError
-                fix = "remount it read-write" if kind == "read-only" else "free space there"
-                raise error(f"cache dir {self.root} cannot be created or opened ({err}); fix: {fix}, or set "
-                            "FASTLOAD_CACHE_DIR to a writable folder") from err
+                raise open_error(self.root, err, kind) from err
         self._lock_path = self.root / "evict.lock"
         self.device = self.data_dir.stat().st_dev if self.data_dir.is_dir() else -1  # its file system, for IN_FLIGHT
         self._touched: dict[str, float] = {}

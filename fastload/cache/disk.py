@@ -72,11 +72,20 @@ def room(path: Path, setting: int | None) -> int | None:
     return st.f_bavail * st.f_frsize - _reserve_of(st, setting)  # one statvfs: this runs per cache write
 
 
+# SQLite's names for a disk with no space: SQLITE_FULL, and the -shm file that cannot grow.
+# Nobody holding the index open, SQLite creates its 32 KiB -shm file on open; on a disk
+# filled by another program that fails as "disk I/O error" (SQLITE_IOERR_SHMSIZE), and
+# `fastload info`, `evict`, `clear` and training all failed on it (issue 24).
+_FULL_NAMES = ("SQLITE_FULL", "SQLITE_IOERR_SHMSIZE")
+
+
 def disk_full(err: BaseException) -> bool:
-    """ENOSPC/EDQUOT, or SQLite's wording for them."""
+    """ENOSPC/EDQUOT, or SQLite's names and wording for them."""
     if isinstance(err, OSError):
         return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(err, sqlite3.OperationalError) and "full" in str(err)
+    if not isinstance(err, sqlite3.OperationalError):
+        return False
+    return getattr(err, "sqlite_errorname", None) in _FULL_NAMES or "full" in str(err)
 
 
 def cannot_write(err: BaseException) -> bool:
@@ -97,7 +106,39 @@ def unwritable_kind(err: BaseException, root: Path) -> str | None:
     """
     if read_only_fs(root) or (cannot_write(err) and not disk_full(err)):
         return "read-only"
-    return "full" if disk_full(err) else None
+    if disk_full(err):
+        return "full"
+    # Any other I/O error of SQLite's on a disk with no space left is the full disk too.
+    io_error = isinstance(err, sqlite3.OperationalError) and "I/O error" in str(err)
+    return "full" if io_error and no_space(root) else None
+
+
+def no_space(path: Path) -> bool:
+    """Whether the disk holding ``path`` has no room for even SQLite's -shm file (32 KiB)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 64 * 1024
+
+
+def file_in_path(path: Path) -> Path | None:
+    """``path`` or the nearest folder above it that exists as something other than a
+    directory (a file): nothing can be created under it. None when there is none."""
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            return None if os.path.isdir(p) else p
+    return None
+
+
+def user_name() -> str:
+    """This process's user, by name where the system knows it."""
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (ImportError, KeyError):
+        return str(os.geteuid())
 
 
 class IndexUnwritable(sqlite3.OperationalError):

@@ -14,9 +14,11 @@ key                        value                                      written by
                            stands in)                                 RESOLUTION_S``
 ``r:<pid>:<nonce>``        bytes reserved by a write in flight        the cache's reserve
 ``u:<url>``                a pin: (size, version) of a remote object  Reader.pin
-``m:<root>\\x1f<pattern>``  a manifest: {"created", "items"}           Reader.save_manifest
+``m:<root>\\x1f<pattern>``  a manifest: {"created", "items",          Reader.save_manifest
+                           "block_bytes"} (absent: recorded before)
 ``p:m:<root>\\x1f<pat.>``   staging of that manifest under way (time)  stage.py
 ``x:<url>\\x1f<size>\\x1f<ver>``  a tar shard's member index             TarDataset
+``n:<root>``               nodes the dataset was last split over      fastload.partition
 ``bytes``                  bytes counted against the limit            reserve, drop, check
 ``corrupt``                bad entries dropped, over the cache's life the cache's reads
 =========================  =========================================  ==================
@@ -33,13 +35,21 @@ PIN = "u:"
 MANIFEST = "m:"
 STAGING = "p:"
 TAR_INDEX = "x:"
+PARTITION = "n:"
 BYTES = "bytes"
 CORRUPT = "corrupt"
 _SEP = "\x1f"
 
 
 def entry_key(url: str, size: int, version: str, block: int, block_bytes: int) -> str:
-    """The cache key of one block of one remote object version."""
+    """The cache key of one block of one remote object version.
+
+    An object no larger than one block is the same bytes under any block size, so its
+    key leaves the block size out: staged with ``--block-size 1MiB``, it is a hit for a
+    reader with the default 8 MiB blocks (issue 24; tests/unit/test_block_sizes.py).
+    """
+    if 0 <= size <= block_bytes:
+        block_bytes = 0
     ident = f"{url}\0{size}\0{version}\0{block}\0{block_bytes}".encode()
     return hashlib.sha256(ident).hexdigest()[:40]
 
@@ -88,6 +98,11 @@ def staging(root: str, pattern: str | None) -> str:
 def tar_index(url: str, size: int, version: str) -> str:
     """The index key of the member index of one tar shard version."""
     return f"{TAR_INDEX}{url}{_SEP}{size}{_SEP}{version}"
+
+
+def partition(root: str) -> str:
+    """The index key of the node count ``root`` was last split over (fastload.partition)."""
+    return PARTITION + root
 
 
 def of(namespace: str, name: object) -> str | None:

@@ -75,6 +75,12 @@ class CacheReads(CacheRepair):
 
     def get(self, key: str) -> bytes | None:
         """Return the raw bytes for ``key``, or None on a miss or a dropped bad entry."""
+        entry = self.entry(key)
+        if entry is not None and entry.codec == codec.RAW and entry.stored_checksum is not None:
+            body = self._raw_body(entry)
+            if body is not None:
+                self._touch(key)
+                return body
         checked = self._checked_payload(key)
         if checked is None:
             return None
@@ -86,6 +92,30 @@ class CacheReads(CacheRepair):
         except CodecError as err:
             self._corrupt(entry, str(err))
             return None
+
+    def _raw_body(self, entry: Entry) -> bytes | None:
+        """A RAW entry's bytes, read into their own object (no copy out of the payload:
+        a third of a warm 110 KB ``fastload.open``), checked as :meth:`_checked_payload`
+        checks them: the stored checksum over head and body, the head against the index.
+        None when anything is off; :meth:`get` then takes the full path, which tells a
+        raced eviction from a bad entry."""
+        head_bytes, base = entry.stored - entry.raw, entry.offset or 0
+        if head_bytes < codec.HEADER_BYTES:
+            return None
+        try:
+            fd = os.open(self.data_prefix + entry.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            head = os.pread(fd, head_bytes, base)
+            body = os.pread(fd, entry.raw, base + head_bytes)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if len(body) != entry.raw or codec.checksum_parts(head, body) != entry.stored_checksum:
+            return None
+        return body if codec.raw_head_agrees(head, entry.raw, entry.checksum) else None
 
     def read_payload(self, key: str) -> bytes | None:
         """The stored payload of ``key`` (codec.py format, still compressed), checked as
@@ -115,7 +145,7 @@ class CacheReads(CacheRepair):
             if entry is None:
                 return None
             try:
-                payload = gather.read_payload_file(str(self.data_dir / entry.path), entry.stored, entry.offset)
+                payload = gather.read_payload_file(self.data_prefix + entry.path, entry.stored, entry.offset)
             except FileNotFoundError:
                 entry = self._recheck(entry, "payload file is missing")
                 continue
@@ -166,7 +196,7 @@ class CacheReads(CacheRepair):
                     self._corrupt(e, f"index says {e.raw} B, fewer than the block holds")
                     missed.append(i)
                 else:
-                    path = str(self.data_dir / e.path)
+                    path = self.data_prefix + e.path
                     jobs.append(gather.Job(path, e.stored, e.raw, e.codec, e.checksum, e.stored_checksum, copies, e.offset))
                     where.append(i)
             todo = []

@@ -59,6 +59,32 @@ class CacheRepair(CacheBase):
         self._free(gone)
         return True
 
+    def drop_entries(self, gone: Sequence[Entry]) -> int:
+        """Delete these entries (``fastload clear URL``); returns how many the index held.
+
+        On a full disk the index cannot record a delete, so their payload bytes go
+        first; with that space back the index drops their records, as :meth:`evict` does
+        (tests/reliability/test_disk_full.py).
+        """
+        self._refuse_if_read_only("clear entries from it")
+        dropped = 0
+        if self.unwritable is None:
+            try:
+                for e in gone:
+                    dropped += self.drop(e.key)
+                return dropped
+            except sqlite3.OperationalError as err:
+                if not disk_full(err):
+                    raise
+        for e in gone:
+            self._free(e)
+        if self.unwritable is not None and not self._reopen_writable():
+            raise CacheFullError(f"disk under {self.root} is still full after deleting {len(gone)} cached payloads "
+                                 "of the dataset; fix: `fastload clear`, evict to a lower size, or free space there")
+        dropped += sum(self.drop(e.key) for e in gone)
+        self.compact()
+        return dropped
+
     def _free(self, e: Entry) -> None:
         """Give a dropped entry's bytes back to the disk: unlink its file, or punch its
         range out of its pack (readers of it then find zeros, and re-check the index)."""
@@ -107,10 +133,9 @@ class CacheRepair(CacheBase):
             if self.volume() <= to_bytes:
                 return freed
             closed = self._closed_packs()  # before the scan: no entry lands in them after it
-            entries = list(self.entries())
-            atimes = {e.key: self.index.get(keys.last_use(e.key)) or self._written(e) for e in entries}
+            entries = self._lru_order()
             dropped = set()
-            for e in sorted(entries, key=lambda e: atimes[e.key]):
+            for e in entries:
                 if self.volume() <= to_bytes:
                     break
                 if self.drop(e.key, version=e):
@@ -177,12 +202,18 @@ class CacheRepair(CacheBase):
             except sqlite3.Error as err:
                 _log.info("cache index not compacted: %s", err)
 
-    def _unlink_lru(self, to_bytes: int) -> list[Entry]:
-        """Delete least-recently-used payload files (not their records) until ``to_bytes`` remain."""
+    def _lru_order(self) -> list[Entry]:
+        """Every entry, least recently used first (its last read, else when it was written): the one
+        LRU scan, for eviction and for a full disk's unlinking alike."""
         entries = list(self.entries())
         atimes = {e.key: self.index.get(keys.last_use(e.key)) or self._written(e) for e in entries}
+        return sorted(entries, key=lambda e: atimes[e.key])
+
+    def _unlink_lru(self, to_bytes: int) -> list[Entry]:
+        """Delete least-recently-used payload files (not their records) until ``to_bytes`` remain."""
+        entries = self._lru_order()
         left, gone = sum(e.charged for e in entries), []
-        for e in sorted(entries, key=lambda e: atimes[e.key]):
+        for e in entries:
             if left <= to_bytes:
                 break
             self._free(e)

@@ -3,8 +3,9 @@
 Each graph function below is the *only* definition of its pipeline; the
 placement (``"gpu"`` or ``"cpu"``) is a parameter that picks operator devices:
 
-* ``"gpu"``: ``decoders.image(device="mixed")`` (nvJPEG; Huffman decoding stays
-  on the CPU, the IDCT and colour conversion run on the GPU), GPU resize and
+* ``"gpu"``: ``decoders.image(device="mixed")`` (nvJPEG: Huffman decoding on the
+  CPU, or on the GPU's hardware JPEG decoder where it has one; the IDCT and
+  colour conversion on the GPU; not yet run on a GPU), GPU resize and
   crop/mirror/normalize, ``decoders.inflate`` (nvCOMP) for LZ4 chunks. The
   pipeline is built with ``device_id`` = the target GPU.
 * ``"cpu"``: the same operators on the CPU and ``device_id=None``, which needs
@@ -12,20 +13,23 @@ placement (``"gpu"`` or ``"cpu"``) is a parameter that picks operator devices:
   2165); DALI has no CPU inflate, so LZ4 payloads are decoded on host threads
   before they are fed.
 
-Batches are fed with ``feed_input`` to a named ``fn.external_source`` and the
-outputs reach torch through DLPack (``torch.from_dlpack``), which wraps DALI's
-buffer without a copy and, for GPU outputs, makes torch's current stream wait
-for DALI's. With the dynamic executor (``exec_dynamic=True``, DALI's default
-since 2.0) an output buffer stays valid for as long as torch holds it, so
-nothing is copied after the pipeline (``tests/unit/test_pipelines.py`` pins
-that a kept batch is unchanged by later runs).
+Batches are fed with ``feed_input`` to a named ``fn.external_source``, and each
+output is copied into a tensor torch allocated (:func:`to_torch`), on torch's
+current stream for GPU outputs, as DALI's own torch plugin does. A DLPack view
+would be no copy, but DALI frees its buffers in its own stream's order
+(``alloc_raw_async_shared``): ``__dlpack__(stream)`` makes torch wait for DALI,
+never DALI for torch, so the next run could reuse a buffer before a torch kernel
+queued on the view had read it. ``copy_to_external(..., non_blocking=True)``
+makes DALI's buffer wait for the copy instead
+(``tests/gpu/test_pipelines_gpu.py::test_dali_outputs_survive_the_next_run_while_torch_is_busy``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -160,7 +164,7 @@ class DaliRunner:
             device_id=self.device_index,
             seed=self.seed,
             prefetch_queue_depth=1,  # fed one batch at a time, run at once
-            exec_dynamic=True,  # outputs outlive the next run, so DLPack views stay valid
+            exec_dynamic=True,  # DALI's default since 2.0; outputs are copied out anyway (to_torch)
             **self.graph_kwargs,
         )
         pipe.build()
@@ -193,6 +197,34 @@ def failed_sample(err: BaseException) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _torch_dtype(dali_dtype: Any) -> torch.dtype:
+    """The torch dtype of a DALI output dtype (``DALIDataType.FLOAT`` -> ``torch.float32``)."""
+    types = _registry.load("dali.types")
+    names = {"FLOAT": "float32", "FLOAT64": "float64", "FLOAT16": "float16", "BOOL": "bool"}
+    for name in ("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", *names):
+        if dali_dtype == getattr(types.DALIDataType, name):
+            return cast(torch.dtype, getattr(torch, names.get(name, name.lower())))
+    raise TypeError(f"DALI output dtype {dali_dtype} has no torch dtype here")
+
+
 def to_torch(batch: Any) -> torch.Tensor:
-    """A dense DALI TensorList as one torch tensor, through DLPack (no copy)."""
-    return torch.from_dlpack(batch.as_tensor())
+    """A dense DALI TensorList copied into one tensor that torch allocated and owns.
+
+    GPU outputs are copied on torch's current stream, so a torch kernel queued
+    after this call reads the copy; with ``non_blocking=True`` DALI's buffer
+    waits for the copy before DALI can reuse it (module docstring).
+    """
+    dense = batch.as_tensor()
+    dtype = _torch_dtype(dense.dtype)
+    shape = tuple(int(d) for d in dense.shape())
+    if not hasattr(batch, "device_id"):  # only TensorListGPU has one; a CPU copy is a memcpy
+        out = torch.empty(shape, dtype=dtype)
+        batch.copy_to_external(ctypes.c_void_p(out.data_ptr()))
+        return out
+    device = torch.device("cuda", int(batch.device_id()))
+    out = torch.empty(shape, dtype=dtype, device=device)
+    stream = torch.cuda.current_stream(device)
+    batch.copy_to_external(
+        ctypes.c_void_p(out.data_ptr()), cuda_stream=ctypes.c_void_p(stream.cuda_stream), non_blocking=True
+    )
+    return out

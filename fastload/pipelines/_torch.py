@@ -34,8 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from fastload.pipelines import _registry
+from fastload.stats import current_collector
 
 ATTEMPTS = 10  # random-resized-crop tries before the centre-crop fallback (torchvision's)
+CPU_FALLBACK = "decode_cpu_fallback"  # the stats counter of images nvJPEG refused, decoded on the CPU
 
 
 def decode_pil(buf: np.ndarray) -> torch.Tensor:
@@ -55,7 +57,9 @@ def decode_torchvision(bufs: Sequence[np.ndarray], device: torch.device) -> list
     """Decode on ``device`` with torchvision (batched nvJPEG on CUDA); one result per input.
 
     A batch that fails as a whole is retried one image at a time, so one bad file
-    costs only itself; non-JPEG files go through ``decode_image`` on the CPU.
+    costs only itself; what nvJPEG refuses (not a JPEG, or a JPEG it cannot
+    decode) goes through ``decode_image`` on the CPU and comes back as a CPU
+    tensor, which is how the caller counts those fallbacks.
     """
     tvio = _registry.load("torchvision.io")
     mode = tvio.ImageReadMode.RGB
@@ -70,7 +74,7 @@ def decode_torchvision(bufs: Sequence[np.ndarray], device: torch.device) -> list
             out.append(tvio.decode_jpeg(t, device=device, mode=mode))
         except Exception:  # not a JPEG, or corrupt: try the generic CPU decoder
             try:
-                out.append(tvio.decode_image(t, mode=mode).to(device))
+                out.append(tvio.decode_image(t, mode=mode))
             except Exception as err:
                 out.append(err)
     return out
@@ -156,30 +160,70 @@ def geometry(
 
 
 class Decoder:
-    """Decodes and crops a batch on CPU threads (Pillow) or the GPU (torchvision)."""
+    """Decodes and crops a batch on CPU threads (Pillow) or the GPU (torchvision).
+
+    GPU decode runs on a stream of its own. torchvision allocates each output on
+    the current stream, but nvJPEG writes it from torchvision's internal stream,
+    which waits for nothing (pytorch/vision#9606): a block the caller's queued
+    kernels still read could be overwritten. On the decode stream nothing but
+    those outputs is ever allocated and no kernel runs, and each output is handed
+    to the caller's stream with ``record_stream``, so a block returns to that pool
+    only once the caller's work on it has completed.
+    """
 
     def __init__(self, device: torch.device, threads: int) -> None:
         self.device = device
         self.threads = threads
         self.gpu_decode = device.type == "cuda" and _registry.available("torchvision.io")
         self._pool: ThreadPoolExecutor | None = None
+        self._stream: torch.cuda.Stream | None = None
+        #: Images nvJPEG refused that were decoded on the CPU instead (this decoder's lifetime).
+        self.cpu_fallbacks = 0
 
     @property
     def where(self) -> str:
         """Human description of the decode path, for repr() and benchmarks."""
         if self.gpu_decode:
-            return "torchvision nvJPEG on " + str(self.device)
+            text = "torchvision nvJPEG on " + str(self.device)
+            if self.cpu_fallbacks:
+                text += f", {self.cpu_fallbacks} image(s) nvJPEG refused decoded on the CPU ({CPU_FALLBACK})"
+            return text
         return f"Pillow on {self.threads} CPU thread(s)"
+
+    def _decode_on_device(self, bufs: Sequence[np.ndarray]) -> list[torch.Tensor | BaseException]:
+        """torchvision's decode on the decode stream (class docstring), ordered after and before the caller's.
+
+        In RGB mode torchvision queues no kernel of its own there (only its event
+        wait on nvJPEG's stream), and fastload's crops run on the caller's stream.
+        """
+        consumer = torch.cuda.current_stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        self._stream.wait_stream(consumer)  # what torchvision queues here runs after the caller's work
+        with torch.cuda.stream(self._stream):
+            decoded = decode_torchvision(bufs, self.device)
+        consumer.wait_stream(self._stream)  # torchvision made the decode stream wait for nvJPEG's
+        for img in decoded:
+            if isinstance(img, torch.Tensor) and img.is_cuda:
+                img.record_stream(consumer)
+        return decoded
 
     def run(self, bufs: Sequence[np.ndarray], draws: torch.Tensor | None, **geo: Any) -> list[torch.Tensor | BaseException]:
         """One (3, size, size) uint8 tensor, or the exception, per input."""
         if self.gpu_decode:
             out: list[torch.Tensor | BaseException] = []
-            for i, img in enumerate(decode_torchvision(bufs, self.device)):
+            fallbacks = 0
+            for i, img in enumerate(self._decode_on_device(bufs)):
                 if isinstance(img, BaseException):
                     out.append(img)
                     continue
-                out.append(geometry(img, None if draws is None else draws[i], **geo))
+                if img.device != self.device:  # nvJPEG refused it; decoded on the CPU
+                    fallbacks += 1
+                    img = img.to(self.device)
+                out.append(geometry(img, None if draws is None else draws[i], **geo))  # on the caller's stream
+            if fallbacks:
+                self.cpu_fallbacks += fallbacks
+                current_collector().count(CPU_FALLBACK, fallbacks)
             return out
 
         def one(i: int) -> torch.Tensor | BaseException:

@@ -360,7 +360,7 @@ class ArrayPipeline:
         return self._dali
 
     def _through_dali(self, rows: list[torch.Tensor]) -> torch.Tensor:
-        """The CPU placement of the DALI array graph (host-decoded bytes in, DLPack out)."""
+        """The CPU placement of the DALI array graph (host-decoded bytes in, copied out by to_torch)."""
         (batch,) = self._runner().run({"payload": [r.numpy() for r in rows]})
         return _dali.to_torch(batch)
 

@@ -6,8 +6,8 @@ worker process reopens the connection in the child (fsspec resets its event loop
 after fork).
 
 Each request goes one of three ways, chosen per source: libcurl's engine
-(:mod:`fastload.curl`; HTTP first blocks and listing pages, and S3 first blocks
-signed there, :mod:`fastload.source.s3`), coroutines on fsspec's aiohttp session
+(:mod:`fastload.curl`; HTTP first blocks and listing pages, S3 first blocks
+signed there, :mod:`fastload.source.s3`, and GCS first blocks, :mod:`fastload.source.gcs`), coroutines on fsspec's aiohttp session
 (:mod:`fastload.source.aio`), or fsspec's filesystem (s3fs, gcsfs, local files: the
 fallback for the rest). Listing is :mod:`fastload.source.listing`.
 
@@ -54,13 +54,14 @@ from fastload.hostlimit import (
     host_of,
     limit_for,
 )
-from fastload.source import aio, errors, fallback, listing, s3
+from fastload.source import aio, errors, fallback, gcs, listing, s3
 from fastload.source.fallback import FsspecRoad
 from fastload.source.items import RemoteItem, matching, version_of
 
 T = TypeVar("T")
 
 
+_STORES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 HEAD_CONCURRENCY = 64  # HEADs in flight while completing a sizeless listing (Source.complete_all)
 
 
@@ -98,7 +99,8 @@ class Source(FsspecRoad):
         # a thread (import_http_ahead) while the listing and first blocks go through libcurl, and
         # the filesystem opens on first use (fs).
         self._http = url.split("://", 1)[0] in ("http", "https")
-        self._s3 = url.split("://", 1)[0].lower() in ("s3", "s3a")
+        # An object store whose first blocks libcurl can carry (fastload.source.s3, fastload.source.gcs).
+        self._store = _STORES.get(url.split("://", 1)[0].lower(), "")
         if self._http:
             if importlib.util.find_spec("aiohttp") is None:
                 raise ConfigError(f"URL {url!r} needs a package that is missing (aiohttp); fix: {errors.INSTALL_HINTS['http']}")
@@ -121,18 +123,22 @@ class Source(FsspecRoad):
         None: aiohttp for HTTP (fastload.curl), s3fs for S3 (fastload.source.s3), fsspec for the rest."""
         if self._http:
             return route_for(self.storage_options, self.settings.http_client, self._encode)
-        if self._s3:
-            route, why = s3.route_for(self.url, self.storage_options, self.settings.http_client)
-            if route is None:
-                s3.note_fallback(self.url, why)
-            return route
-        return None
+        if not self._store:
+            return None
+        store_route: CurlRoute | None
+        if self._store == "s3":
+            store_route, why = s3.route_for(self.url, self.storage_options, self.settings.http_client)
+        else:
+            store_route, why = gcs.route_for(self.fs, self.storage_options, self.settings.http_client)
+        if store_route is None:
+            fallback.note_fallback(self.url, why)
+        return store_route
 
     def _curl_takes(self, limit: HostLimit) -> bool:
         """Whether libcurl carries GETs to ``limit``'s host (where a Source has a route): not to one
         libcurl cannot speak to (fastload.curl), nor to an HTTP host that closes its connections
-        (aiohttp staged faster there). S3 stays: its other road, s3fs, costs two requests an object."""
-        return (self._s3 or not limit.closing) and not curl.broken(limit)
+        (aiohttp staged faster there). An object store stays: its other road costs two requests an object."""
+        return (bool(self._store) or not limit.closing) and not curl.broken(limit)
 
     def _settle(self, pending: Sequence[Any], timeout_s: float) -> None:
         """Wait for ``pending`` together (curl.settle); on a stop, cancel them and raise StoppedError."""
@@ -262,8 +268,8 @@ class Source(FsspecRoad):
         if self._http:
             return listing.http_find(self, pattern)
         route = self.route
-        if isinstance(route, s3.S3Route):
-            found = listing.s3_find(self, route, pattern)
+        if isinstance(route, (s3.S3Route, gcs.GcsRoute)):
+            found = listing.store_find(self, route, pattern)
             if found is not None:
                 return found
         return self._find(pattern)
@@ -300,10 +306,11 @@ class Source(FsspecRoad):
         benchmarks/peers). Over HTTP this is one GET with ``Range: bytes=0-(nbytes-1)``:
         the size comes from its Content-Range (or Content-Length) and the version from
         the same ETag / Last-Modified headers a HEAD reports, so the cache identity is
-        the one :meth:`complete` would give. S3 does the same on libcurl, signed there
-        (fastload.source.s3), for sized items too. Other stores complete first, then read.
+        the one :meth:`complete` would give. S3 and GCS do the same on libcurl
+        (fastload.source.s3, fastload.source.gcs), for sized items too. Other stores complete
+        first, then read.
         """
-        started = self._curl_first([item], nbytes) if self._s3 else None
+        started = self._curl_first([item], nbytes) if self._store else None
         if started is not None:
             self._settle(started, 2 * self.settings.request_timeout_s)  # as finish_first
             return self.finish_first(item, nbytes, started[0])
@@ -330,7 +337,7 @@ class Source(FsspecRoad):
         GIL and the cache index. Here one thread keeps a whole batch in flight. An item
         whose GET fails is retried alone through :meth:`read_first` (backoff, translation).
         """
-        started = self._curl_first(items, nbytes) if len(items) >= 2 or self._s3 else None
+        started = self._curl_first(items, nbytes) if len(items) >= 2 or self._store else None
         if started is not None:
             self._settle(started, 2 * self.settings.request_timeout_s)  # as finish_first
             return [self.finish_first(item, nbytes, p) for item, p in zip(items, started)]
@@ -350,7 +357,7 @@ class Source(FsspecRoad):
         with :meth:`finish_first`; each request holds its host's slot while it runs.
         """
         self._stopped(items[0].url if items else self.url)
-        started = self._curl_first(items, nbytes) if items and (self._http or self._s3) else None
+        started = self._curl_first(items, nbytes) if items and (self._http or self._store) else None
         if started is not None:
             return started
         if not items or (not self._http and any(i.size < 0 for i in items)):
@@ -376,7 +383,7 @@ class Source(FsspecRoad):
         """The first-block GETs of ``items`` handed to libcurl (fastload.curl), or None where this
         source's GETs stay on aiohttp or s3fs (no route, no host limit; sized HTTP items)."""
         route = self.route
-        if route is None or (not self._s3 and any(i.size >= 0 for i in items)):
+        if route is None or (not self._store and any(i.size >= 0 for i in items)):
             return None
         by_host: dict[int, tuple[HostLimit, builtins.list[int]]] = {}
         for k, item in enumerate(items):
@@ -410,14 +417,14 @@ class Source(FsspecRoad):
         except (StoppedError, RemoteChangedError):
             raise
         except FileNotFoundError as err:
-            if self._s3 and isinstance(future, curl.Pending):  # S3's 404: NoSuchKey or NoSuchBucket
+            if self._store and isinstance(future, curl.Pending):  # an object store's 404: no such key or bucket
                 raise RemoteNotFoundError(f"{item.url}: not found (HTTP 404); fix: check the bucket, key and spelling") \
                     from err
             future.cancel()
         except curl.HttpStatusError as err:
-            code = s3.refusal(err) if self._s3 else ""
-            if code:  # s3fs would see no code in a HEAD's answer (it has no body), only "400 Bad Request"
-                raise errors.refused(item.url, code, err.status) from None
+            denied = self.route.refused(item.url, err) if self._store and self.route is not None else None
+            if denied is not None:  # retrying cannot help; the other road's message would say less
+                raise denied from None
             future.cancel()
         except Exception:  # noqa: S110 - redone below, where errors are retried and translated
             future.cancel()

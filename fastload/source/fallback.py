@@ -1,7 +1,7 @@
 """The fsspec road: requests through the fsspec filesystem (s3fs, gcsfs, local files, aiohttp).
 
 What the fast roads (libcurl's engine, fastload.curl; S3 signed there,
-fastload.source.s3) do not carry goes here: local files and the other stores,
+fastload.source.s3; GCS, fastload.source.gcs) do not carry goes here: local files and the other stores,
 HTTP requests other than first blocks and listing pages, S3's HEADs and later
 blocks, and every retry of a failed fast request (its errors are the ones users
 see). :class:`FsspecRoad` is the part of :class:`~fastload.source.Source` that
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,22 @@ from fastload.source import aio
 from fastload.source.items import RemoteItem, version_of
 
 T = TypeVar("T")
+_log = logging.getLogger("fastload")
+_noted: set[str] = set()
+_noted_lock = threading.Lock()
+# The other road of each object store: what its requests cost there.
+_ROADS = {"s3": "s3fs (a HEAD and a GET per object)", "s3a": "s3fs (a HEAD and a GET per object)",
+          "gs": "gcsfs (a metadata request and a GET per object)", "gcs": "gcsfs (a metadata request and a GET per object)"}
+
+
+def note_fallback(url: str, why: str) -> None:
+    """Log, once per process and cause, that an object store source's GETs stay on this road."""
+    with _noted_lock:
+        if why in _noted:
+            return
+        _noted.add(why)
+    road = _ROADS.get(url.split("://", 1)[0].lower(), "fsspec")
+    _log.info("fastload: %s: GETs go through %s: %s", url, road, why)
 
 
 class _Source(Protocol):

@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastload.errors import EmptyDatasetError
+from fsspec.utils import glob_translate
+
+from fastload.errors import ConfigError, EmptyDatasetError
 
 
 @dataclass(frozen=True)
@@ -33,33 +35,45 @@ class RemoteItem:
 
 
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
-    """Compile a glob where ``**`` spans folders and ``*`` stays within one.
+    """Compile a glob as fsspec's ``glob`` reads it, for paths relative to a listing's root.
+
+    fsspec's own translation (``fsspec.utils.glob_translate``): ``*`` and ``?`` stay
+    within one folder, ``[...]`` and ``[!...]`` are classes, a whole ``**`` component
+    spans any number of folders (none included). A hand-written translation escaped
+    classes, so ``class_[01]/*.jpg`` matched nothing (issue 24; tests/integration/
+    test_source_contract.py checks each form against fsspec's own ``glob`` on every store).
 
     >>> bool(glob_to_regex("**/*.jpg").match("a/b/c.jpg")), bool(glob_to_regex("*.jpg").match("a/c.jpg"))
     (True, False)
+    >>> bool(glob_to_regex("class_[01]/?.jpg").match("class_1/7.jpg"))
+    True
+
+    Raises:
+        ConfigError: ``**`` inside a component (``a**b``), which fsspec refuses too.
     """
-    out, i = [], 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^/]")
-            i += 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out) + r"\Z")
+    try:
+        return re.compile(glob_translate(pattern.lstrip("/")))
+    except ValueError as err:  # fsspec's word for '**' that is not a whole component
+        fix = "**/" + pattern.replace("**", "*").lstrip("/")
+        raise ConfigError(f"pattern {pattern!r} is not a glob fsspec reads ({err}); fix: make '**' a whole path "
+                          f"component, e.g. {fix!r}") from err
+
+
+@dataclass(frozen=True)
+class ListPage:
+    """One page of an object store's listing: its objects (key, size, version), its common prefixes, the
+    next page's token (None on the last page)."""
+
+    objects: list[tuple[str, int, str]]
+    prefixes: list[str]
+    token: str | None
 
 
 def version_of(info: dict[str, Any]) -> str:
-    for key in ("ETag", "etag", "generation", "md5Hash", "LastModified", "Last-Modified", "last_modified", "updated", "mtime", "created"):
+    """An object's version as its store reports it. A GCS generation comes first: it changes with the
+    bytes only, and both a listing and a GET's x-goog-generation give it (an ETag there also
+    changes with metadata, and a JSON API listing's etag is not a GET's)."""
+    for key in ("generation", "ETag", "etag", "md5Hash", "LastModified", "Last-Modified", "last_modified", "updated", "mtime", "created"):
         value = info.get(key)
         if value not in (None, ""):
             return str(value).strip('"')

@@ -3,9 +3,10 @@
 An HTTP server has no listing API, so its folders' index pages are crawled
 (:func:`http_find`), on libcurl where the source routes there
 (:mod:`fastload.curl`), else on fsspec's aiohttp session (:mod:`fastload.source.aio`).
-An S3 prefix is listed the same way (:func:`s3_find`): one signed ListObjectsV2
-page per common prefix, the whole next level at once, as many in flight as the
-host's limit allows; s3fs lists one page after another. Local files and the
+An object store's prefix is listed the same way (:func:`store_find`): one page
+per common prefix (S3's signed ListObjectsV2, GCS's JSON API objects.list), the
+whole next level at once, as many in flight as the host's limit allows; s3fs and
+gcsfs list one page after another. Local files and the
 other stores are listed through fsspec (:meth:`Source.find`).
 """
 
@@ -22,8 +23,7 @@ from fastload.config import Settings
 from fastload.curl import CurlRoute
 from fastload.hostlimit import SLOT_WAIT_S, HostLimit
 from fastload.source import aio
-from fastload.source.items import RemoteItem
-from fastload.source.s3 import S3Route, parse_list
+from fastload.source.items import ListPage, RemoteItem
 
 T = TypeVar("T")
 
@@ -120,10 +120,19 @@ def pages(src: Source, urls: list[str], limit: HostLimit | None) -> list[Any]:
     return out
 
 
-def s3_find(src: Source, route: S3Route, pattern: str | None) -> tuple[dict[str, RemoteItem], int] | None:
-    """The objects under an S3 source's prefix by relative path, and the common prefixes seen; None
-    where s3fs must answer: the URL names an object or nothing, or a page failed (s3fs then lists
-    it and names the error)."""
+class StoreRoute(Protocol):
+    """An object store's route on libcurl that lists (fastload.source.s3.S3Route, fastload.source.gcs.GcsRoute)."""
+
+    def start_pages(self, urls: Sequence[str], timeout_s: float, limit: HostLimit, stop: threading.Event) -> list[Any]: ...
+    def list_url(self, bucket: str, prefix: str, token: str | None) -> str: ...
+    def parse_page(self, text: str) -> ListPage: ...
+    def item_url(self, bucket: str, key: str) -> str: ...
+
+
+def store_find(src: Source, route: StoreRoute, pattern: str | None) -> tuple[dict[str, RemoteItem], int] | None:
+    """The objects under an object store source's prefix by relative path, and the common prefixes
+    seen; None where its fsspec filesystem must answer: the URL names an object or nothing, or a page
+    failed (s3fs or gcsfs then lists it and names the error)."""
     limit = src.host_limit
     if limit is None or not src._curl_takes(limit):
         return None
@@ -140,18 +149,18 @@ def s3_find(src: Source, route: S3Route, pattern: str | None) -> tuple[dict[str,
         level: list[tuple[str, str | None]] = []
         for (prefix, _), p in zip(todo, pending):
             try:
-                page = parse_list(p.result(0)[2] or "")
-            except Exception:  # noqa: S110 - s3fs lists again, with its retries and error names
+                page = route.parse_page(p.result(0)[2] or "")
+            except Exception:  # noqa: S110 - the filesystem lists again, with its retries and error names
                 p.cancel()
                 return None
             for name, size, version in page.objects:
                 if not name.endswith("/"):  # a zero-byte "folder" marker is no item
-                    files[name[len(root):]] = RemoteItem(f"s3://{bucket}/{name}", size, version)
+                    files[name[len(root):]] = RemoteItem(route.item_url(bucket, name), size, version)
             folders += len(page.prefixes)
             level += [(sub, None) for sub in page.prefixes]
             if page.token:
                 level.append((prefix, page.token))
         todo = level
     if not files and not folders and root != key:
-        return None  # an object's own URL, or nothing: s3fs's HEAD says which
+        return None  # an object's own URL, or nothing: the filesystem's info says which
     return files, folders

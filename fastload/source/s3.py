@@ -32,22 +32,19 @@ caches). Any other one keeps the source's GETs on s3fs, and one log line names i
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 from urllib.parse import quote, urlsplit
 from xml.etree import ElementTree
 
 from fastload import curl
 from fastload.curl import CurlRoute
-from fastload.errors import ConfigError
-from fastload.source import sigv4
-
-_log = logging.getLogger("fastload")
+from fastload.errors import ConfigError, CredentialsError
+from fastload.source import errors, sigv4
+from fastload.source.items import ListPage
 
 # storage_options this path honours, and what it honours inside client_kwargs and config_kwargs.
 HONOURED = {"key", "secret", "token", "anon", "profile", "endpoint_url", "client_kwargs", "config_kwargs",
@@ -59,8 +56,6 @@ S3FS_ONLY = {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_in
              "default_fill_cache", "default_cache_type", "cache_regions", "asynchronous", "loop", "max_concurrency",
              "fixed_upload_size"}
 _DNS_BUCKET = re.compile(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]\Z")  # a bucket name that can be a host name (no dots: TLS)
-_logged: set[str] = set()
-_logged_lock = threading.Lock()
 
 
 class Frozen(NamedTuple):
@@ -84,6 +79,8 @@ class _Static:
 @dataclass(frozen=True)
 class S3Route(CurlRoute):
     """How an S3 source's first-block GETs go through libcurl: where they go and how they are signed."""
+
+    page_types: ClassVar[tuple[str, ...]] = ("application/xml",)  # its listing pages
 
     base: str = ""  # the endpoint: "https://s3.<region>.amazonaws.com", or endpoint_url
     virtual: bool = False  # virtual-hosted style (bucket.host/key); else path style (host/bucket/key)
@@ -129,14 +126,17 @@ class S3Route(CurlRoute):
         lines = sigv4.authorizations(wire, [*headers, *batch], frozen.access_key, frozen.secret_key, self.region, amz_date)
         return batch, lines
 
+    def parse_page(self, text: str) -> ListPage:
+        return parse_list(text)
 
-@dataclass(frozen=True)
-class ListPage:
-    """One ListObjectsV2 answer: its objects (key, size, version), its common prefixes, the next page's token."""
+    def item_url(self, bucket: str, key: str) -> str:
+        return f"s3://{bucket}/{key}"
 
-    objects: list[tuple[str, int, str]]
-    prefixes: list[str]
-    token: str | None
+    def refused(self, url: str, err: curl.HttpStatusError) -> CredentialsError | None:
+        """An answer whose S3 error code refuses the credentials, as a CredentialsError (s3fs would see
+        no code in a HEAD's answer, which has no body, only "400 Bad Request")."""
+        code = refusal(err)
+        return errors.refused(url, code, err.status) if code else None
 
 
 def parse_list(text: str) -> ListPage:
@@ -210,12 +210,3 @@ def refusal(err: BaseException) -> str:
     match = _CODE.search(getattr(err, "body", b"") or b"")
     code = match.group(1).decode() if match else ""
     return code if code in REFUSALS else ""
-
-
-def note_fallback(url: str, why: str) -> None:
-    """Log, once per process and cause, that an S3 source's GETs stay on s3fs."""
-    with _logged_lock:
-        if why in _logged:
-            return
-        _logged.add(why)
-    _log.info("fastload: %s: S3 GETs go through s3fs (a HEAD and a GET per object): %s", url, why)

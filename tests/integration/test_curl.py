@@ -252,7 +252,7 @@ class _FailedTransfer:
         return False
 
     def result(self) -> tuple[Any, ...]:
-        return (self.code, 0, b"", None, None, None, None, None, None, False, self.message, None, None)
+        return (self.code, 0, b"", None, None, None, None, None, None, False, self.message, None, None, None)
 
 
 def test_a_host_libcurl_cannot_speak_to_goes_to_aiohttp_for_good(tmp_path: Path, py_server: Any) -> None:
@@ -280,6 +280,7 @@ class _Queued(curl.Pending):
 
     def __init__(self, runs_at: float | None, started: bool = False) -> None:
         self.runs_at, self.always_started = runs_at, started
+        self.timeouts = 0  # result() calls that ended without an answer
 
     def started(self) -> bool:
         return self.always_started or (self.runs_at is not None and time.monotonic() >= self.runs_at)
@@ -294,6 +295,7 @@ class _Queued(curl.Pending):
         end = time.monotonic() + (timeout or 0)
         while not self.done():
             if time.monotonic() >= end:
+                self.timeouts += 1
                 raise concurrent.futures.TimeoutError
             time.sleep(0.005)
         return {"name": "u", "size": 1}, b"x"
@@ -303,9 +305,9 @@ def test_a_get_queued_for_its_slot_is_waited_for_past_the_request_timeout(tmp_pa
     # The timeout of a GET starts once it holds a slot, as a coroutine's does: redoing a queued
     # one on aiohttp queued it for the same slots, and readers doing so starved the engine.
     src = Source(str(tmp_path), settings=Settings(cache_dir=tmp_path / "c"))
-    t0 = time.monotonic()
-    assert src._wait(_Queued(t0 + 0.4), 0.05, "u") == ({"name": "u", "size": 1}, b"x")
-    assert time.monotonic() - t0 >= 0.4
+    queued = _Queued(time.monotonic() + 0.4)
+    assert src._wait(queued, 0.05, "u") == ({"name": "u", "size": 1}, b"x")
+    assert queued.timeouts >= 2  # its wait outlived the 0.05 s timeout more than once, and went on
     with pytest.raises(concurrent.futures.TimeoutError):  # once running, its own timeout holds
         src._wait(_Queued(None, started=True), 0.05, "u")
     src.stop.set()
@@ -429,7 +431,6 @@ def test_the_listing_and_first_blocks_do_not_wait_for_aiohttp_to_import(tmp_path
     items = src.list(pattern="**/*.jpg", complete=False)
     got = src.read_first_many(items, 1 << 20)
     assert not RAN.is_set(), "the listing or a first block waited for aiohttp"
-    assert time.monotonic() - t0 < 25, "it waited for the held import"
     assert [len(data) for _, data in got] == [500] * 4 and all(i.size == 500 and i.version for i, _ in got)
     RELEASE.set()
     assert src.info(items[0].url).size == 500  # a HEAD: on aiohttp, once it imported

@@ -255,3 +255,89 @@ def test_read_only_cache_serves_reads_and_streams_the_rest_with_one_warning(
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "read-only" in warnings[0], warnings
     assert "full" not in warnings[0] and "free space" not in warnings[0], warnings[0]
+
+
+_EPOCH = """
+import sys, fastload
+from fastload.config import Settings
+ds = fastload.FileDataset(sys.argv[1], settings=Settings(cache_dir=sys.argv[2]))
+root = ds.reader.manifest_root(sys.argv[1]) + "/"
+want = {p.name: p.read_bytes() for p in __import__("pathlib").Path(sys.argv[3]).iterdir()}
+n = 0
+for batch in fastload.DataLoader(ds, batch_size=10, shuffle=True, collate_fn=lambda b: b):
+    for s in batch:
+        assert s["data"] == want[s["url"][len(root):]], s["url"]
+        n += 1
+print(n)
+"""
+
+
+def _fill(disk: Path) -> None:
+    """Fill ``disk`` to its last block from outside fastload, as a checkpoint writer does."""
+    with open(disk / "checkpoint.bin", "ab") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    assert os.statvfs(disk).f_bavail == 0
+
+
+def test_a_disk_filled_by_another_program_does_not_lock_the_cache(
+    tmp_path: Path, nginx_server: Callable[..., Any], tmpfs: Callable[..., Path]
+) -> None:
+    # The cache is staged and closed (no fastload process holds its index open), then
+    # another program fills the disk. SQLite then cannot create the index's -shm file,
+    # and every command failed with "disk I/O error" (issue 24, item 3): the commands
+    # that free space must work on a full disk, whoever filled it.
+    import json
+
+    from helpers import PYTHON, child_env
+
+    files = make_noise_files(tmp_path / "www", 100, SIZE)  # 3 MB
+    server = nginx_server(tmp_path / "www")
+    url = server.url + "/"
+    disk = tmpfs(8 * 1024**2)
+    cache_dir = disk / "cache"
+    staged = _cli(cache_dir, "cache", url, "--no-progress")
+    assert staged.returncode == 0, staged.stderr
+    _fill(disk)
+    assert not (cache_dir / "index" / "cache.db-shm").exists()  # nobody holds the index open
+
+    info = _cli(cache_dir, "info", "--json")
+    assert info.returncode == 0, info.stderr
+    got = json.loads(info.stdout)
+    assert (got["entries"], got["unwritable_reason"], got["datasets"][0]["cached_items"]) == (100, "full", 100)
+
+    again = _cli(cache_dir, "cache", url, "--json")  # all there: it only checks, though the reserve is gone
+    assert again.returncode == 0 and json.loads(again.stdout)["skipped_blocks"] == 100, again.stderr
+
+    evicted = _cli(cache_dir, "evict", "--to", "1MB", "--json")
+    assert evicted.returncode == 0, evicted.stderr
+    assert json.loads(evicted.stdout)["after_bytes"] <= 10**6
+
+    _fill(disk)  # full again, with most of the dataset no longer cached: an epoch streams it
+    epoch = subprocess.run([PYTHON, "-c", _EPOCH, url, str(cache_dir), str(tmp_path / "www")], env=child_env(),
+                           cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    assert epoch.returncode == 0, epoch.stderr
+    assert epoch.stdout.split() == ["100"]  # every sample, bit-exact (asserted in the child)
+    warnings = [line for line in epoch.stderr.splitlines() if line.strip()]
+    assert len(warnings) == 1 and "streaming" in warnings[0], epoch.stderr
+    assert "no more room" in warnings[0] or "is full" in warnings[0], warnings[0]  # the cause, named
+
+    _fill(disk)
+    one = _cli(cache_dir, "clear", url, "--json")  # one dataset: its entries go, whoever filled the disk
+    assert one.returncode == 0, one.stderr
+    assert json.loads(one.stdout)["entries"] > 0
+    assert json.loads(_cli(cache_dir, "info", "--json").stdout)["entries"] == 0
+
+    (disk / "checkpoint.bin").unlink()  # the other program's file goes; the dataset is staged again
+    staged = _cli(cache_dir, "cache", url, "--no-progress")
+    assert staged.returncode == 0, staged.stderr
+    _fill(disk)
+    cleared = _cli(cache_dir, "clear", "--json")  # everything
+    assert cleared.returncode == 0, cleared.stderr
+    assert not payload_files(cache_dir)
+    assert json.loads(_cli(cache_dir, "info", "--json").stdout)["entries"] == 0
+    assert len(files) == 100

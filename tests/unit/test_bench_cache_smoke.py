@@ -61,8 +61,8 @@ def test_quick_fallback_run_reports_every_measurement(
     assert link["mode"] == "proxy-token-bucket"
     assert "--no-shaping" in link["fallback_reason"] and "FALLBACK" in link["description"]
     assert link["nominal_mb_s"] == 25.0 and link["mb_s"] > 0
-    # The token bucket holds the download near its rate (a generous band: loaded CI machines are slow).
-    assert link["mb_s"] < 1.5 * link["nominal_mb_s"]
+    # The token bucket shaped the download: it held it back (a file larger than its burst), and said so.
+    assert link["bucket_held_s"] > 0 and link["file_bytes"] > 128 * 1024
 
     ds = res["dataset"]
     assert ds["items"] == args.images and 50_000 < ds["avg_item_bytes"] < 200_000

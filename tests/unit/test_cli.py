@@ -81,7 +81,7 @@ def test_missing_source_exits_1_with_a_named_error(tmp_path: Path, capsys: pytes
 def test_info_clear_and_evict(dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cd = str(tmp_path / "c")
     run(capsys, "cache", str(dataset), "--cache-dir", cd)
-    code, out, _ = run(capsys, "ls", "--cache-dir", cd, "--json")
+    code, out, _ = run(capsys, "info", "--cache-dir", cd, "--json")
     info = json.loads(out)
     assert code == 0 and info["entries"] == 6 and info["datasets"][0]["cached_items"] == 6
     code, out, _ = run(capsys, "evict", "--to", "0", "--cache-dir", cd, "--json")
@@ -113,3 +113,51 @@ def test_lz4_hc_level_is_not_larger(tmp_path: Path, capsys: pytest.CaptureFixtur
         assert code == 0
         sizes.append(json.loads(out)["stored_bytes"])
     assert sizes[1] < sizes[0] < (root / "t.bin").stat().st_size
+
+
+def test_a_rerun_on_a_changed_remote_says_how_many_changed_and_points_to_refresh(
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Staging from the recorded listing stages that snapshot (exit 0), and said nothing of a
+    # remote that had changed since (issue 24, item 7).
+    cd = str(tmp_path / "c")
+    assert run(capsys, "cache", str(dataset), "--cache-dir", cd, "--json")[0] == 0
+    code, out, _ = run(capsys, "cache", str(dataset), "--cache-dir", cd, "--json")
+    assert code == 0 and (json.loads(out)["remote_changed"], json.loads(out)["remote_new"]) == (0, 0)
+    assert not [r for r in caplog.records if "differs" in r.getMessage()]
+
+    (dataset / "a" / "0.txt").write_bytes(b"longer now" * 9000)  # a new size
+    os.utime(dataset / "a" / "1.txt", (1, 1))  # a new version (local files: the mtime)
+    (dataset / "new.bin").write_bytes(b"n")
+    (dataset / "skip.bin").unlink()
+    code, out, _ = run(capsys, "cache", str(dataset), "--cache-dir", cd, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["skipped_blocks"] == 6 and report["fetched_blocks"] == 0  # the snapshot, as documented
+    assert (report["remote_changed"], report["remote_new"], report["remote_gone"]) == (2, 1, 1)
+    said = [r.getMessage() for r in caplog.records if "differs" in r.getMessage()]
+    assert len(said) == 1 and "2 changed, 1 new, 1 gone" in said[0] and "--refresh" in said[0], said
+
+    code, out, _ = run(capsys, "cache", str(dataset), "--cache-dir", cd, "--json", "--refresh")
+    assert code == 0 and json.loads(out)["fetched_blocks"] == 3  # the two changed and the new one
+
+
+def test_glob_classes_match_fresh_and_from_a_recorded_listing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 'class_[01]/*.jpg' matched nothing, and the example it offered matched the pattern (issue 24, item 9).
+    root = tmp_path / "imgs"
+    for c in range(4):
+        (root / f"class_{c}").mkdir(parents=True)
+        for i in range(5):
+            (root / f"class_{c}" / f"{i:04d}.jpg").write_bytes(b"j" * 100)
+    cd = str(tmp_path / "c")
+    code, out, err = run(capsys, "cache", str(root), "--pattern", "class_[01]/*.jpg", "--cache-dir", cd, "--json")
+    assert code == 0 and json.loads(out)["items"] == 10, err
+    assert run(capsys, "cache", str(root), "--cache-dir", cd, "--json")[0] == 0  # the whole folder, recorded
+    code, out, err = run(capsys, "cache", str(root), "--pattern", "class_[!0]/000?.jpg", "--cache-dir", cd, "--json")
+    assert code == 0 and json.loads(out)["items"] == 15, err  # served by the recorded listing
+    code, _, err = run(capsys, "cache", str(root), "--pattern", "class_**.jpg", "--cache-dir", cd)
+    assert code == 1 and "'**' a whole path component, e.g. '**/class_*.jpg'" in err, err
+
+
+def test_info_is_the_one_command_that_shows_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    # `ls` was a second name for `info`; one meaning, one name.
+    assert main(["ls"]) == 2 and "invalid choice: 'ls'" in capsys.readouterr().err

@@ -159,3 +159,9 @@ def test_encoded_parts_are_the_payload_and_a_raw_body_is_not_copied(raw: bytes) 
     assert (parts.codec, parts.checksum) == (info.codec, info.checksum)
     if parts.codec == codec.RAW:
         assert parts.body is raw  # written as it is (os.pwritev), never joined into a copy
+
+
+def test_a_chunk_larger_than_lz4_takes_is_a_codec_error_not_an_overflow() -> None:
+    # lz4.block takes C ints: without the guard this is an OverflowError, which nothing maps to "corrupt".
+    with pytest.raises(CodecError, match="too large"):
+        codec.decode_chunk(memoryview(b"\x00" * 16), 0, 16, 2**31)

@@ -53,14 +53,18 @@ def test_steps_run_and_report_where_cuda_is_faked(
     out = tmp_path / "r.json"
     code = check.main(check.parse_args(["--out", str(out), "--steps", "pytest_gpu,inflate"]))
     report = json.loads(out.read_text())
-    assert code == 0 and report["status"] == "passed", report
+    # Nothing ran, so nothing passed: skips are "not run", in the JSON and the summary line.
+    assert code == 0 and report["status"] == "partial", report
+    assert report["not_run"] == ["pytest_gpu", "inflate"]
+    assert "; not run: pytest_gpu, inflate;" in capsys.readouterr().out
     tests = report["steps"]["pytest_gpu"]
+    assert tests["status"] == "not_run"
     assert tests["counts"].get("skipped", 0) >= 20 and set(tests["counts"]) == {"skipped"}
     assert all(t["message"] for t in tests["tests"].values())  # each skip says why
     dropped = "tests.gpu.test_prefetch_gpu::test_dropped_batch_never_lands_in_a_later_tensor"
     assert "needs CUDA" in tests["tests"][dropped]["message"]
-    assert tests["issue_15"]["bug 1: a dropped batch's copy never writes into a later tensor"] == ["skipped"]
-    assert report["steps"]["inflate"]["status"] == "skipped"
+    assert tests["guards"]["15.1: a dropped batch's copy never writes into a later tensor"] == ["skipped"]
+    assert report["steps"]["inflate"]["status"] == "not_run"
     assert check.main(check.parse_args(["--out", str(out), "--steps", "nope"])) == 2
 
 
@@ -81,8 +85,24 @@ def test_junit_outcomes_and_guards(tmp_path: Path, load_script: Callable[[str], 
     name = "tests.gpu.test_prefetch_gpu::test_overlap_hides_copy_time_behind_compute[0]"
     assert got["tests"][name] == {"outcome": "failed", "message": "assert 1.2 < 1.0"}
     assert check.guarded(got["tests"]) == {
-        "bugs 2 and 6: overlap at lookahead 0 and 2, bound max + min/2": ["failed", "passed"]
+        "15.2, 15.6: overlap at lookahead 0 and 2, bound max + min/2": ["failed", "passed"]
     }
+
+
+def test_skips_are_reported_as_not_run(tmp_path: Path, load_script: Callable[[str], ModuleType]) -> None:
+    check = load_script("scripts/gpu_check.py")
+    assert check.pytest_status(0, {"skipped": 30}) == "not_run"
+    assert check.pytest_status(0, {"passed": 3, "skipped": 2}) == "partial"
+    assert check.pytest_status(0, {"passed": 3}) == "passed"
+    assert check.pytest_status(1, {"passed": 3, "failed": 1}) == "failed"
+    steps = {"pytest_gpu": {"status": "partial", "counts": {"passed": 3, "skipped": 2}},
+             "prefetch": {"status": "passed"}, "inflate": {"status": "not_run"}}
+    assert check.summary(steps) == ("partial", [], ["inflate", "2 GPU test(s) skipped"])
+    assert check.summary({"decode": {"status": "timed_out"}})[:2] == ("failed", ["decode"])
+    xml = tmp_path / "j.xml"  # a measured value (record_property) comes along with the outcome
+    xml.write_text('<testsuites><testsuite name="pytest"><testcase classname="m" name="t"><properties>'
+                   '<property name="mean_levels" value="0.41"/></properties></testcase></testsuite></testsuites>')
+    assert check.parse_junit(xml)["tests"]["m::t"] == {"outcome": "passed", "measured": {"mean_levels": "0.41"}}
 
 
 def test_bench_says_no_cuda_and_runs_every_case_on_the_cpu(

@@ -179,6 +179,22 @@ def test_dali_outputs_outlive_the_next_run(samples: list[dict[str, Any]]) -> Non
     assert torch.equal(kept, snapshot)
 
 
+@needs_dali
+def test_dali_outputs_are_copied_into_torch_memory() -> None:
+    # A DLPack view would leave the buffer in DALI's hands, which frees it in its own
+    # stream's order; to_torch copies into a tensor torch allocated (the GPU test
+    # test_dali_outputs_survive_the_next_run_while_torch_is_busy checks the stream side).
+    from fastload.pipelines import _dali
+
+    runner = _dali.DaliRunner(_dali.array_graph, {"placement": "cpu"}, device_index=None, threads=1, seed=0)
+    rows = [np.arange(6, dtype=np.uint8) + i for i in range(3)]
+    (batch,) = runner.run({"payload": rows})
+    out = _dali.to_torch(batch)
+    assert out.dtype == torch.uint8 and torch.equal(out, torch.from_numpy(np.stack(rows)))
+    assert out.data_ptr() != batch.as_tensor().data_ptr()
+    assert out.untyped_storage().resizable()  # allocated by torch, not wrapped from DLPack
+
+
 def test_tuple_and_tar_style_samples(samples: list[dict[str, Any]]) -> None:
     pipe = _val("torch")
     ref = pipe(samples[:3])

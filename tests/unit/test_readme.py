@@ -4,6 +4,7 @@ and cite nothing a clone lacks."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from importlib import metadata
@@ -61,3 +62,21 @@ def test_nothing_cites_a_file_outside_the_repository() -> None:
     offenders = [str(p.relative_to(ROOT)) for p in shipped
                  if p.is_file() and re.search(r"shared/reference|\blimits\.md\b", p.read_text(errors="replace"))]
     assert offenders == []
+
+
+def test_readme_benchmark_figures_match_their_results_file() -> None:
+    """Each figure the README quotes is marked with the target it comes from, and equals that target's
+    value in the latest peers run (rounded as printed): a rerun that moves a figure must move the README."""
+    results = json.loads((ROOT / "benchmarks/peers/results/issue12/results.json").read_text())["targets"]
+    text = (ROOT / "README.md").read_text()
+    quoted = re.findall(r"<!-- figure: (\S+) -->([\d,.]+)(%|x| ms| JPEGs)", text)
+    assert len(quoted) >= 6, quoted
+    for name, shown, unit in quoted:
+        value = float(results[name]["value"])
+        number = float(shown.replace(",", ""))
+        if unit == "%":
+            assert number == round(100 * value), (name, shown, value)
+        elif "," in shown or number >= 1000:
+            assert number == round(value), (name, shown, value)
+        else:
+            assert number == round(value, len(shown.partition(".")[2])), (name, shown, value)

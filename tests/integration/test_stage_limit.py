@@ -1,0 +1,88 @@
+"""--cache-limit is checked before the download, with requests counted in the server's own log.
+
+`fastload cache URL --cache-limit 1MB` on a 10 MB HTTP folder sent 800 GETs, then said the
+dataset did not fit (issue 24, item 8).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fastload import _servers, curl
+from fastload.cli import build_parser, main
+from fastload.stage import CHUNK, CHUNK_THREADS
+
+pytestmark = pytest.mark.integration
+
+N, SIZE = 800, 12_500  # 10 MB, as in the issue
+
+
+def _requests(server: _servers.NginxServer, method: str) -> int:
+    assert server.workdir is not None
+    log = (server.workdir / "access.log").read_text()
+    return sum(1 for line in log.splitlines() if f'"{method} ' in line and ".bin HTTP" in line)
+
+
+@pytest.fixture()
+def http_folder(tmp_path: Path, nginx_server: Callable[..., Any]) -> _servers.NginxServer:
+    www = tmp_path / "www"
+    for i in range(N):
+        (www / f"c{i % 4}").mkdir(parents=True, exist_ok=True)
+        (www / f"c{i % 4}" / f"{i:04d}.bin").write_bytes(os.urandom(SIZE))
+    return nginx_server(www)
+
+
+def test_a_sizeless_listing_stops_once_the_sizes_learned_pass_the_limit(
+    http_folder: _servers.NginxServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["cache", http_folder.url + "/", "--cache-limit", "1MB", "--cache-dir", str(tmp_path / "c"),
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "is at least" in err and "objects; staging stopped before fetching the rest" in err, err
+    assert "the cache limit is 1.00 MB" in err and "fix:" in err, err
+    gets = _requests(http_folder, "GET")
+    # A staging task learns its chunk's sizes with a GET per object, then adds them up: the
+    # chunks that fit the limit, then at most one chunk per task in flight when it is passed.
+    fit = -(-(10**6) // (CHUNK * SIZE))
+    assert gets <= (fit + CHUNK_THREADS) * CHUNK < N, gets
+    assert _requests(http_folder, "HEAD") == 0
+
+
+def test_dry_run_over_http_costs_a_head_per_object_as_its_help_says(
+    http_folder: _servers.NginxServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = next(a for a in build_parser()._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
+                 if a.prog.endswith(" cache"))
+    assert "a HEAD per object" in " ".join(cache.format_help().split())
+    code = main(["cache", http_folder.url + "/", "--dry-run", "--cache-limit", "1MB", "--cache-dir",
+                 str(tmp_path / "c")])
+    out = capsys.readouterr().out
+    assert code == 1 and "does NOT fit" in out, out
+    assert (_requests(http_folder, "HEAD"), _requests(http_folder, "GET")) == (N, 0)
+
+
+def test_listed_sizes_refuse_before_any_get(
+    tmp_path: Path, signed_moto: _servers.SignedMotoServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An S3 listing carries sizes: the limit refuses before the first GET of an object.
+    if curl.engine() is None:
+        pytest.skip(f"libcurl's engine cannot run here: {curl.unavailable()}")
+    s3 = signed_moto.client("s3")
+    for i in range(40):
+        s3.put_object(Bucket="signed", Key=f"limit/{i:03d}.bin", Body=os.urandom(50_000))
+    import json
+
+    options = {"key": signed_moto.key, "secret": signed_moto.secret,
+               "client_kwargs": {"endpoint_url": signed_moto.endpoint_url, "region_name": "us-east-1"}}
+    gets = signed_moto.requests("GET", "/signed/limit/0")
+    code = main(["cache", "s3://signed/limit/", "--cache-limit", "1MB", "--storage-options", json.dumps(options),
+                 "--cache-dir", str(tmp_path / "c"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1 and "dataset s3://signed/limit is 2.00 MB but the cache limit is 1.00 MB" in err, err
+    assert signed_moto.requests("GET", "/signed/limit/0") == gets
