@@ -136,6 +136,9 @@ class DataLoader(tud.DataLoader[T_co]):
             ``SummaryWriter``): the same interval stats as ``fastload/...`` scalars, every
             ``log_every`` batches (100 when ``log_every`` is None). See
             :mod:`fastload.diagnose.live`.
+        snapshot_every_n_steps: As torchdata's: a worker ships its state with every n-th
+            of its batches (0: its first only); a resume replays the batches since. Default
+            1: no replay. Map-style datasets and persistent workers snapshot every batch.
 
     The ``read_batch`` hook. A map-style dataset may define
     ``read_batch(self, indices: list[int]) -> list`` returning the samples for
@@ -155,18 +158,9 @@ class DataLoader(tud.DataLoader[T_co]):
     process: this one, or (``in_order=True``) the worker that will read them,
     carried by an earlier index batch of that worker (:mod:`fastload.lookahead`).
 
-        snapshot_every_n_steps: As in torchdata's StatefulDataLoader: each worker ships
-            its state (RNG, a stateful dataset's ``state_dict()``) with every n-th of its
-            batches (0: only with its first); a resume replays the batches since. Default 1
-            (no replay). Map-style datasets and persistent workers snapshot every batch.
-
-    Resuming. ``state_dict()`` after ``k`` batches of an epoch, then
-    ``load_state_dict()`` on a new loader built with the same arguments, makes the
-    next ``iter()`` yield batches ``k+1...`` of that epoch: the index order is
-    regenerated (the RNG state at the moment the epoch drew it is saved) and the
-    first ``k`` index batches are dropped without reading their samples. Stateful
-    datasets and samplers and the workers' RNG are restored too; the state is
-    JSON data. See :mod:`fastload.resume`.
+    Resuming. A :meth:`state_dict` taken after ``k`` batches makes a new loader built
+    with the same arguments yield batches ``k+1...``; the skipped samples are not read,
+    and the state is JSON data (:mod:`fastload.resume`).
 
     Example:
         >>> loader = DataLoader(list(range(10)), batch_size=4)
@@ -457,21 +451,17 @@ class DataLoader(tud.DataLoader[T_co]):
         # it starts them, in the constructor.
         if self.persistent_workers and self._iterator is not None:
             return super().__iter__()  # its workers keep the WorkerCollate they started with
-        user = self.collate_fn
+        user, user_init = self.collate_fn, self.worker_init_fn
         # One buffer per batch a worker may have in flight (prefetch_factor), plus one.
         buffers = SharedBuffers(self.num_workers, (self.prefetch_factor or 2) + 1) if self._packs() else None
         collate = WorkerCollate(user, self._auto_collation, stats=stats, buffers=buffers, resume=True)
-        # Workers also run fastload's worker_init_fn (the user's, then the saved state)
-        # and ship their resume state with their batches (fastload.resume).
-        user_init = self.worker_init_fn
-        self.collate_fn = collate
-        self.worker_init_fn = init
+        # ...and fastload's worker_init_fn (the user's, then the saved state: fastload.resume).
+        self.collate_fn, self.worker_init_fn = collate, init
         self.__dict__["_fl_first_worker"] = (first, undo)
         try:
             it = super().__iter__()
         finally:
-            self.collate_fn = user
-            self.worker_init_fn = user_init
+            self.collate_fn, self.worker_init_fn = user, user_init
             self.__dict__["_fl_first_worker"] = (0, None)
         it._collate_fn = user
         _WORKER_COLLATE[it] = collate  # the parent's buffers live as long as torch's iterator
