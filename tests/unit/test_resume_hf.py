@@ -25,8 +25,8 @@ def _stream() -> Any:
     return table.to_iterable_dataset(num_shards=4).with_format("torch")
 
 
-def _loader(workers: int) -> DataLoader:
-    return DataLoader(_stream(), batch_size=BATCH, num_workers=workers)
+def _loader(workers: int, every: int = 1) -> DataLoader:
+    return DataLoader(_stream(), batch_size=BATCH, num_workers=workers, snapshot_every_n_steps=every)
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> float:
@@ -55,21 +55,22 @@ def _train(loader: DataLoader, model: torch.nn.Module, opt: torch.optim.Optimize
     return losses, None
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_hf_iterable_dataset_resumes_mid_epoch_with_the_same_losses(workers: int) -> None:
+@pytest.mark.parametrize(("workers", "every"), [(0, 1), (2, 1), (2, 3)])
+def test_hf_iterable_dataset_resumes_mid_epoch_with_the_same_losses(workers: int, every: int) -> None:
+    # every=3: the workers' snapshots lag; the resumed workers replay HF's stream.
     model, opt = _fresh()
     expected, _ = _train(_loader(workers), model, opt, range(EPOCHS))
     assert len(expected) == EPOCHS * 48 // BATCH
 
     model, opt = _fresh()
-    head, ckpt = _train(_loader(workers), model, opt, range(EPOCHS), stop=5)  # mid-epoch 0
+    head, ckpt = _train(_loader(workers, every), model, opt, range(EPOCHS), stop=5)  # mid-epoch 0
     assert ckpt is not None
     loader_state = json.loads(json.dumps(ckpt["loader"]))
 
     model, opt = _fresh()
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
-    resumed = _loader(workers)
+    resumed = _loader(workers, every)
     resumed.load_state_dict(loader_state)
     tail, _ = _train(resumed, model, opt, range(ckpt["epoch"], EPOCHS))
     assert head + tail == expected
