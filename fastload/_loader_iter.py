@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import random
+import sys
 from collections.abc import Callable, Iterator
 from time import perf_counter
 from typing import Any
@@ -49,12 +50,15 @@ class _Calls(Iterator[Any]):
 class _Progress:
     """Where the most recent epoch stands, for state_dict()."""
 
-    __slots__ = ("yielded", "active", "gen_start")
+    __slots__ = ("yielded", "active", "gen_start", "sampler_start")
 
-    def __init__(self, start: int = 0, gen_start: list[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, start: int = 0, gen_start: list[torch.Tensor] | None = None, sampler_start: list[Any] | None = None
+    ) -> None:
         self.yielded = start  # batches of the epoch behind the consumer, resumed ones included
         self.active = True
         self.gen_start = gen_start  # the tracked generators' states when the epoch began
+        self.sampler_start = sampler_start  # stateful samplers' state_dict() then
 
 
 class _TimedCollate:
@@ -357,7 +361,11 @@ class _LoaderIter(Iterator[Any]):
         self._scope = _NOT_ENTERED
         self.flush()
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # At interpreter exit module globals (ReadAhead...) are already None and there
+        # is nothing left to record: say nothing. (A default keeps is_finalizing bound.)
+        if _finalizing():
+            return
         self._end(finalizing_close)  # a finalizer joins no thread (readahead.finalizing_close)
 
 

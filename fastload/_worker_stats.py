@@ -23,6 +23,7 @@ shared-memory buffers (:mod:`fastload._worker_pack`), with or without stats;
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any
@@ -32,6 +33,7 @@ from torch.utils.data import default_collate, get_worker_info
 
 from fastload import hostlimit
 from fastload._worker_pack import BufferRef, SharedBuffers, activate, pack, pickled_bytes, unpack
+from fastload.resume import WorkerStates, worker_changes
 from fastload.stats import StatsCollector, default_collector, nbytes
 
 __all__ = ["Delta", "Unwrap", "WorkerBatch", "WorkerCollate"]
@@ -48,18 +50,24 @@ Delta = tuple[tuple[tuple[str, int, int, float], ...], tuple[tuple[str, int], ..
 class WorkerBatch:
     """A collated batch, the stats its worker recorded since its previous batch, its packed bytes."""
 
-    __slots__ = ("batch", "delta", "packed", "pickled")
+    __slots__ = ("batch", "delta", "packed", "pickled", "state")
 
     def __init__(
-        self, batch: Any, delta: Delta, packed: BufferRef | torch.Tensor | None = None, pickled: int | None = None
+        self,
+        batch: Any,
+        delta: Delta,
+        packed: BufferRef | torch.Tensor | None = None,
+        pickled: int | None = None,
+        state: tuple[int, dict[str, Any] | None] | None = None,
     ) -> None:
         self.batch = batch
         self.delta = delta
         self.packed = packed
         self.pickled = pickled  # bytes of the batch that cross pickled (a worker's first batch only)
+        self.state = state  # (worker id, its snapshot or None): fastload.resume.worker_changes
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (WorkerBatch, (self.batch, self.delta, self.packed, self.pickled))
+        return (WorkerBatch, (self.batch, self.delta, self.packed, self.pickled, self.state))
 
     def pin_memory(self) -> WorkerBatch:
         """Pin the batch inside (torch's pin_memory thread calls this method when it exists).
@@ -68,7 +76,7 @@ class WorkerBatch:
         """
         from torch.utils.data._utils.pin_memory import pin_memory
 
-        return WorkerBatch(pin_memory(self.batch), self.delta, self.packed, self.pickled)
+        return WorkerBatch(pin_memory(self.batch), self.delta, self.packed, self.pickled, self.state)
 
 
 class WorkerCollate:
@@ -80,13 +88,23 @@ class WorkerCollate:
         stats: Ship the worker's stats delta.
         buffers: Move the batch's large ``bytes`` through these shared buffers
             (fastload datasets), or None.
+        resume: Ship the worker's id and resume state (:func:`fastload.resume.worker_changes`).
     """
 
-    def __init__(self, fn: Callable[[Any], Any], auto: bool, *, stats: bool = True, buffers: SharedBuffers | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[[Any], Any],
+        auto: bool,
+        *,
+        stats: bool = True,
+        buffers: SharedBuffers | None = None,
+        resume: bool = False,
+    ) -> None:
         self.fn = fn
         self.auto = auto
         self.stats = stats
         self.buffers = buffers
+        self.resume = resume
         self._measured = False  # per worker process, like _seen
         # Other threads' totals at the previous batch (they may be writing: diffed, not
         # detached). Per worker process: each gets its own copy, by fork or pickle.
@@ -99,6 +117,7 @@ class WorkerCollate:
         dt = perf_counter() - t0
         n = len(data) if self.auto else 1
         delta = self._delta(("collate", n, nbytes(out), dt)) if self.stats else None
+        state = worker_changes(sys._getframe(1)) if self.resume else None  # torch's fetcher's frame
         if self.buffers is not None:
             info = get_worker_info()
             worker = 0 if info is None else info.id
@@ -107,8 +126,8 @@ class WorkerCollate:
             pickled = None if self._measured else pickled_bytes(out)
             self._measured = True
             activate(self.buffers, worker, self.fn is default_collate)
-            return WorkerBatch(out, delta, packed, pickled)
-        return WorkerBatch(out, delta)
+            return WorkerBatch(out, delta, packed, pickled, state)
+        return WorkerBatch(out, delta, state=state)
 
     def _delta(self, collate: tuple[str, int, int, float]) -> Delta:
         col = default_collector()  # reset in each forked worker (fastload.stats)
@@ -145,7 +164,7 @@ class Unwrap:
     A batch that came packed gets its bytes back here (:func:`fastload._worker_pack.unpack`).
     """
 
-    __slots__ = ("fn", "collector", "keep", "warn")
+    __slots__ = ("fn", "collector", "keep", "warn", "states")
 
     def __init__(
         self,
@@ -153,11 +172,13 @@ class Unwrap:
         collector: StatsCollector | None,
         keep: Any = None,
         warn: Callable[[int], None] | None = None,
+        states: WorkerStates | None = None,
     ) -> None:
         self.fn = fn
         self.collector = collector
         self.keep = keep  # the WorkerCollate whose buffers this iterator's batches use
         self.warn = warn  # called with a worker's pickled bytes per batch, when measured
+        self.states = states  # where each batch's worker state goes (fastload.resume)
 
     def __call__(self) -> Any:
         out = self.fn()
@@ -166,6 +187,8 @@ class Unwrap:
         if out.pickled is not None and self.warn is not None:
             self.warn(out.pickled)
         self._merge(out)
+        if out.state is not None and self.states is not None:
+            self.states.add(*out.state)
         return out.batch if out.packed is None else unpack(out.batch, out.packed)
 
     def _merge(self, out: WorkerBatch) -> None:

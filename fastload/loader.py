@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data as tud
 
+from fastload import resume
 from fastload._loader_iter import (
     _Calls,
     _LiveLoaderIter,
@@ -42,18 +43,18 @@ from fastload._worker_pack import SharedBuffers
 from fastload._worker_stats import Unwrap, WorkerCollate
 from fastload.config import default_read_threads
 from fastload.dataset import _CachedDataset
-from fastload.errors import ConfigError, LoaderError
+from fastload.errors import ConfigError
 from fastload.lookahead import AheadSampler, Lookahead, depth_for
 from fastload.prefetch import DevicePrefetcher
 from fastload.readahead import ReadAhead
-from fastload.sampler import ResumableSampler, RngSnapshot, ShardedSampler
+from fastload.resume import WorkerInit, WorkerStates, resumed_iterator
+from fastload.sampler import ResumableSampler, ShardedSampler
 from fastload.stats import LoaderStats, StatsCollector
 
 __all__ = ["DataLoader"]
 
 T_co = TypeVar("T_co", covariant=True)
 
-STATE_VERSION = 1
 DEFAULT_READ_THREADS = default_read_threads()
 DEFAULT_READ_AHEAD = 2  # batches, for datasets with read_batch
 # A fastload dataset's batch with more than this crossing pickled warns once.
@@ -135,6 +136,9 @@ class DataLoader(tud.DataLoader[T_co]):
             ``SummaryWriter``): the same interval stats as ``fastload/...`` scalars, every
             ``log_every`` batches (100 when ``log_every`` is None). See
             :mod:`fastload.diagnose.live`.
+        snapshot_every_n_steps: As torchdata's: a worker ships its state with every n-th
+            of its batches (0: its first only); a resume replays the batches since. Default
+            1: no replay. Map-style datasets and persistent workers snapshot every batch.
 
     The ``read_batch`` hook. A map-style dataset may define
     ``read_batch(self, indices: list[int]) -> list`` returning the samples for
@@ -154,12 +158,9 @@ class DataLoader(tud.DataLoader[T_co]):
     process: this one, or (``in_order=True``) the worker that will read them,
     carried by an earlier index batch of that worker (:mod:`fastload.lookahead`).
 
-    Resuming. ``state_dict()`` after ``k`` batches of an epoch, then
-    ``load_state_dict()`` on a new loader built with the same arguments, makes the
-    next ``iter()`` yield batches ``k+1...`` of that epoch: the index order is
-    regenerated (the RNG state at the moment the epoch drew it is saved) and the
-    first ``k`` index batches are dropped without reading their samples. Random
-    draws inside worker processes are not replayed.
+    Resuming. A :meth:`state_dict` taken after ``k`` batches makes a new loader built
+    with the same arguments yield batches ``k+1...``; the skipped samples are not read,
+    and the state is JSON data (:mod:`fastload.resume`).
 
     Example:
         >>> loader = DataLoader(list(range(10)), batch_size=4)
@@ -202,7 +203,10 @@ class DataLoader(tud.DataLoader[T_co]):
         max_slot_bytes: int | None = 2 * 1024**3,
         log_every: int | None = None,
         summary_writer: Any = None,
+        snapshot_every_n_steps: int = 1,
     ) -> None:
+        if snapshot_every_n_steps < 0:
+            raise ConfigError(f"snapshot_every_n_steps={snapshot_every_n_steps} must be >= 0")
         if prefetch_to_device < 1:
             raise ConfigError(f"prefetch_to_device={prefetch_to_device} must be >= 1")
         if read_threads is not None and read_threads < 0:
@@ -294,7 +298,9 @@ class DataLoader(tud.DataLoader[T_co]):
         self._fl_prefetcher: DevicePrefetcher[Any] | None = None
         self._fl_resumable: ResumableSampler[Any] | None = None
         self._fl_progress: _Progress | None = None
-        self._fl_pending_start: list[torch.Tensor] | None = None
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self._fl_pending: dict[str, Any] | None = None  # a loaded state the next iter() starts from
+        self._fl_workers: WorkerStates | None = None  # the workers' states, this pass
         self._fl_live: weakref.ref[_LoaderIter] | None = None
         self._fl_epoch = 0
         self._fl_warned_pickled = False
@@ -428,11 +434,15 @@ class DataLoader(tud.DataLoader[T_co]):
             stacklevel=3,
         )
 
-    def _wraps_worker_batches(self, stats: bool) -> bool:
-        return self.num_workers > 0 and (stats or self._packs())
+    def _get_iterator(self) -> Any:
+        first, undo = self.__dict__.get("_fl_first_worker", (0, None))
+        if self.num_workers > 0 and (first or undo is not None):
+            self.check_worker_number_rationality()
+            return resumed_iterator(self, first, undo)
+        return super()._get_iterator()
 
-    def _torch_iter(self, stats: bool) -> Iterator[Any]:
-        if not self._wraps_worker_batches(stats):
+    def _torch_iter(self, stats: bool, init: WorkerInit | None, first: int, undo: Callable[[], None] | None) -> Any:
+        if self.num_workers == 0:
             return super().__iter__()
         # Workers run a collate_fn that also ships their stats with each batch
         # (fastload._worker_stats); torch reads loader.collate_fn only while it builds
@@ -441,15 +451,18 @@ class DataLoader(tud.DataLoader[T_co]):
         # it starts them, in the constructor.
         if self.persistent_workers and self._iterator is not None:
             return super().__iter__()  # its workers keep the WorkerCollate they started with
-        user = self.collate_fn
+        user, user_init = self.collate_fn, self.worker_init_fn
         # One buffer per batch a worker may have in flight (prefetch_factor), plus one.
         buffers = SharedBuffers(self.num_workers, (self.prefetch_factor or 2) + 1) if self._packs() else None
-        collate = WorkerCollate(user, self._auto_collation, stats=stats, buffers=buffers)
-        self.collate_fn = collate
+        collate = WorkerCollate(user, self._auto_collation, stats=stats, buffers=buffers, resume=True)
+        # ...and fastload's worker_init_fn (the user's, then the saved state: fastload.resume).
+        self.collate_fn, self.worker_init_fn = collate, init
+        self.__dict__["_fl_first_worker"] = (first, undo)
         try:
             it = super().__iter__()
         finally:
-            self.collate_fn = user
+            self.collate_fn, self.worker_init_fn = user, user_init
+            self.__dict__["_fl_first_worker"] = (0, None)
         it._collate_fn = user
         _WORKER_COLLATE[it] = collate  # the parent's buffers live as long as torch's iterator
         return it
@@ -495,39 +508,30 @@ class DataLoader(tud.DataLoader[T_co]):
         collector = self._fl_collector if self.stats_enabled else None
         read_fn = self._read_fn()
         timed = None
-        wrapper = self._fl_resumable
-        if wrapper is None and not isinstance(self.dataset, tud.IterableDataset):
-            wrapper = self._resumable()
-        resuming = wrapper is not None and wrapper.resume_pending
-        start = wrapper.pending_skip if wrapper is not None else 0
-        gens = self._generators()
-        caller_rng = None
-        if resuming:
-            # Put the loader's generators where the interrupted epoch started, so torch's
-            # own draws (base seed, eager samplers) repeat; and don't draw the base seed
-            # twice from the caller's global stream: the interrupted run already did.
-            for g, st in zip(gens, self._fl_pending_start or ()):
-                g.set_state(st)
-            caller_rng = torch.get_rng_state()
-            gen_start = self._fl_pending_start
-        else:
-            gen_start = [g.get_state() for g in gens]
-        self._fl_pending_start = None
+        pending, self._fl_pending = self._fl_pending, None
+        start, gen_start, sampler_start, undo_seed = resume.begin_epoch(self, pending)
+        init, first, loaded = resume.worker_plan(self, pending)
+        reused = self.persistent_workers and self._iterator is not None
         keep: Any
         if read_fn is not None:
             source, keep = self._read_ahead_iter(read_fn)
         else:
-            source = keep = self._torch_iter(collector is not None)
+            source = keep = self._torch_iter(collector is not None, init, first, undo_seed)
             if collector is not None and hasattr(source, "_dataset_fetcher"):
                 # Splits time inside next() into reading samples and collating them.
                 timed = _TimedCollate(source, self._items_per_index_batch())
-        if caller_rng is not None:
-            torch.set_rng_state(caller_rng)
+        resume.after_build(self, pending, source)
+        if undo_seed is not None and self.num_workers == 0:  # (workers: in torch's _reset)
+            undo_seed()  # the interrupted run drew no (new) base seed here
+        progress = _Progress(start, gen_start, sampler_start)
         nxt: Callable[[], Any] = source.__next__
         plain = nxt
-        if read_fn is None and self._wraps_worker_batches(collector is not None):
+        tracker = None
+        if self.num_workers > 0:
+            tracker = resume.worker_states(self, loaded, reused, start, progress, source)
             # Before the prefetcher: it must see plain batches.
-            nxt = Unwrap(nxt, collector, _WORKER_COLLATE.get(source), self._warn_pickled)
+            nxt = Unwrap(nxt, collector, _WORKER_COLLATE.get(source), self._warn_pickled, tracker)
+        self._fl_workers = tracker
         fetch = None
         if self.device is not None:
             if self._fl_prefetcher is None:
@@ -547,7 +551,6 @@ class DataLoader(tud.DataLoader[T_co]):
                 nxt = fetch
             feed = source if nxt is plain else _Calls(nxt)
             nxt = self._fl_prefetcher.iterate(feed, lookahead=lookahead).__next__
-        progress = _Progress(start, gen_start)
         self._fl_progress = progress
         kind = _LoaderIter if self._fl_live_stats is None else _LiveLoaderIter
         live = self._fl_live_stats
@@ -573,76 +576,24 @@ class DataLoader(tud.DataLoader[T_co]):
         self._fl_collector.reset()
 
     def state_dict(self) -> dict[str, Any]:
-        """Return where iteration stands: epoch, batches yielded, and the order's RNG state.
+        """Return where the next batch comes from, as JSON data (see :mod:`fastload.resume`).
+
+        Just after :meth:`load_state_dict` that is the loaded position; mid-epoch, the
+        batch after the last one handed out; between epochs, the next epoch's start
+        (its RNG states included, so they fix its order).
 
         Raises:
             LoaderError: Mid-epoch with ``in_order=False`` and workers, where the
                 batches handed out are not a prefix of the index order.
         """
-        progress = self._fl_progress
-        in_epoch = progress is not None and progress.active
-        snapshot: RngSnapshot | None = None
-        if in_epoch:
-            if self.num_workers > 0 and not self.in_order:
-                raise LoaderError(
-                    "state_dict() mid-epoch needs in_order=True with num_workers > 0: "
-                    "out-of-order batches are not a prefix of the epoch; save at an epoch "
-                    "boundary or pass in_order=True"
-                )
-            wrapper = self._fl_resumable
-            if wrapper is not None:
-                # A lazy sampler that has not drawn yet draws from the current state.
-                snapshot = wrapper.snapshot or wrapper.capture()
-        sampler_epochs = [getattr(s, "epoch", None) for s in self._samplers()]
-        return {
-            "version": STATE_VERSION,
-            "epoch": self._fl_epoch,
-            "sampler_epochs": sampler_epochs,
-            "in_epoch": in_epoch,
-            "batches_yielded": progress.yielded if (in_epoch and progress is not None) else 0,
-            "rng": None if snapshot is None else snapshot.to_state(),
-            "generator_start": None if not in_epoch or progress is None else progress.gen_start,
-            "generator_state": None if self.generator is None else self.generator.get_state(),
-            "world_size": self.world_size,
-            "rank": self.rank,
-        }
+        return resume.save(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; takes effect at the next ``iter(loader)``.
 
         Raises:
             ConfigError: The state comes from another version or another sharding.
-            LoaderError: A mid-epoch state for an IterableDataset (it has no index order
-                to skip in; such a dataset must resume itself).
+            LoaderError: A mid-epoch state for an IterableDataset without
+                ``state_dict()``/``load_state_dict()``, or saved by another number of workers.
         """
-        if state.get("version") != STATE_VERSION:
-            raise ConfigError(
-                f"loader state version {state.get('version')!r} is not {STATE_VERSION}; "
-                "it was saved by another fastload version"
-            )
-        if (state.get("world_size"), state.get("rank")) != (self.world_size, self.rank):
-            raise ConfigError(
-                f"state saved with world_size={state.get('world_size')} rank={state.get('rank')} "
-                f"cannot resume a loader with world_size={self.world_size} rank={self.rank}"
-            )
-        self.set_epoch(int(state["epoch"]))
-        for s, e in zip(self._samplers(), state.get("sampler_epochs", [])):
-            if e is not None and callable(getattr(s, "set_epoch", None)):
-                s.set_epoch(e)  # the user may have called sampler.set_epoch directly
-        if state.get("generator_state") is not None and self.generator is not None:
-            self.generator.set_state(state["generator_state"])
-        if not state.get("in_epoch"):
-            return
-        skip = int(state["batches_yielded"])
-        if isinstance(self.dataset, tud.IterableDataset):
-            if skip:
-                raise LoaderError(
-                    f"cannot resume an IterableDataset after {skip} batches: it has no "
-                    "index order to skip in; resume the dataset itself, or save at an "
-                    "epoch boundary"
-                )
-            return
-        rng = state.get("rng")
-        replay = None if rng is None else RngSnapshot.from_state(rng)
-        self._resumable().resume_at(skip, replay)
-        self._fl_pending_start = state.get("generator_start")
+        resume.load(self, state)

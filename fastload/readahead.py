@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import sys
 import threading
 import time
 import warnings
@@ -216,8 +217,9 @@ class ReadAhead(Iterator[Any]):
                 stacklevel=2,
             )
 
-    def __del__(self) -> None:
-        if getattr(self, "_pool", None) is not None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # At interpreter exit module globals are None already; the threads die with it.
+        if not _finalizing() and getattr(self, "_pool", None) is not None:
             finalizing_close(self)
 
 

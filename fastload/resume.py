@@ -1,0 +1,557 @@
+"""What ``DataLoader.state_dict()`` saves and ``load_state_dict()`` restores.
+
+A state always describes where the *next* batch comes from: the epoch, the
+batches of it already handed out, and what is needed to regenerate the rest
+exactly. It is plain JSON data: ``json.loads(json.dumps(state))`` resumes the
+same as ``state`` (only a stateful dataset's or sampler's own ``state_dict()``,
+stored as they return it, can make it otherwise).
+
+Encodings (all lossless):
+
+* a torch RNG or ``torch.Generator`` state (a uint8 tensor): the base64 of its bytes;
+* Python ``random``: ``[version, [625 ints], gauss]``;
+* NumPy's legacy global RNG: ``["MT19937", base64 of the 624 uint32 keys
+  (little-endian), pos, has_gauss, cached_gaussian]``.
+
+The parts:
+
+* index order (map-style datasets): :class:`fastload.sampler.ResumableSampler`
+  regenerates the epoch's order from the RNG state recorded when it was drawn
+  and drops the first ``k`` index batches without reading them;
+* stateful samplers (``state_dict``/``load_state_dict``): their state when the
+  epoch began, loaded back before the order is regenerated;
+* the dataset, when it has ``state_dict``/``load_state_dict``: with
+  ``num_workers=0`` its state at ``state_dict()``; with workers, each worker's
+  state taken with the batches that worker produced (:class:`WorkerStates`);
+  likewise the iterator an IterableDataset's ``iter()`` returned, when it has them;
+* each worker's ``random``, ``numpy`` and ``torch`` RNG states, taken with its
+  batches, restored in the worker with the same id; the resumed iterator hands its
+  first index batch to the worker that was next (:func:`resumed_iterator`), so
+  in-order delivery continues exactly where it stopped.
+
+A worker ships its state with a batch every ``snapshot_every_n_steps`` of its
+batches (and with its first); only the parts that changed since its previous
+snapshot cross (an unchanged RNG costs a comparison). A resumed worker loads its
+latest snapshot and replays the batches it produced after it (an IterableDataset
+reads and drops them). Map-style datasets and persistent workers snapshot every
+batch: their replay would have to re-read samples by index.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import copy
+import itertools
+import random
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+from torch.utils.data import get_worker_info
+
+from fastload.errors import ConfigError, LoaderError
+from fastload.sampler import RngSnapshot
+
+__all__ = [
+    "STATE_VERSION", "WorkerInit", "WorkerStates", "decode_rng", "encode_rng", "load", "rng_state",
+    "resumed_iterator", "save", "set_rng_state", "worker_changes", "worker_states",
+]  # fmt: skip
+
+STATE_VERSION = 2
+
+
+# -- lossless JSON encodings ----------------------------------------------------------
+
+
+def encode_tensor(t: torch.Tensor) -> str:
+    """A uint8 tensor (an RNG state) as base64 text."""
+    return base64.b64encode(t.contiguous().numpy().tobytes()).decode("ascii")
+
+
+def decode_tensor(text: str) -> torch.Tensor:
+    """Inverse of :func:`encode_tensor`."""
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def encode_rng(snap: RngSnapshot) -> dict[str, Any]:
+    """An index-order RNG snapshot as JSON data."""
+    return {
+        "phase": snap.phase,
+        "global_state": encode_tensor(snap.global_state),
+        "generator_states": [encode_tensor(s) for s in snap.generator_states],
+        "drawn": snap.drawn,
+    }
+
+
+def decode_rng(state: dict[str, Any]) -> RngSnapshot:
+    """Inverse of :func:`encode_rng`."""
+    return RngSnapshot(
+        phase=str(state["phase"]),
+        global_state=decode_tensor(state["global_state"]),
+        generator_states=tuple(decode_tensor(s) for s in state["generator_states"]),
+        drawn=bool(state.get("drawn", True)),
+    )
+
+
+def _python_state(state: Any = None) -> list[Any]:
+    version, internal, gauss = random.getstate() if state is None else state
+    return [version, list(internal), gauss]
+
+
+def _numpy_state(state: Any = None) -> list[Any]:
+    name, keys, pos, has_gauss, gauss = np.random.get_state() if state is None else state
+    return [name, base64.b64encode(np.asarray(keys, dtype="<u4").tobytes()).decode("ascii"), int(pos), int(has_gauss), float(gauss)]
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's ``random``, ``numpy`` and ``torch`` global RNG states, as JSON data."""
+    return {"random": _python_state(), "numpy": _numpy_state(), "torch": encode_tensor(torch.get_rng_state())}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned (each part that is present)."""
+    if state.get("random") is not None:
+        version, internal, gauss = state["random"]
+        random.setstate((version, tuple(internal), gauss))
+    if state.get("numpy") is not None:
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, np.frombuffer(base64.b64decode(keys), dtype="<u4").astype(np.uint32), pos, has_gauss, gauss))
+    if state.get("torch") is not None:
+        torch.set_rng_state(decode_tensor(state["torch"]))
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+# -- worker side --------------------------------------------------------------------------
+
+
+class _Worker:
+    """One worker process's snapshot bookkeeping (set by :class:`WorkerInit`)."""
+
+    def __init__(self, every: int, count: int, dataset: Any) -> None:
+        self.every = every
+        self.count = count  # batches this worker produced in the epoch, resumed ones included
+        self.first = True
+        self.dataset = dataset if _stateful(dataset) else None
+        self.iterable = isinstance(dataset, tud.IterableDataset)
+        self.raw: tuple[Any, Any, bytes] | None = None  # RNG states at the previous snapshot
+
+
+# Set in each worker process by WorkerInit; None in the parent.
+_WORKER: _Worker | None = None
+
+
+def worker_changes(caller: Any = None) -> tuple[int, dict[str, Any] | None]:
+    """Worker, per batch: its id, and its state when a snapshot is due (changed parts only).
+
+    Called by :class:`fastload._worker_stats.WorkerCollate` after the batch is collated,
+    so the state is the one after this batch. ``caller`` is the frame of torch's
+    fetcher that called it: an IterableDataset's iterator (``fetcher.dataset_iter``)
+    is found there, and saved when it has ``state_dict()``.
+    """
+    info = get_worker_info()
+    wid = 0 if info is None else info.id
+    w = _WORKER
+    if w is None:
+        return wid, None
+    w.count += 1
+    if w.count % w.every and not w.first:
+        return wid, None
+    w.first = False
+    out: dict[str, Any] = {}
+    py, nps, ts = random.getstate(), np.random.get_state(), torch.get_rng_state().numpy().tobytes()
+    old = w.raw
+    if old is None or old[0] != py:
+        out["random"] = _python_state(py)
+    if old is None or not _same_numpy(old[1], nps):
+        out["numpy"] = _numpy_state(nps)
+    if old is None or old[2] != ts:
+        out["torch"] = base64.b64encode(ts).decode("ascii")
+    w.raw = (py, nps, ts)
+    if w.dataset is not None:
+        out["dataset"] = w.dataset.state_dict()
+    if w.iterable and caller is not None:
+        it = _iterator_state(caller.f_locals.get("self"), w.dataset)
+        if it is not None:
+            out["iterator"] = it
+    return wid, out
+
+
+def _iterator_state(fetcher: Any, dataset: Any) -> Any:
+    """The state of torch's fetcher's iterator over an IterableDataset, when it has one of its own."""
+    it = getattr(fetcher, "dataset_iter", None)
+    if it is None or it is dataset or not _stateful(it):
+        return None
+    return it.state_dict()
+
+
+def _hand_out(dataset: Any, it: Any) -> None:
+    """Make the next ``iter(dataset)`` (torch's fetcher's) return ``it``, once."""
+    cls = type(dataset)
+
+    def once(self: Any) -> Any:
+        self.__class__ = cls
+        return it
+
+    dataset.__class__ = type(cls.__name__, (cls,), {"__iter__": once, "__module__": cls.__module__})
+
+
+def _same_numpy(a: Any, b: Any) -> bool:
+    return bool(a[2] == b[2] and a[3] == b[3] and a[4] == b[4] and np.array_equal(a[1], b[1]))
+
+
+class WorkerInit:
+    """The ``worker_init_fn`` torch's workers run: the user's, then this worker's saved state.
+
+    Args:
+        user: The loader's ``worker_init_fn`` (runs first, with the worker id).
+        states: Per worker id, the state :class:`WorkerStates` saved (None: none).
+        every: Snapshot every this many of a worker's batches.
+        per_batch: Items an IterableDataset yields per batch (for replay).
+        base_seed: The interrupted pass's base seed: workers are seeded from it, as
+            torch seeded that pass's workers (None: keep torch's seeds).
+    """
+
+    def __init__(
+        self,
+        user: Callable[[int], None] | None,
+        states: list[dict[str, Any] | None] | None,
+        every: int,
+        per_batch: int,
+        base_seed: int | None = None,
+    ) -> None:
+        self.user, self.states, self.every, self.per_batch = user, states, every, per_batch
+        self.base_seed = base_seed
+
+    def __call__(self, worker_id: int) -> None:
+        global _WORKER
+        if self.base_seed is not None:
+            from torch.utils.data._utils.worker import _generate_state
+
+            seed = self.base_seed + worker_id  # as torch's _worker_loop seeds a worker
+            random.seed(seed)
+            torch.manual_seed(seed)
+            np.random.seed(_generate_state(self.base_seed, worker_id))
+        if self.user is not None:
+            self.user(worker_id)
+        info = get_worker_info()
+        dataset = None if info is None else info.dataset
+        st = self.states[worker_id] if self.states else None
+        count = 0
+        if st is not None:
+            count = int(st["count"])
+            set_rng_state(st)
+            if st.get("dataset") is not None:
+                dataset.load_state_dict(st["dataset"])  # type: ignore[union-attr]
+            replay = count - int(st["at"])
+            if st.get("iterator") is not None:
+                # As torchdata: the dataset's state, then a new iterator, then its state.
+                it: Any = iter(dataset)  # type: ignore[arg-type]
+                it.load_state_dict(st["iterator"])
+                collections.deque(itertools.islice(it, replay * self.per_batch), maxlen=0)
+                _hand_out(dataset, it)
+            elif replay and isinstance(dataset, tud.IterableDataset):
+                # The batches this worker produced after its snapshot: read and dropped.
+                collections.deque(itertools.islice(iter(dataset), replay * self.per_batch), maxlen=0)
+                dataset.load_state_dict(dataset.state_dict())  # type: ignore[attr-defined]
+        _WORKER = _Worker(self.every, count, dataset)
+
+
+# -- parent side --------------------------------------------------------------------------
+
+
+class WorkerStates:
+    """Parent: each worker's latest state, as of the batches the consumer received.
+
+    Batches reach :meth:`add` (from :class:`fastload._worker_stats.Unwrap`) possibly
+    ahead of the consumer (the device prefetcher copies ahead); a batch's state is
+    folded in only once :attr:`yielded` (the loader's count) passed it.
+    """
+
+    def __init__(
+        self, workers: int, loaded: dict[str, Any] | None, start: int, yielded: Callable[[], int], base_seed: int | None
+    ) -> None:
+        self.workers = workers
+        self.base_seed = base_seed  # torch's seed for this pass's workers
+        states = loaded.get("states") if loaded else None
+        self.cur: list[dict[str, Any]] = [
+            dict(s) if s is not None else {"count": 0, "at": 0} for s in (states or [None] * workers)
+        ]
+        self.next = int(loaded.get("next", 0)) if loaded else 0  # the worker of the next batch
+        self.pos = start  # the epoch position of the next batch add() gets
+        self.pending: collections.deque[tuple[int, int, dict[str, Any] | None]] = collections.deque()
+        self.yielded = yielded
+
+    def add(self, worker: int, changes: dict[str, Any] | None) -> None:
+        self.pending.append((self.pos, worker, changes))
+        self.pos += 1
+        self.fold()
+
+    def fold(self) -> None:
+        done = self.yielded()
+        pending = self.pending
+        while pending and pending[0][0] < done:
+            _, worker, changes = pending.popleft()
+            cur = self.cur[worker]
+            cur["count"] += 1
+            if changes is not None:
+                cur.update(changes)
+                cur["at"] = cur["count"]
+            self.next = (worker + 1) % self.workers
+
+    def save(self) -> dict[str, Any]:
+        self.fold()
+        return {
+            "num_workers": self.workers, "next": self.next, "base_seed": self.base_seed, "states": copy.deepcopy(self.cur),
+        }  # fmt: skip
+
+
+def worker_states(
+    loader: Any, loaded: dict[str, Any] | None, reused: bool, start: int, progress: Any, source: Any
+) -> WorkerStates:
+    """The tracker of a pass with workers: from the loaded states, or carried on by persistent workers."""
+    if loaded is None and reused and loader._fl_workers is not None:
+        # The same workers go on: their states (and torch's seed) carry over.
+        loaded = {**loader._fl_workers.save(), "next": 0}
+    base_seed = loaded.get("base_seed") if loaded else None
+    if base_seed is None:
+        base_seed = getattr(source, "_base_seed", None)
+    return WorkerStates(loader.num_workers, loaded, start, lambda: progress.yielded, base_seed)
+
+
+def resumed_iterator(loader: Any, first: int, undo: Callable[[], None] | None) -> Any:
+    """torch's multi-process iterator for a resumed pass.
+
+    Its first index batch goes to worker ``first`` (its later epochs, with persistent
+    workers, start at worker 0 as torch's do), and ``undo`` runs between its base-seed
+    draw and its first index batches (torch's ``_reset`` draws them).
+    """
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    class _Resumed(_MultiProcessingDataLoaderIter):
+        def __init__(self, loader: Any) -> None:
+            self._fl_rotate = first
+            super().__init__(loader)
+
+        def _reset(self, loader: Any, first_iter: bool = False) -> None:
+            if first_iter and undo is not None:
+                undo()
+            super()._reset(loader, first_iter)
+
+        @property
+        def _worker_queue_idx_cycle(self) -> Any:
+            return self.__dict__["_fl_cycle"]
+
+        @_worker_queue_idx_cycle.setter
+        def _worker_queue_idx_cycle(self, cycle: Any) -> None:
+            # torch's _reset sets a fresh cycle, then primes the workers from it.
+            for _ in range(self.__dict__.pop("_fl_rotate", 0)):
+                next(cycle)
+            self.__dict__["_fl_cycle"] = cycle
+
+    return _Resumed(loader)
+
+
+# -- the loader's state ----------------------------------------------------------------
+
+
+def begin_epoch(
+    loader: Any, pending: dict[str, Any] | None
+) -> tuple[int, list[torch.Tensor], list[Any], Callable[[], None] | None]:
+    """At ``iter()``: apply a loaded state's RNG, sampler and dataset parts.
+
+    Returns the epoch position of the first batch, the tracked generators' and the
+    stateful samplers' states at the epoch's start, and what to call once torch's
+    iterator is built, to undo its base-seed draw (None: keep it). A mid-epoch resume
+    puts the caller's global RNG back (the interrupted run drew the base seed from it
+    already); the epoch after a boundary state of persistent workers puts back the
+    saved RNG states (the interrupted run's iterator drew no new base seed).
+    """
+    gens = loader._generators()
+    samplers = [s for s in loader._samplers() if _stateful(s)]
+    in_epoch = bool(pending and pending.get("in_epoch"))
+    if pending is not None and in_epoch:
+        # Put the generators where the interrupted epoch started, so torch's own draws
+        # (base seed, eager samplers) repeat.
+        for g, st in zip(gens, pending.get("generator_start") or ()):
+            g.set_state(decode_tensor(st))
+        for s, st in zip(samplers, pending.get("sampler_start") or ()):
+            s.load_state_dict(st)
+        if loader.num_workers == 0 and pending.get("dataset") is not None:
+            loader.dataset.load_state_dict(pending["dataset"])
+        caller = torch.get_rng_state()
+        undo: Callable[[], None] | None = lambda: torch.set_rng_state(caller)  # noqa: E731
+    else:
+        undo = None
+        start = None if pending is None else pending.get("start_rng")
+        if start is not None:
+            torch.set_rng_state(decode_tensor(start["global"]))
+            for g, st in zip(gens, start["generators"]):
+                g.set_state(decode_tensor(st))
+            if start.get("reuse") and loader.num_workers > 0:
+                saved = torch.get_rng_state(), [g.get_state() for g in gens]
+
+                def undo() -> None:
+                    torch.set_rng_state(saved[0])
+                    for g, st in zip(gens, saved[1]):
+                        g.set_state(st)
+
+    skip = int(pending["batches_yielded"]) if pending is not None and in_epoch else 0
+    return skip, [g.get_state() for g in gens], [s.state_dict() for s in samplers], undo
+
+
+def after_build(loader: Any, pending: dict[str, Any] | None, source: Any) -> None:
+    """Once torch's single-process iterator exists: its dataset iterator's saved state, if any."""
+    if pending is None or not pending.get("in_epoch") or pending.get("iterator") is None:
+        return
+    if loader.num_workers == 0:
+        source._dataset_fetcher.dataset_iter.load_state_dict(pending["iterator"])
+
+
+def worker_plan(loader: Any, pending: dict[str, Any] | None) -> tuple[WorkerInit | None, int, dict[str, Any] | None]:
+    """At ``iter()`` with workers: their init function, the worker of the first batch, the loaded states.
+
+    States saved by another number of workers are dropped: a map-style order still
+    resumes exactly (it lives in this process); those workers' RNG is not replayed.
+    """
+    if loader.num_workers == 0:
+        return None, 0, None
+    loaded = pending.get("workers") if pending is not None else None
+    if loaded is not None and loaded.get("num_workers") != loader.num_workers:
+        loaded = None
+    iterable = isinstance(loader.dataset, tud.IterableDataset)
+    every = (loader.snapshot_every_n_steps or sys.maxsize) if iterable and not loader.persistent_workers else 1
+    per_batch = int(loader.batch_size) if loader._auto_collation and loader.batch_size else 1
+    if loaded is None:
+        return WorkerInit(loader.worker_init_fn, None, every, per_batch), 0, None
+    init = WorkerInit(loader.worker_init_fn, loaded["states"], every, per_batch, loaded.get("base_seed"))
+    return init, int(loaded["next"]), loaded
+
+
+def _json(x: Any) -> Any:
+    return copy.deepcopy(x)
+
+
+def save(loader: Any) -> dict[str, Any]:
+    """``loader.state_dict()``: where the next batch comes from."""
+    pending = loader._fl_pending
+    if pending is not None:  # loaded, not iterated yet: the loaded position is the next one
+        return _json(pending)
+    progress = loader._fl_progress
+    in_epoch = progress is not None and progress.active
+    state: dict[str, Any] = {
+        "version": STATE_VERSION,
+        "epoch": loader._fl_epoch,
+        "sampler_epochs": [getattr(s, "epoch", None) for s in loader._samplers()],
+        "in_epoch": in_epoch,
+        "batches_yielded": 0,
+        "rng": None,
+        "generator_start": None,
+        "sampler_start": None,
+        "dataset": None,
+        "main_rng": None,
+        "iterator": None,
+        "workers": None,
+        "generator_state": None if loader.generator is None else encode_tensor(loader.generator.get_state()),
+        "world_size": loader.world_size,
+        "rank": loader.rank,
+    }
+    iterable = isinstance(loader.dataset, tud.IterableDataset)
+    if not in_epoch:
+        # Between epochs: the next epoch starts from the RNG states as they are now, so
+        # the state fixes its order (and its workers' seeds).
+        reuse = bool(loader.persistent_workers and loader._iterator is not None)
+        state["start_rng"] = {
+            "global": encode_tensor(torch.get_rng_state()),
+            "generators": [encode_tensor(g.get_state()) for g in loader._generators()],
+            "reuse": reuse,  # the next epoch reuses persistent workers: no new base seed
+        }
+        if reuse and loader._fl_workers is not None:
+            # ...and its workers' RNG goes on from where this epoch left it.
+            saved = loader._fl_workers.save()
+            rng = [{k: w[k] for k in ("random", "numpy", "torch") if k in w} for w in saved["states"]]
+            state["workers"] = {**saved, "next": 0, "states": [{"count": 0, "at": 0, **r} for r in rng]}
+        return state
+    if loader.num_workers > 0 and not loader.in_order:
+        raise LoaderError(
+            "state_dict() mid-epoch needs in_order=True with num_workers > 0: "
+            "out-of-order batches are not a prefix of the epoch; save at an epoch "
+            "boundary or pass in_order=True"
+        )
+    state["batches_yielded"] = progress.yielded
+    state["generator_start"] = None if progress.gen_start is None else [encode_tensor(s) for s in progress.gen_start]
+    state["sampler_start"] = progress.sampler_start
+    wrapper = loader._fl_resumable
+    if wrapper is not None and not iterable:
+        # A lazy sampler that has not drawn yet draws from the current state.
+        state["rng"] = encode_rng(wrapper.snapshot or wrapper.capture())
+    if loader.num_workers == 0:
+        # The dataset drew from this process's RNGs: they are part of its position.
+        state["main_rng"] = rng_state()
+        if _stateful(loader.dataset):
+            state["dataset"] = loader.dataset.state_dict()
+        if iterable:
+            live = loader._fl_live() if loader._fl_live is not None else None
+            fetcher = getattr(getattr(live, "_torch", None), "_dataset_fetcher", None)
+            state["iterator"] = _iterator_state(fetcher, loader.dataset)
+    elif loader._fl_workers is not None:
+        state["workers"] = loader._fl_workers.save()
+    return state
+
+
+def load(loader: Any, state: dict[str, Any]) -> None:
+    """``loader.load_state_dict(state)``: checks it, and makes it the next ``iter()``'s start."""
+    if state.get("version") != STATE_VERSION:
+        raise ConfigError(
+            f"loader state version {state.get('version')!r} is not {STATE_VERSION}; "
+            "it was saved by another fastload version"
+        )
+    if (state.get("world_size"), state.get("rank")) != (loader.world_size, loader.rank):
+        raise ConfigError(
+            f"state saved with world_size={state.get('world_size')} rank={state.get('rank')} "
+            f"cannot resume a loader with world_size={loader.world_size} rank={loader.rank}"
+        )
+    loader.set_epoch(int(state["epoch"]))
+    for s, e in zip(loader._samplers(), state.get("sampler_epochs", [])):
+        if e is not None and callable(getattr(s, "set_epoch", None)):
+            s.set_epoch(e)  # the user may have called sampler.set_epoch directly
+    if state.get("generator_state") is not None and loader.generator is not None:
+        loader.generator.set_state(decode_tensor(state["generator_state"]))
+    skip = int(state.get("batches_yielded", 0))
+    workers = state.get("workers")
+    if isinstance(loader.dataset, tud.IterableDataset) and state.get("in_epoch") and skip:
+        iterators = [s for s in (workers or {}).get("states", []) if s and s.get("iterator") is not None]
+        if not (_stateful(loader.dataset) or state.get("iterator") is not None or iterators):
+            raise LoaderError(
+                f"cannot resume {type(loader.dataset).__name__} (an IterableDataset) after {skip} batches: "
+                "it has no index order to skip in and no state_dict(); fix: give the dataset "
+                "state_dict() and load_state_dict() (as Hugging Face datasets' IterableDataset has), "
+                "or save at an epoch boundary"
+            )
+        if loader.num_workers > 0 and (workers is None or workers["num_workers"] != loader.num_workers):
+            raise LoaderError(
+                f"cannot resume {type(loader.dataset).__name__} (an IterableDataset) with "
+                f"num_workers={loader.num_workers}: its state was saved by "
+                f"{0 if workers is None else workers['num_workers']} worker processes, each with "
+                "its own shard; fix: resume with the num_workers that saved it"
+            )
+        if loader.num_workers == 0 and state.get("dataset") is None and state.get("iterator") is None:
+            raise LoaderError(
+                f"cannot resume {type(loader.dataset).__name__} with num_workers=0 from a state "
+                f"saved by {workers['num_workers'] if workers else 0} worker processes; fix: resume "
+                "with the num_workers that saved it"
+            )
+    if state.get("main_rng") is not None and loader.num_workers == 0:
+        set_rng_state(state["main_rng"])
+    if state.get("in_epoch") and not isinstance(loader.dataset, tud.IterableDataset):
+        rng = state.get("rng")
+        loader._resumable().resume_at(skip, None if rng is None else decode_rng(rng))
+    if loader.persistent_workers and loader._iterator is not None:
+        loader._iterator = None  # its workers hold the old position: start new ones
+    loader._fl_pending = _json(state)
