@@ -86,6 +86,9 @@ class Reader:
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._keys: dict[tuple[RemoteItem, int], str] = {}
+        # Pins this reader has read or written (url -> size, version): a warm fastload.open asks the
+        # index once per URL, as a dataset lists once. Another process's --refresh is seen by new readers.
+        self._pins: dict[str, tuple[int, str]] = {}
         self.fetcher = Fetcher(self)  # every miss, fetch ahead and staging fetch goes through it
         self._warned_limit = False
         self._warned_blocks = False  # _note_block_size, once per reader
@@ -118,10 +121,19 @@ class Reader:
         """Size and version of ``url``: from a manifest if one covers it, else from the remote."""
         url = self.canonical(url)
         if not refresh:
-            pinned = self.cache.index.get(keys.pin(url))
+            pinned = self._pins.get(url)
+            if pinned is None:
+                pinned = self.cache.index.get(keys.pin(url))
+                if pinned is not None:
+                    self._remember_pins({url: pinned})
             if pinned is not None:
                 return RemoteItem(url, int(pinned[0]), str(pinned[1]))
         return self.source(url).info(url)
+
+    def _remember_pins(self, pins: Mapping[str, tuple[int, str]]) -> None:
+        if len(self._pins) + len(pins) > KEYS_MAX:
+            self._pins.clear()  # bounded memory; the index still has every pin
+        self._pins.update(pins)
 
     # -- listing (manifests) --------------------------------------------------
 
@@ -268,9 +280,10 @@ class Reader:
         with index.transact():
             index.set_many({name: value for name, value in pins.items() if recorded.get(name) != value})
 
-    @staticmethod
-    def pins_of(items: builtins.list[RemoteItem]) -> dict[str, tuple[int, str]]:
-        """The index rows that pin ``items`` (for :meth:`pin`, or a publishing transaction)."""
+    def pins_of(self, items: builtins.list[RemoteItem]) -> dict[str, tuple[int, str]]:
+        """The index rows that pin ``items`` (for :meth:`pin`, or a publishing transaction); this
+        reader's :meth:`stat` answers with them from now on."""
+        self._remember_pins({item.url: (item.size, item.version) for item in items})
         return {keys.pin(item.url): (item.size, item.version) for item in items}
 
     def manifests(self) -> builtins.list[dict[str, Any]]:

@@ -46,3 +46,22 @@ def test_saving_a_manifest_writes_only_pins_not_already_recorded(tmp_path: Path,
     assert got[keys.pin(items[1].url)] == (7, "v-new")
     assert [got[keys.pin(i.url)] for i in [items[0], *items[2:]]] == [(i.size, i.version) for i in [items[0], *items[2:]]]
     assert reader.cache.index.get(keys.manifest(root, None))["items"][1] == changed.to_json()
+
+
+def test_a_warm_stat_asks_the_index_for_a_pin_once_and_sees_this_readers_own_repins(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fastload.open stats its URL on every open: a pin lookup in the index was a fifth of a warm open."""
+    root = tmp_path / "remote"
+    root.mkdir()
+    (root / "a.bin").write_bytes(b"x" * 10)
+    url = (root / "a.bin").as_uri()
+    writer = Reader(Settings(cache_dir=tmp_path / "cache"))
+    writer.pin([RemoteItem(writer.canonical(url), 10, "v1")])
+    reader = Reader(Settings(cache_dir=tmp_path / "cache"))  # another reader: it learns the pin from the index
+    asked: list[str] = []
+    real_get = reader.cache.index.get
+    monkeypatch.setattr(reader.cache.index, "get", lambda key, *a, **k: asked.append(key) or real_get(key, *a, **k))
+    assert [reader.stat(url).version for _ in range(3)] == ["v1"] * 3
+    assert asked == [keys.pin(reader.canonical(url))]  # once, not once per stat
+    reader.pin([RemoteItem(reader.canonical(url), 12, "v2")])  # this reader re-pinned it (a refresh)
+    assert (reader.stat(url).size, reader.stat(url).version) == (12, "v2") and len(asked) == 1
