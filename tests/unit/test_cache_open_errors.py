@@ -52,11 +52,12 @@ def locked() -> Iterator[Path]:
             os.chmod(folder, 0o755)
 
 
-# Run as a user without write access: root drops to ``nobody`` once fastload is imported
-# (the interpreter's own files may sit where nobody cannot read them).
+# Run as a user without write access: root drops to ``nobody`` once fastload is imported, every
+# module the command needs included: the interpreter's files and the checkout (a clean clone
+# under a 0700 mktemp folder, as CI's) may sit where nobody cannot read them.
 _AS_USER = """
 import os, sys
-import fastload.cli, fastload.reader, fastload.cache
+import fastload.cli, fastload.reader, fastload.cache, fastload.diagnose.cli
 if os.geteuid() == 0:
     import pwd
     user = pwd.getpwnam("nobody")
