@@ -63,17 +63,21 @@ def parse_size(value: str | int | float) -> int:
     return int(float(number) * factor)
 
 
-def format_size(n: float) -> str:
-    """Format a byte count for humans (decimal units, 3 significant digits).
+def format_size(n: float | None) -> str:
+    """A byte count for humans: decimal units, 3 significant digits; None (not measured) is "-".
 
-    >>> format_size(1_500_000)
-    '1.50 MB'
+    The one size formatter: CLI messages, limits and diagnose's prose all print sizes so.
+
+    >>> format_size(1_500_000), format_size(108_000), format_size(65_536), format_size(999), format_size(None)
+    ('1.5 MB', '108 KB', '65.5 KB', '999 B', '-')
     """
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"  # pragma: no cover - loop always returns
+    if n is None:
+        return "-"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            v = n / scale
+            return f"{v:.3g} {unit}" if abs(v) < 100 else f"{v:.0f} {unit}"
+    return f"{n:.0f} B"
 
 
 def default_cache_dir() -> Path:

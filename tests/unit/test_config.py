@@ -47,7 +47,7 @@ def test_invalid_settings_are_rejected() -> None:
 
 
 def test_format_size() -> None:
-    assert format_size(1_500_000) == "1.50 MB"
+    assert format_size(1_500_000) == "1.5 MB" and format_size(10_030_000) == "10 MB" and format_size(None) == "-"
     assert format_size(999) == "999 B"
 
 
