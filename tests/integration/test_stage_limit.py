@@ -84,5 +84,5 @@ def test_listed_sizes_refuse_before_any_get(
     code = main(["cache", "s3://signed/limit/", "--cache-limit", "1MB", "--storage-options", json.dumps(options),
                  "--cache-dir", str(tmp_path / "c"), "--no-progress"])
     err = capsys.readouterr().err
-    assert code == 1 and "dataset s3://signed/limit is 2.00 MB but the cache limit is 1 MB" in err, err
+    assert code == 1 and "dataset s3://signed/limit is 2 MB but the cache limit is 1 MB" in err, err
     assert signed_moto.requests("GET", "/signed/limit/0") == gets
