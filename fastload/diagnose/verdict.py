@@ -52,7 +52,7 @@ CLASS_OF = {
     "model": "compute",
 }
 DEFAULT_READ_THREADS = 8  # Inputs' default: fastload.config.default_read_threads() on 8 or more CPUs
-DEFAULT_STAGE_WORKERS = Settings.workers  # the cap on requests in flight per host
+DEFAULT_STAGE_WORKERS = Settings.max_requests  # the cap on requests in flight per host
 CLOSE = 1.15  # two stages within 15% of each other are "balanced"
 #: A100 + DALI mixed decode, about 7,000 img/s (DALI's A100 blog, quoted in NVIDIA/DALI issue 5362),
 #: quoted when unmeasured.
@@ -347,7 +347,7 @@ def _advice(x: Inputs, stages: list[Stage], s: Stage, regime: str, warm: Stage |
         if x.cache and x.cached_fraction != 1.0:
             url = x.storage_url or "URL"
             cap = (x.storage_settled or {}).get("cap", DEFAULT_STAGE_WORKERS)
-            workers = f" --workers {conn}" if conn and conn > cap else ""
+            workers = f" --max-requests {conn}" if conn and conn > cap else ""
             cost = ""
             if x.dataset_bytes and x.storage_bps:
                 cost = f"; it moves {format_size(x.dataset_bytes)} once, about {_duration(x.dataset_bytes / x.storage_bps)}"
@@ -512,7 +512,7 @@ def _notes(x: Inputs, stages: list[Stage], s: Stage | None, regime: str) -> list
         why = (f", cut {_n(settled['cuts'], 'time')} on busy answers or resets" if settled.get("cuts") else
                ", the cap" if settled["limit"] >= settled["cap"] else ", where more stopped paying")
         notes.append(f"fastload's request limit to the storage settled at {settled['limit']} in flight "
-                     f"(cap --workers {settled['cap']}{why})")
+                     f"(cap --max-requests {settled['cap']}{why})")
     if x.model_img_s is None:
         notes.append("the model's own rate is unknown; pass --step-ms and --batch-size to include it")
     return notes
