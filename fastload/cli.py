@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fastload.config import Settings, format_size, parse_size
+from fastload.config import Settings, deprecated, format_size, parse_size
 from fastload.errors import ConfigError, FastloadError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--url-list", metavar="FILE", help="stage the objects listed in FILE (one URL per line) instead of URL")
     cache.add_argument("--pattern", help="glob relative to URL, e.g. '**/*.jpg' (default: everything)")
     cache.add_argument("--storage-options", type=_json_arg, default={}, help="JSON fsspec options (credentials, endpoint)")
-    cache.add_argument("--workers", type=int, help="most requests in flight to one host (default 64; an adaptive limit runs under it)")
+    cache.add_argument("--max-requests", type=int, dest="max_requests",
+                       help="most requests in flight to one host (default 64; an adaptive limit runs under it)")
+    cache.add_argument("--workers", type=int, dest="workers", help=argparse.SUPPRESS)  # --max-requests' old name
     cache.add_argument("--level", type=int, choices=range(0, 13), metavar="0..12", help="0 = fast LZ4 (default), 1..12 = LZ4-HC")
     cache.add_argument("--block-size", type=_size_arg, help="cache large files in blocks of this size (default 8MiB)")
     cache.add_argument("--dry-run", action="store_true", help="list and report the size against the cache limit; fetch nothing (an HTTP listing has no "
@@ -82,11 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _max_requests(args: argparse.Namespace) -> int | None:
+    """--max-requests, or its old name --workers (a warning once)."""
+    old = getattr(args, "workers", None)
+    if old is not None and getattr(args, "max_requests", None) is None:
+        deprecated("--workers", "--max-requests")
+        return int(old)
+    return getattr(args, "max_requests", None)
+
+
 def _settings(args: argparse.Namespace) -> Settings:
     return Settings.from_env(
         cache_dir=args.cache_dir,
         cache_limit_bytes=args.cache_limit,
-        workers=getattr(args, "workers", None),
+        max_requests=_max_requests(args),
         lz4_level=getattr(args, "level", None),
         block_bytes=getattr(args, "block_size", None),
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,17 +64,21 @@ def parse_size(value: str | int | float) -> int:
     return int(float(number) * factor)
 
 
-def format_size(n: float) -> str:
-    """Format a byte count for humans (decimal units, 3 significant digits).
+def format_size(n: float | None) -> str:
+    """A byte count for humans: decimal units, 3 significant digits; None (not measured) is "-".
 
-    >>> format_size(1_500_000)
-    '1.50 MB'
+    The one size formatter: CLI messages, limits and diagnose's prose all print sizes so.
+
+    >>> format_size(1_500_000), format_size(108_000), format_size(65_536), format_size(999), format_size(None)
+    ('1.5 MB', '108 KB', '65.5 KB', '999 B', '-')
     """
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"  # pragma: no cover - loop always returns
+    if n is None:
+        return "-"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            v = n / scale
+            return f"{v:.3g} {unit}" if abs(v) < 100 else f"{v:.0f} {unit}"
+    return f"{n:.0f} B"
 
 
 def default_cache_dir() -> Path:
@@ -91,7 +96,7 @@ ENV_FIELDS: dict[str, tuple[str, Any]] = {
     "FASTLOAD_CHUNK_SIZE": ("chunk_bytes", parse_size),
     "FASTLOAD_PACK_MAX": ("pack_max_bytes", parse_size),
     "FASTLOAD_LZ4_LEVEL": ("lz4_level", int),
-    "FASTLOAD_WORKERS": ("workers", int),
+    "FASTLOAD_MAX_REQUESTS": ("max_requests", int),
     "FASTLOAD_RETRIES": ("retries", int),
     "FASTLOAD_BACKOFF_S": ("backoff_s", float),
     # The cap too, so every retry knob is reachable from the CLI (issue 7).
@@ -123,8 +128,16 @@ class Settings:
             rename or inode per object; fastload.cache.packs); 0 = a file each.
         lz4_level: 0 = fast LZ4 block; 1..12 = LZ4-HC at that level (pre-staging only).
         min_saving: Store LZ4 only if it saves at least this fraction, else store raw.
-        workers: The most requests in flight to one host from one process (staging
+        max_requests: The most requests in flight to one host from one process (staging
             and training alike); an adaptive limit runs under it (fastload.hostlimit).
+            Its one home: nothing else (threads, pools) is sized from it.
+            ``workers=`` / ``FASTLOAD_WORKERS`` / ``--workers`` are its old names: still
+            taken, with a warning once (they read like torch's ``num_workers``).
+        head_threads: HEADs in flight while a sizeless listing is completed (a HEAD
+            moves no data, so more overlap than transfers: fastload.source.core).
+        verify_threads: Threads re-checking cached entries (``fastload cache --verify``).
+        local_threads: Threads reading a store without an event loop (local files, NFS)
+            at once, where fsspec cannot overlap the reads itself.
         retries: Attempts per remote request (1 = no retry).
         backoff_s: First retry delay; doubles per attempt, with full jitter.
         backoff_max_s: Cap on a single retry delay.
@@ -146,15 +159,19 @@ class Settings:
     pack_max_bytes: int = 1024**2
     lz4_level: int = 0
     min_saving: float = 0.05
-    workers: int = 64
+    max_requests: int = 64
+    head_threads: int = 64
+    verify_threads: int = 8
+    local_threads: int = 16
     retries: int = 5
     backoff_s: float = 0.2
     backoff_max_s: float = 10.0
     request_timeout_s: float = 60.0
     http_client: str = "auto"
     lock_timeout_s: float = 300.0
+    workers: dataclasses.InitVar[int | None] = None  # max_requests' old name (a warning once)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, workers: int | None) -> None:
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
         if self.cache_limit_bytes <= 0:
             raise ConfigError(f"cache limit {self.cache_limit_bytes} must be positive")
@@ -168,8 +185,12 @@ class Settings:
             raise ConfigError(f"pack size {self.pack_max_bytes} B is negative; use e.g. '1MiB', or 0 for a file per payload")
         if not 0 <= self.lz4_level <= 12:
             raise ConfigError(f"LZ4 level {self.lz4_level} must be 0 (fast) or 1..12 (HC)")
-        if self.workers < 1:
-            raise ConfigError(f"workers={self.workers} must be at least 1")
+        if workers is not None and not isinstance(workers, _Echo):
+            deprecated("workers", "max_requests")
+            object.__setattr__(self, "max_requests", workers)
+        for name in ("max_requests", "head_threads", "verify_threads", "local_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
         if self.retries < 1:
             raise ConfigError(f"retries={self.retries} must be at least 1")
         if self.http_client not in HTTP_CLIENTS:
@@ -180,17 +201,23 @@ class Settings:
         for key in ("cache_limit_bytes", "disk_reserve_bytes", "block_bytes", "chunk_bytes", "pack_max_bytes"):
             if key in changes and changes[key] is not None:
                 changes[key] = parse_size(changes[key])
-        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+        # workers (max_requests' old name, an InitVar) passed as None unless given: else replace()
+        # reads it back through the property, and warns users who never wrote it.
+        return dataclasses.replace(self, **{"workers": None, **{k: v for k, v in changes.items() if v is not None}})
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
         """Build settings from ``FASTLOAD_*`` variables, then apply ``overrides``.
 
         Recognised: FASTLOAD_CACHE_DIR, FASTLOAD_CACHE_LIMIT, FASTLOAD_DISK_RESERVE, FASTLOAD_BLOCK_SIZE,
-        FASTLOAD_CHUNK_SIZE, FASTLOAD_PACK_MAX, FASTLOAD_LZ4_LEVEL, FASTLOAD_WORKERS, FASTLOAD_RETRIES,
+        FASTLOAD_CHUNK_SIZE, FASTLOAD_PACK_MAX, FASTLOAD_LZ4_LEVEL, FASTLOAD_MAX_REQUESTS (or its old name
+        FASTLOAD_WORKERS, with a warning), FASTLOAD_RETRIES,
         FASTLOAD_BACKOFF_S, FASTLOAD_BACKOFF_MAX_S, FASTLOAD_TIMEOUT_S, FASTLOAD_HTTP_CLIENT.
         """
         env = dict(os.environ if env is None else env)
+        if env.get("FASTLOAD_WORKERS") and not env.get("FASTLOAD_MAX_REQUESTS"):
+            deprecated("FASTLOAD_WORKERS", "FASTLOAD_MAX_REQUESTS")
+            env["FASTLOAD_MAX_REQUESTS"] = env["FASTLOAD_WORKERS"]
         values: dict[str, Any] = {}
         for name, (field, convert) in ENV_FIELDS.items():
             raw = env.get(name)
@@ -204,7 +231,32 @@ class Settings:
         return settings.replace(**overrides) if overrides else settings
 
 
-_ENV_KEYS = tuple(os.fsencode(name) for name in ENV_FIELDS)
+class _Echo(int):
+    """``max_requests`` read through its old name. ``dataclasses.replace`` reads every init field,
+    the InitVar ``workers`` too, and passes it back: an echo is not a new setting."""
+
+
+def _workers(self: Settings) -> int:
+    """``max_requests``' old name, still read (with a warning once)."""
+    deprecated("workers", "max_requests")
+    return _Echo(self.max_requests)
+
+
+# After the class: its generated __init__ keeps ``workers=`` (the InitVar), reads go to max_requests.
+setattr(Settings, "workers", property(_workers))  # noqa: B010 - after the class, past the dataclass
+_warned: set[str] = set()
+
+
+def deprecated(old: str, new: str) -> None:
+    """Warn once per process that ``old`` is ``new``'s old name (a FutureWarning: shown by default)."""
+    if old not in _warned:
+        _warned.add(old)
+        warnings.warn(f"fastload: {old!r} is now {new!r} (the most requests in flight to one host, not torch's "
+                      f"num_workers); {old!r} still works for now", FutureWarning, stacklevel=3)
+
+
+_ENV_NAMES = (*ENV_FIELDS, "FASTLOAD_WORKERS")  # every variable from_env reads (the last: an old name)
+_ENV_KEYS = tuple(os.fsencode(name) for name in _ENV_NAMES)
 _ENV_SETTINGS: dict[tuple[Any, ...], Settings] = {}  # FASTLOAD_* values -> their Settings
 
 
@@ -219,7 +271,7 @@ def env_settings() -> Settings:
     if os.name == "posix" and isinstance(data, dict):
         values: tuple[Any, ...] = tuple(map(data.get, _ENV_KEYS))
     else:
-        values = tuple(os.environ.get(name) for name in ENV_FIELDS)
+        values = tuple(os.environ.get(name) for name in _ENV_NAMES)
     settings = _ENV_SETTINGS.get(values)
     if settings is None:
         settings = _ENV_SETTINGS[values] = Settings.from_env()

@@ -4,7 +4,7 @@ Every request :class:`~fastload.source.Source` sends (a GET, a ranged GET, a
 HEAD) holds a slot of its host's :class:`HostLimit` while it runs; nothing else
 in fastload bounds requests, so this is the one home of that number.
 
-* **Cap.** ``Settings.workers`` (``--workers``, ``FASTLOAD_WORKERS``): the most
+* **Cap.** ``Settings.max_requests`` (``--max-requests``, ``FASTLOAD_MAX_REQUESTS``): the most
   requests one process ever has in flight to one host, for staging and training
   alike (tests/integration/test_hostlimit_server.py counts connections at the server).
 * **Limit.** Under the cap, an AIMD controller chooses how many may run. It
@@ -67,7 +67,7 @@ class HostLimit:
 
     Args:
         host: What the limit is named by in stats (``http://127.0.0.1:8080``).
-        cap: The hard cap (``Settings.workers``).
+        cap: The hard cap (``Settings.max_requests``).
     """
 
     def __init__(self, host: str, cap: int) -> None:
@@ -94,7 +94,7 @@ class HostLimit:
         self._new_window(time.monotonic())
 
     def set_cap(self, cap: int) -> None:
-        """Apply a new cap (the latest ``Settings.workers`` of a Source for this host)."""
+        """Apply a new cap (the latest ``Settings.max_requests`` of a Source for this host)."""
         with self._lock:
             self.cap = max(1, cap)
             self.limit = min(self.limit, float(self.cap))
@@ -174,7 +174,7 @@ class HostLimit:
     def _starved(self) -> SourceError:
         return SourceError(
             f"{self.host}: no request slot came free in {SLOT_WAIT_S:g} s ({self.in_flight} requests in flight, "
-            f"limit {int(self.limit)} of --workers {self.cap}); fix: check that the server answers, or raise FASTLOAD_TIMEOUT_S"
+            f"limit {int(self.limit)} of --max-requests {self.cap}); fix: check that the server answers, or raise FASTLOAD_TIMEOUT_S"
         )
 
     def _free(self) -> bool:

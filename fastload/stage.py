@@ -1,7 +1,7 @@
 """Pre-staging: copy a remote dataset into the cache before training (``fastload cache``).
 
 Staging lists the dataset once (recording the manifest), then fetches every
-block that is not already cached and valid with ``workers`` parallel requests.
+block that is not already cached and valid with up to ``max_requests`` parallel requests.
 Because cached entries are skipped, rerunning after an interruption (even a
 SIGKILL) resumes where it stopped; entries are published atomically, so an
 interrupted write is never mistaken for a valid one
@@ -62,7 +62,7 @@ class StageReport:
         fits: Whether the dataset fits the limit (raw size, conservative).
         dry_run: Nothing was fetched.
         concurrency: The remote host's request limit after the run: ``limit`` (what the
-            controller settled on), ``cap`` (``workers``), ``peak`` in flight, ``cuts``
+            controller settled on), ``cap`` (``max_requests``), ``peak`` in flight, ``cuts``
             (fastload.hostlimit); empty for local files.
         node: ``"<node_rank>/<nodes>"`` when one node's part was staged, else empty;
             ``items`` and the byte counts are then that part's.
@@ -150,7 +150,7 @@ def stage(
             object URLs (staged without a listing; the report names it ``urls:<n>:<digest>``).
         pattern: Glob relative to ``url`` (``**/*.jpg``); None takes everything.
         storage_options: fsspec options (credentials, endpoint).
-        settings: Cache dir, limit, workers, LZ4 level...
+        settings: Cache dir, limit, max_requests, LZ4 level...
         refresh: Re-list the remote instead of trusting the recorded manifest.
         dry_run: Only list and report the size against the cache limit.
         verify: After staging, re-read every entry and check its checksum.
@@ -225,7 +225,7 @@ def stage(
     report.remote_bytes = sum(i.size for i in items)
     report.blocks = sum(len(reader.blocks(i)) for i in items)
     if verify:
-        bad = _verify(reader, items, settings.workers, _show(progress))
+        bad = _verify(reader, items, settings.verify_threads, _show(progress))
         report.verified_entries, report.bad_entries = report.blocks, len(bad)
         # A bad entry was counted as skipped (valid by size) above; refetched, it counts as
         # fetched instead, so the two still add up to the dataset's entries.
@@ -495,13 +495,13 @@ def _fetch_blocks(reader: Reader, todo: list[tuple[RemoteItem, int]], report: St
                 progress.fetched(len(data))
 
 
-def _verify(reader: Reader, items: list[RemoteItem], workers: int, show: bool) -> list[tuple[RemoteItem, int]]:
+def _verify(reader: Reader, items: list[RemoteItem], threads: int, show: bool) -> list[tuple[RemoteItem, int]]:
     """Read back every entry (size + header + checksum); return the ones that failed or are missing."""
     tasks = [(item, b) for item in items for b in reader.blocks(item)]
 
     def ok(task: tuple[RemoteItem, int]) -> bool:
         return reader.cache.get(reader.key(*task)) is not None
 
-    with ThreadPoolExecutor(min(workers, 8)) as pool:
+    with ThreadPoolExecutor(threads) as pool:
         results = list(tqdm(pool.map(ok, tasks), total=len(tasks), desc="verifying", disable=not show, file=sys.stderr))
     return [t for t, good in zip(tasks, results) if not good]

@@ -113,7 +113,7 @@ class LoaderStats:
         concurrency: Host -> its request limits (:mod:`fastload.hostlimit`), over this
             process and the loader's worker processes, each of which has its own:
             ``limit`` (requests in flight the controllers settled on, summed over the
-            processes), ``cap`` (``workers``: a cap *per process*), ``peak`` (the most
+            processes), ``cap`` (``max_requests``: a cap *per process*), ``peak`` (the most
             in flight at once in one process), ``cuts`` (congestion signals, summed),
             ``last_cut``, and ``processes``: ``{"main" | "worker N": {limit, cap, peak,
             cuts, last_cut}}``, each process's own (:func:`combine_limits`).

@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--images", type=int, help="JPEGs in the dataset (default 600; quick 24)")
     p.add_argument("--quality", type=int, default=92, help="JPEG quality (92 gives ~110 KB files at 500x375)")
     p.add_argument("--big-mb", type=float, help="size of the link-limit file in MB (default 50; quick 4)")
-    p.add_argument("--workers", help="comma-separated --workers values for cold staging (default 8,16,32; quick 4,8)")
+    p.add_argument("--workers", help="comma-separated --max-requests values for cold staging (default 8,16,32; quick 4,8)")
     p.add_argument("--repeats", type=int, help="cold runs per workers value and timed passes elsewhere (default 3; quick 1)")
     p.add_argument("--drop-caches", action="store_true", help="as root, also `echo 1 > /proc/sys/vm/drop_caches` before cold disk reads")
     p.add_argument("--work-dir", type=Path, help="where the dataset and caches go (default: a new temp folder)")
@@ -274,7 +274,7 @@ def measure_cold(link: Link, url: str, work: Path, args: argparse.Namespace, lin
         for rep in range(args.repeats):
             cache = work / f"cache-w{workers}-r{rep}"
             cmd = [sys.executable, "-m", "fastload", "cache", f"{url}/", "--json", "--no-progress",
-                   "--cache-dir", str(cache), "--workers", str(workers)]
+                   "--cache-dir", str(cache), "--max-requests", str(workers)]
             report, wall = link.run_json(cmd)
             runs.append({
                 "seconds": round(report["seconds"], 4),

@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--files", type=int, default=300, help="files in the dataset")
     p.add_argument("--kb", type=int, default=110, help="size of each file in KB")
     p.add_argument("--rate", default="200mbit", help="link rate in tc units")
-    p.add_argument("--workers", default="", help="comma-separated --workers values (default: fastload's default only)")
+    p.add_argument("--workers", default="", help="comma-separated --max-requests values (default: fastload's default only)")
     p.add_argument("--no-shaping", action="store_true", help="plain loopback, no namespace")
     p.add_argument("--netns-prefix", default="fl", help="prefix of the namespace's name")
     p.add_argument("--pythonpath", default=str(ROOT), help="the fastload checkout the clients import (before/after runs)")
@@ -171,7 +171,7 @@ def _against(kind: str, args: argparse.Namespace, prefix: list[str], env: dict[s
         for run, workers in enumerate([w for w in args.workers or [None] for _ in range(args.repeats)]):
             cache = Path(tmp) / f"cache-{kind}-{run}"
             cmd = [sys.executable, "-m", "fastload", "cache", base + "data/", "--cache-dir", str(cache), "--json"]
-            cmd += ["--workers", str(workers)] if workers else []
+            cmd += ["--max-requests", str(workers)] if workers else []
             t0 = time.perf_counter()
             report = json.loads(client(cmd))
             wall = time.perf_counter() - t0

@@ -124,17 +124,6 @@ def fmt_bps(x: float | None) -> str:
     return f"{x:.0f} B/s"
 
 
-def fmt_bytes(x: float | None) -> str:
-    """Bytes for prose: ``108000 -> '108 KB'``."""
-    if x is None:
-        return "-"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if x >= scale:
-            v = x / scale
-            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
-    return f"{x:.0f} B"
-
-
 def median(values: list[float]) -> float:
     """The median of a non-empty list."""
     s = sorted(values)

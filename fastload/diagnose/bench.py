@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastload.config import Settings
-from fastload.diagnose._util import fmt_bytes, fmt_rate, optional
+from fastload.config import Settings, format_size
+from fastload.diagnose._util import fmt_rate, optional
 from fastload.stats import StatsCollector, current_collector, use_collector
 
 __all__ = ["BenchOptions", "DecodeJpeg", "render_bench", "run_bench"]
@@ -292,7 +292,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
 def render_bench(r: dict[str, Any]) -> str:
     """The bench report as text."""
     lines = [
-        f"fastload bench: {r['dataset']} ({r['items']} items, avg {fmt_bytes(r['avg_item_bytes'])})",
+        f"fastload bench: {r['dataset']} ({r['items']} items, avg {format_size(r['avg_item_bytes'])})",
         f"batch {r['batch_size']}, num_workers {r['num_workers']}, read_threads {r['read_threads']}, "
         f"decode {r['decode']}, step {r['step_ms']:g} ms, device {r['device'] or 'none'}",
         "",
@@ -304,7 +304,7 @@ def render_bench(r: dict[str, Any]) -> str:
         vs = run.get("vs_torch")
         rows.append((run["loader"], str(run["epoch"]), run["regime"], str(run["batches"]),
                      fmt_rate(run["samples_per_s"]), f"{(run['data_stall_fraction'] or 0):.0%}",
-                     "-" if hit is None else f"{hit:.0%}", fmt_bytes(run["peak_rss_bytes"]),
+                     "-" if hit is None else f"{hit:.0%}", format_size(run["peak_rss_bytes"]),
                      "-" if vs is None else f"{vs:.2f}x"))
     w = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines += ["  ".join(c.ljust(w[i]) if i < 3 else c.rjust(w[i]) for i, c in enumerate(row)) for row in rows]
@@ -320,7 +320,7 @@ def render_bench(r: dict[str, Any]) -> str:
             lines.append(f"slowest stage: {lim}, about {fmt_rate(st['capacity_per_s'])} items/s over "
                          f"{st['threads']} thread(s){vs}")
     lines.append("")
-    lines.append(f"peak RSS (process lifetime) {fmt_bytes(r['ru_maxrss_bytes'])}"
-                 + (f", workers {fmt_bytes(r['children_maxrss_bytes'])}" if r.get("children_maxrss_bytes") else "")
+    lines.append(f"peak RSS (process lifetime) {format_size(r['ru_maxrss_bytes'])}"
+                 + (f", workers {format_size(r['children_maxrss_bytes'])}" if r.get("children_maxrss_bytes") else "")
                  + f"; {r['seconds']:.1f} s in all")
     return "\n".join(lines)

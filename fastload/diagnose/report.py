@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastload.diagnose._util import fmt_bps, fmt_bytes, fmt_rate
+from fastload.config import format_size
+from fastload.diagnose._util import fmt_bps, fmt_rate
 from fastload.diagnose.verdict import Advice, Regime, Stage, Verdict
 
 __all__ = ["render", "verdict_from_dict"]
@@ -54,7 +55,7 @@ def _env(e: dict[str, Any]) -> list[str]:
     lines = [
         f"  os        {e.get('os')}, kernel {e.get('kernel')}, {e.get('machine')}",
         f"  cpu       {e.get('cpu_model')}: {e.get('cpu_usable')} usable of {e.get('cpu_count')} cores",
-        f"  ram       {fmt_bytes(e.get('ram_bytes'))} ({fmt_bytes(e.get('ram_available_bytes'))} available)",
+        f"  ram       {format_size(e.get('ram_bytes'))} ({format_size(e.get('ram_available_bytes'))} available)",
         f"  python    {e.get('python')}",
         f"  torch     {torch_line}",
         f"  driver    {drv_line}",
@@ -73,8 +74,8 @@ def _gpu(report: dict[str, Any]) -> list[str]:
         lines.append(f"  nvml      {_why(g)}")
     for d in g.get("devices", []):
         p, c = d.get("pcie", {}), d.get("clocks_mhz", {})
-        lines.append(f"  gpu {d['index']}     {d.get('name')}: memory {fmt_bytes(d.get('memory_used_bytes'))} used of "
-                     f"{fmt_bytes(d.get('memory_total_bytes'))}; PCIe Gen{p.get('gen_current')} x{p.get('width_current')} "
+        lines.append(f"  gpu {d['index']}     {d.get('name')}: memory {format_size(d.get('memory_used_bytes'))} used of "
+                     f"{format_size(d.get('memory_total_bytes'))}; PCIe Gen{p.get('gen_current')} x{p.get('width_current')} "
                      f"(max Gen{p.get('gen_max')} x{p.get('width_max')})")
         util = d.get("utilization_pct") or {}
         lines.append(f"            {d.get('temperature_c')} C, {d.get('power_w')} W of {d.get('power_limit_w')} W, "
@@ -105,8 +106,8 @@ def _storage(s: dict[str, Any]) -> list[str]:
         lines.append(f"  listing     {lst['items']} objects in {lst['seconds']:.3f} s ({fmt_rate(lst.get('items_per_s'))}/s)")
     else:
         lines.append(f"  listing     {_why(lst)}")
-    lines.append(f"  objects     {s['objects']}, avg {fmt_bytes(s['avg_object_bytes'])}, dataset "
-                 f"{'' if s['dataset_bytes_exact'] else '~'}{fmt_bytes(s['dataset_bytes'])} (sizes from {s['sizes_from']})")
+    lines.append(f"  objects     {s['objects']}, avg {format_size(s['avg_object_bytes'])}, dataset "
+                 f"{'' if s['dataset_bytes_exact'] else '~'}{format_size(s['dataset_bytes'])} (sizes from {s['sizes_from']})")
     t = s["ttfb_ms"]
     lines.append(f"  TTFB        median {t['median_ms']:.1f} ms, p90 {t['p90_ms']:.1f} ms ({t['n']} requests)")
     levels = "; ".join(f"{lv['connections']}: {fmt_bps(lv['bytes_per_s'])}" for lv in s["levels"])
@@ -127,14 +128,14 @@ def _cache(c: dict[str, Any]) -> list[str]:
     else:
         frac = st.get("url_cached_fraction")
         url = "" if frac is None else f"; this URL {frac:.0%} cached"
-        lines.append(f"  state       {st['path']}: {st['entries']} entries, {fmt_bytes(st['stored_bytes'])} of "
-                     f"{fmt_bytes(st['limit_bytes'])} limit, {st['manifests']} dataset(s), "
+        lines.append(f"  state       {st['path']}: {st['entries']} entries, {format_size(st['stored_bytes'])} of "
+                     f"{format_size(st['limit_bytes'])} limit, {st['manifests']} dataset(s), "
                      f"{st['corrupt_dropped']} corrupt dropped{url}")
     if _why(dk):
         lines.append(f"  disk        {_why(dk)}")
     else:
         lines.append(f"  disk        sequential cold {fmt_bps(dk['seq_cold_bps'])}, hot {fmt_bps(dk['seq_hot_bps'])}; "
-                     f"random {fmt_bytes(dk['random_piece_bytes'])} reads x {dk['random_threads']} threads cold "
+                     f"random {format_size(dk['random_piece_bytes'])} reads x {dk['random_threads']} threads cold "
                      f"{fmt_bps(dk['random_cold_bps'])}")
         if dk.get("note"):
             lines.append(f"              note: {dk['note']}")
@@ -158,7 +159,7 @@ def _compute(report: dict[str, Any]) -> list[str]:
                      f"({cpu['thread_scaling']:.1f}x)")
         lines.append(f"  CPU decode  {fmt_rate(cpu['decode_per_core'])} img/s/core decode only, "
                      f"{fmt_rate(cpu['decode_resize_per_core'])} with resize to {cpu['resize_to']}{scale} "
-                     f"({w}x{h}, avg {fmt_bytes(cpu['avg_jpeg_bytes'])})")
+                     f"({w}x{h}, avg {format_size(cpu['avg_jpeg_bytes'])})")
     pay = c.get("payload_decode", {})
     if _why(pay):
         lines.append(f"  LZ4 decode  {_why(pay)}")

@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fastload.config import Settings
-from fastload.diagnose._util import fmt_bps, fmt_bytes, fmt_rate
+from fastload.config import Settings, format_size
+from fastload.diagnose._util import fmt_bps, fmt_rate
 
 __all__ = ["PAYLOADS", "Advice", "Inputs", "Regime", "Stage", "Verdict", "make_verdict", "payload_bytes"]
 
@@ -52,7 +52,7 @@ CLASS_OF = {
     "model": "compute",
 }
 DEFAULT_READ_THREADS = 8  # Inputs' default: fastload.config.default_read_threads() on 8 or more CPUs
-DEFAULT_STAGE_WORKERS = Settings.workers  # the cap on requests in flight per host
+DEFAULT_STAGE_WORKERS = Settings.max_requests  # the cap on requests in flight per host
 CLOSE = 1.15  # two stages within 15% of each other are "balanced"
 #: A100 + DALI mixed decode, about 7,000 img/s (DALI's A100 blog, quoted in NVIDIA/DALI issue 5362),
 #: quoted when unmeasured.
@@ -176,7 +176,7 @@ class Verdict:
         w = [max(len(r[i]) for r in rows) for i in range(3)]
         out = [f"{r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:<{w[2]}}  {r[3]}".rstrip() for r in rows]
         out.append("")
-        out.append(f"sample size {fmt_bytes(self.sample_bytes)} ({self.sample_bytes_source})")
+        out.append(f"sample size {format_size(self.sample_bytes)} ({self.sample_bytes_source})")
         if self.streams_every_epoch:
             out.append(f"every epoch: {self.cold.sentence}")
         else:
@@ -227,7 +227,7 @@ def _stages(x: Inputs) -> list[Stage]:
     per = payload_bytes(payload, size, x.image_size)
     rate = x.h2d_bps / per if x.h2d_bps else None
     add("link", f"GPU link ({_payload_name(payload, x.image_size)})", rate,
-        f"{fmt_bps(x.h2d_bps)} pinned H2D, {fmt_bytes(per)}/sample", "all")
+        f"{fmt_bps(x.h2d_bps)} pinned H2D, {format_size(per)}/sample", "all")
     add("gpu_decode", "GPU JPEG decode", x.gpu_decode_img_s,
         f"{fmt_rate(x.gpu_decode_img_s)} img/s", "all", on_gpu)
     add("model", "model step", x.model_img_s, f"{fmt_rate(x.model_img_s)} img/s", "all")
@@ -279,7 +279,7 @@ def _sentence(x: Inputs, stages: list[Stage], s: Stage | None, regime: str) -> s
     if s is None:
         return "no stage on this path was measured"
     rate = fmt_rate(s.samples_per_s)
-    size = fmt_bytes(x.sample_bytes)
+    size = format_size(x.sample_bytes)
     if s.name == "storage":
         where = x.storage_url or "storage"
         conn = f" with {_n(x.storage_connections, 'connection')}" if x.storage_connections else ""
@@ -334,9 +334,9 @@ def _advice(x: Inputs, stages: list[Stage], s: Stage, regime: str, warm: Stage |
             tail = f"; epochs 2+ then run at the warm limit, {fmt_rate(warm.samples_per_s)} img/s" if warm else ""
             out.append(Advice("cache", "on (the default)", f"storage caps every epoch at {rate} img/s{tail}"))
         elif _streams(x):
-            out.append(Advice("FASTLOAD_CACHE_LIMIT / --cache-limit", f">= {fmt_bytes((x.dataset_bytes or 0) * 1.1)}",
-                              f"the dataset ({fmt_bytes(x.dataset_bytes)}) is larger than the cache limit "
-                              f"({fmt_bytes(x.cache_limit_bytes)}), so every epoch streams at {rate} img/s"))
+            out.append(Advice("FASTLOAD_CACHE_LIMIT / --cache-limit", f">= {format_size((x.dataset_bytes or 0) * 1.1)}",
+                              f"the dataset ({format_size(x.dataset_bytes)}) is larger than the cache limit "
+                              f"({format_size(x.cache_limit_bytes)}), so every epoch streams at {rate} img/s"))
         conn = x.storage_connections
         if conn and conn > x.read_threads and x.storage_one_conn_bps and x.storage_bps:
             at = min(x.storage_bps, x.read_threads * x.storage_one_conn_bps) / x.sample_bytes
@@ -347,10 +347,10 @@ def _advice(x: Inputs, stages: list[Stage], s: Stage, regime: str, warm: Stage |
         if x.cache and x.cached_fraction != 1.0:
             url = x.storage_url or "URL"
             cap = (x.storage_settled or {}).get("cap", DEFAULT_STAGE_WORKERS)
-            workers = f" --workers {conn}" if conn and conn > cap else ""
+            workers = f" --max-requests {conn}" if conn and conn > cap else ""
             cost = ""
             if x.dataset_bytes and x.storage_bps:
-                cost = f"; it moves {fmt_bytes(x.dataset_bytes)} once, about {_duration(x.dataset_bytes / x.storage_bps)}"
+                cost = f"; it moves {format_size(x.dataset_bytes)} once, about {_duration(x.dataset_bytes / x.storage_bps)}"
             later = f", then every epoch runs at {fmt_rate(warm.samples_per_s)} img/s" if warm and not _streams(x) else ""
             out.append(Advice("pre-stage", f"fastload cache {url}{workers}",
                               f"epoch 1 otherwise streams at {rate} img/s{later}{cost}"))
@@ -358,7 +358,7 @@ def _advice(x: Inputs, stages: list[Stage], s: Stage, regime: str, warm: Stage |
             per_conn = x.storage_one_conn_bps / x.sample_bytes
             out.append(Advice("data layout", "tar shards of 64 MB or more (fastload.TarDataset)",
                               f"each request waits {x.storage_ttfb_s * 1e3:.0f} ms for its first byte and moves "
-                              f"only {fmt_bytes(x.sample_bytes)}, so one connection does {fmt_rate(per_conn)} img/s"))
+                              f"only {format_size(x.sample_bytes)}, so one connection does {fmt_rate(per_conn)} img/s"))
     elif s.name == "cache_disk":
         out.append(Advice("FASTLOAD_CACHE_DIR", "a faster local disk (NVMe)",
                           f"the cache disk reads {fmt_bps(x.cache_disk_bps)}, capping warm epochs at {rate} img/s"))
@@ -512,7 +512,7 @@ def _notes(x: Inputs, stages: list[Stage], s: Stage | None, regime: str) -> list
         why = (f", cut {_n(settled['cuts'], 'time')} on busy answers or resets" if settled.get("cuts") else
                ", the cap" if settled["limit"] >= settled["cap"] else ", where more stopped paying")
         notes.append(f"fastload's request limit to the storage settled at {settled['limit']} in flight "
-                     f"(cap --workers {settled['cap']}{why})")
+                     f"(cap --max-requests {settled['cap']}{why})")
     if x.model_img_s is None:
         notes.append("the model's own rate is unknown; pass --step-ms and --batch-size to include it")
     return notes

@@ -11,7 +11,7 @@ What a request's failure means is :mod:`fastload.failures`; how an HTTP answer
 reads is :mod:`fastload.answers`; requests in flight are :mod:`fastload.hostlimit`.
 """
 
-from fastload.source.core import HEAD_CONCURRENCY, Source
+from fastload.source.core import Source
 from fastload.source.items import RemoteItem, glob_to_regex, matching, nothing_matched
 
-__all__ = ["HEAD_CONCURRENCY", "RemoteItem", "Source", "glob_to_regex", "matching", "nothing_matched"]
+__all__ = ["RemoteItem", "Source", "glob_to_regex", "matching", "nothing_matched"]

@@ -62,7 +62,6 @@ T = TypeVar("T")
 
 
 _STORES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
-HEAD_CONCURRENCY = 64  # HEADs in flight while completing a sizeless listing (Source.complete_all)
 
 
 class Source(FsspecRoad):
@@ -208,7 +207,7 @@ class Source(FsspecRoad):
 
         Looked up per request: a forked child starts with its own limits (fastload.hostlimit).
         """
-        return None if self._local else limit_for(host_of(url, self.storage_options), self.settings.workers)
+        return None if self._local else limit_for(host_of(url, self.storage_options), self.settings.max_requests)
 
     def ignores_ranges(self, url: str) -> bool:
         """Whether ``url``'s host answered a ranged GET with the whole object."""
@@ -296,7 +295,7 @@ class Source(FsspecRoad):
         # A HEAD moves no data: it is one round trip, so more of them may overlap than
         # transfers. 16 at a time spent ~4 s listing 3,000 objects with 20 ms to first
         # byte, longer than the transfer itself at 1 Gbit (benchmarks/peers).
-        threads = min(len(items), max(self.settings.workers, HEAD_CONCURRENCY))
+        threads = min(len(items), self.settings.head_threads)
         with ThreadPoolExecutor(max(1, threads)) as pool:
             return list(pool.map(self.complete, items))
 
@@ -341,7 +340,7 @@ class Source(FsspecRoad):
     def read_first_many(self, items: builtins.list[RemoteItem], nbytes: int) -> builtins.list[tuple[RemoteItem, bytes]]:
         """:meth:`read_first` of each item, with their GETs overlapping on fsspec's event loop.
 
-        A staging thread that waits on one request at a time keeps ``workers`` requests in
+        A staging thread that waits on one request at a time keeps ``max_requests`` requests in
         flight, too few for 20 ms to first byte; more threads cost CPU and contend for the
         GIL and the cache index. Here one thread keeps a whole batch in flight. An item
         whose GET fails is retried alone through :meth:`read_first` (backoff, translation).

@@ -247,9 +247,8 @@ class FsspecRoad:
         redo = [i for i, res in enumerate(results) if res is None or (isinstance(res, BaseException)
                                                                      and not isinstance(res, RemoteChangedError))]
         if len(redo) > 1 and not getattr(fs, "async_impl", False):
-            # A store without an event loop (local files, NFS): its reads overlap on
-            # threads, as many as the cap on requests in flight allows.
-            with ThreadPoolExecutor(min(len(redo), self.settings.workers), thread_name_prefix="fastload-read") as pool:
+            # A store without an event loop (local files, NFS): its reads overlap on threads.
+            with ThreadPoolExecutor(min(len(redo), self.settings.local_threads), thread_name_prefix="fastload-read") as pool:
                 for i, res in zip(redo, pool.map(again, redo)):
                     results[i] = res
         else:

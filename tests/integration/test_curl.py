@@ -176,7 +176,7 @@ def test_leased_slots_come_back_once_an_epoch_ends(tmp_path: Path, nginx_server:
     ds.fetch_ahead(list(range(len(ds))))
     got = ds.read_batch(list(range(len(ds))))
     assert sorted(s["data"] for s in got) == sorted(files.values())
-    limit = hostlimit.limit_for(hostlimit.host_of(server.url), ds.reader.settings.workers)
+    limit = hostlimit.limit_for(hostlimit.host_of(server.url), ds.reader.settings.max_requests)
     _until(lambda: limit.in_flight == 0, f"{limit.in_flight} slots still held after the epoch")
     hosts = [h for h in curl._STATE.hosts.values() if h.limit is limit]
     assert hosts and curl._STATE.engine.counts(hosts[0].id) == (0, 0, 0)

@@ -82,7 +82,7 @@ def test_fallback_server_keeps_a_connection_for_many_requests(fallback: Any) -> 
 
 
 def test_fallback_server_stages_every_file(fallback: Any, tmp_path: Path) -> None:
-    settings = Settings(cache_dir=tmp_path / "cache", workers=8)
+    settings = Settings(cache_dir=tmp_path / "cache", max_requests=8)
     report = fastload.stage(f"{fallback.url}/train/", pattern="**/*.jpg", settings=settings, progress=False)
     assert report.items == 40
     assert report.fetched_bytes == sum(1000 + 37 * i for i in range(40))

@@ -171,7 +171,7 @@ def test_a_stop_starts_no_fetch_ahead_and_ends_the_wait_for_one(tmp_path: Path) 
         (tmp_path / "www" / f"f{k}.bin").write_bytes(os.urandom(1000))
     server = _HoldingServer(tmp_path / "www")
     try:
-        reader = Reader(Settings(cache_dir=tmp_path / "cache", workers=1, request_timeout_s=60, retries=1))
+        reader = Reader(Settings(cache_dir=tmp_path / "cache", max_requests=1, request_timeout_s=60, retries=1))
         items = [RemoteItem(f"{server.url}/f{k}.bin", -1, "") for k in range(8)]
         assert reader.fetcher.ahead(items[:5]) == 5  # one request in flight (the cap), four queued for its slot
         _until(lambda: server.held == 1, "the first fetch ahead never reached the server")

@@ -130,17 +130,17 @@ def test_workers_caps_the_connections_a_server_sees(
 ) -> None:
     make_files(tmp_path / "www", 120, 20_000)
     server = counting_server(tmp_path / "www", delay_s=0.01)
-    code = main(["cache", server.url + "/data/", "--workers", "4", "--cache-dir", str(tmp_path / "cache"), "--json"])
+    code = main(["cache", server.url + "/data/", "--max-requests", "4", "--cache-dir", str(tmp_path / "cache"), "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["items"] == 120 and report["fetched_blocks"] == 120
-    assert server.peak == 4  # requests overlapped, and never more than --workers 4
+    assert server.peak == 4  # requests overlapped, and never more than --max-requests 4
     assert report["concurrency"]["cap"] == 4 and 1 <= report["concurrency"]["limit"] <= 4
 
 
 def test_training_reads_respect_the_cap_too(tmp_path: Path, counting_server: Callable[..., CountingServer]) -> None:
     make_files(tmp_path / "www", 150, 20_000)
     server = counting_server(tmp_path / "www", delay_s=0.01)
-    ds = fastload.FileDataset(server.url + "/data/", pattern="**/*.bin", settings=settings_for(tmp_path, workers=3))
+    ds = fastload.FileDataset(server.url + "/data/", pattern="**/*.bin", settings=settings_for(tmp_path, max_requests=3))
     loader = fastload.DataLoader(ds, batch_size=16, collate_fn=lambda b: b)
     assert sum(len(b) for b in loader) == 150
     assert 1 < server.peak <= 3
@@ -154,7 +154,7 @@ def test_worker_processes_report_their_own_limits_to_the_parent(
     # parent's stats once showed only its own (from listing), never the workers' fetches.
     make_files(tmp_path / "www", 120, 20_000)
     server = counting_server(tmp_path / "www", delay_s=0.005)
-    ds = fastload.FileDataset(server.url + "/data/", pattern="**/*.bin", settings=settings_for(tmp_path, workers=3))
+    ds = fastload.FileDataset(server.url + "/data/", pattern="**/*.bin", settings=settings_for(tmp_path, max_requests=3))
     loader = fastload.DataLoader(ds, batch_size=8, num_workers=2, collate_fn=lambda b: b)
     assert sum(len(b) for b in loader) == 120
     state = loader.stats().concurrency[server.url]
@@ -179,7 +179,7 @@ def test_a_standard_library_server_is_not_flooded(tmp_path: Path, counting_serve
     assert report.fetched_blocks == 300
     gets = server.file_gets()
     assert len(gets) == 300 and set(gets.values()) == {1}
-    assert server.peak <= settings.workers
+    assert server.peak <= settings.max_requests
 
 
 @pytest.mark.parametrize("status", [503, 429])
@@ -190,7 +190,7 @@ def test_the_limit_is_cut_when_the_server_says_it_is_busy(
     # the limit must come down from where it started (4) and staging still completes.
     make_files(tmp_path / "www", 150, 5_000)
     server = counting_server(tmp_path / "www", delay_s=0.01, capacity=2, busy_status=status)
-    settings = settings_for(tmp_path, workers=16, retries=10, backoff_max_s=0.2)
+    settings = settings_for(tmp_path, max_requests=16, retries=10, backoff_max_s=0.2)
     report = fastload.stage(server.url + "/data/", settings=settings, progress=False)
     assert report.fetched_blocks == 150
     assert server.busy > 0  # the server did refuse some
@@ -207,7 +207,7 @@ def test_diagnose_reports_the_limit_it_settled_on_and_advises_with_it(
 
     make_files(tmp_path / "www", 40, 20_000)
     server = counting_server(tmp_path / "www", delay_s=0.005, capacity=2)
-    monkeypatch.setenv("FASTLOAD_WORKERS", "3")
+    monkeypatch.setenv("FASTLOAD_MAX_REQUESTS", "3")
     budget = storage.StorageBudget(level_s=0.3, ttfb_requests=2, objects=8, head_requests=8, max_connections=2)
     result = storage.probe_storage(server.url + "/data/", pattern="**/*.bin", budget=budget)
     settled = result["settled_concurrency"]
@@ -215,8 +215,8 @@ def test_diagnose_reports_the_limit_it_settled_on_and_advises_with_it(
     verdict = make_verdict(Inputs(sample_bytes=20_000, storage_url=server.url, storage_bps=result["best_bps"],
                                   storage_connections=8, storage_settled=settled, cached_fraction=0.0))
     text = "\n".join(verdict.lines())
-    assert f"settled at {settled['limit']} in flight (cap --workers 3, cut" in text
-    assert f"fastload cache {server.url} --workers 8" in text  # storage saturates above the cap
+    assert f"settled at {settled['limit']} in flight (cap --max-requests 3, cut" in text
+    assert f"fastload cache {server.url} --max-requests 8" in text  # storage saturates above the cap
 
 
 def test_a_server_that_closes_each_connection_is_held_to_closing_max(
@@ -226,7 +226,7 @@ def test_a_server_that_closes_each_connection_is_held_to_closing_max(
     # queue. The session's response class sees that; slow start would grow past 4 otherwise.
     make_files(tmp_path / "www", 120, 5_000)
     server = counting_server(tmp_path / "www", delay_s=0.01)
-    report = fastload.stage(server.url + "/data/", settings=settings_for(tmp_path, workers=64), progress=False)
+    report = fastload.stage(server.url + "/data/", settings=settings_for(tmp_path, max_requests=64), progress=False)
     assert report.fetched_blocks == 120
     assert hostlimit.limit_for(server.url, 64).closing
     assert server.peak <= hostlimit.CLOSING_MAX

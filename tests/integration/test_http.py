@@ -33,7 +33,7 @@ def settings(tmp_path: Path) -> Settings:
     return Settings(
         cache_dir=tmp_path / "cache",
         block_bytes=64 * 1024,
-        workers=4,
+        max_requests=4,
         retries=2,
         backoff_s=0.01,
         request_timeout_s=10,

@@ -86,7 +86,7 @@ def py_server() -> Iterator[Callable[..., tuple[str, _Recorder]]]:
 
 @pytest.fixture()
 def settings(tmp_path: Path) -> Settings:
-    return Settings(cache_dir=tmp_path / "cache", block_bytes=64 * 1024, workers=4, retries=2, backoff_s=0.01, request_timeout_s=10)
+    return Settings(cache_dir=tmp_path / "cache", block_bytes=64 * 1024, max_requests=4, retries=2, backoff_s=0.01, request_timeout_s=10)
 
 
 def _nested(root: Path, classes: int = 12) -> dict[str, bytes]:
@@ -117,8 +117,8 @@ def test_a_level_of_subfolders_is_listed_together_and_redirects_once(
     )
     assert not [r for r in rec.log if r[0] == "HEAD"]
     # The 12 folders of one level were in flight together, within the host's limit (at most
-    # workers=4, fastload.hostlimit); one after another (fsspec's walk) this was 1.
-    assert 1 < rec.peak <= settings.workers
+    # max_requests=4, fastload.hostlimit); one after another (fsspec's walk) this was 1.
+    assert 1 < rec.peak <= settings.max_requests
 
 
 def test_empty_python_server_folder_is_an_error_not_its_listing_page(
@@ -198,7 +198,7 @@ def test_a_listing_with_one_request_allowed_in_flight_completes(
     # to 1 by a busy server) the first page waited for itself forever.
     files = _nested(tmp_path / "www" / "data", classes=3)
     base, rec = py_server(tmp_path / "www")
-    settings = Settings(cache_dir=tmp_path / "cache", workers=1, retries=1, request_timeout_s=10)
+    settings = Settings(cache_dir=tmp_path / "cache", max_requests=1, retries=1, request_timeout_s=10)
     items = Reader(settings).list(base + "/data/", "**/*.jpg", complete=False)
     assert sorted(i.url[len(base) + 6 :] for i in items) == sorted(files)
     assert rec.peak == 1

@@ -47,7 +47,7 @@ def _requests(server: NginxServer, method: str, suffix: str = ".bin") -> int:
 
 @pytest.fixture()
 def settings(tmp_path: Path) -> Settings:
-    return Settings(cache_dir=tmp_path / "cache", block_bytes=64 * 1024, workers=4, retries=2, backoff_s=0.01)
+    return Settings(cache_dir=tmp_path / "cache", block_bytes=64 * 1024, max_requests=4, retries=2, backoff_s=0.01)
 
 
 def test_fresh_stage_fetches_each_sizeless_object_with_one_get(

@@ -27,7 +27,7 @@ def test_stage_from_s3_and_read_back(
     for name, data in files.items():
         (local / name).write_bytes(data)
     _servers.upload_tree(local, moto_server.endpoint_url, s3_bucket, "train")
-    settings = Settings(cache_dir=tmp_path / "cache", workers=4)
+    settings = Settings(cache_dir=tmp_path / "cache", max_requests=4)
     report = fastload.stage(
         f"s3://{s3_bucket}/train/", storage_options=s3_options, settings=settings, progress=False
     )

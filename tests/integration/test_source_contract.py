@@ -259,7 +259,7 @@ def test_a_stop_ends_a_request_in_the_middle_and_gives_its_slot_back(
     proxy.start()
     try:
         root, options = store.via(proxy.url)
-        src = Source(root, options, _settings(workers=4))
+        src = Source(root, options, _settings(max_requests=4))
         item = RemoteItem(src.canonical(root + "a.bin"), -1, "")
         outcome: list[BaseException] = []
 

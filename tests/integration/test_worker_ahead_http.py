@@ -105,7 +105,7 @@ def test_a_worker_asks_for_its_later_batch_while_its_first_is_still_unanswered(
     later = {names[i] for i in order[4 * BATCH : 5 * BATCH]}  # batch 4: worker 0's third
     server = holding(held={names[order[0]]}, awaited=later)
     urls = [server.url + path for path in names]  # a URL list: no listing
-    settings = Settings(cache_dir=tmp_path / "cache", workers=4, retries=2, backoff_s=0.01)
+    settings = Settings(cache_dir=tmp_path / "cache", max_requests=4, retries=2, backoff_s=0.01)
     loader = fastload.DataLoader(fastload.FileDataset(urls, settings=settings), num_workers=2,
                                  persistent_workers=True, timeout=2 * HOLD_S, **kw)
     batches = list(loader)

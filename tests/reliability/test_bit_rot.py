@@ -118,7 +118,7 @@ def test_rotten_payloads_are_detected_refetched_and_counted(
     files = make_files(tmp_path / "www", n, 12_000)
     server = nginx_server(tmp_path / "www")
     url = server.url + "/"
-    settings = Settings(cache_dir=tmp_path / "cache", block_bytes=64 * 1024, workers=4)
+    settings = Settings(cache_dir=tmp_path / "cache", block_bytes=64 * 1024, max_requests=4)
     fastload.stage(url, settings=settings, progress=False)
     rng = random.Random(9)
     per_kind = max(1, n // 100)  # 1% of payload files per kind

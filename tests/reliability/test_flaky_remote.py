@@ -33,7 +33,7 @@ def trials_of(fault_id: str, variant: str) -> int:
 def flaky_settings(cache_dir: Path) -> Settings:
     # 40% of requests fail; 14 attempts leave 0.4**14 ~ 3e-6 per request to chance.
     return Settings(
-        cache_dir=cache_dir, block_bytes=64 * 1024, workers=4, retries=14,
+        cache_dir=cache_dir, block_bytes=64 * 1024, max_requests=4, retries=14,
         backoff_s=0.01, backoff_max_s=0.2, request_timeout_s=0.5,
     )  # fmt: skip
 

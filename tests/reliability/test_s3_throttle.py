@@ -64,7 +64,7 @@ def test_an_epoch_over_a_throttling_s3_cuts_the_limit_and_is_bit_exact(
     _servers.upload_tree(tmp_path / "data", moto_server.endpoint_url, s3_bucket, "train")
     proxy = fault_proxy(moto_server.endpoint_url, {"503": 0.25}, s3=True, seed=7, match="/train/")
     options = _servers.s3_storage_options(proxy.url) | {"skip_instance_cache": True}
-    settings = _settings(tmp_path / "cache", workers=8, retries=14, backoff_s=0.01, backoff_max_s=0.1)
+    settings = _settings(tmp_path / "cache", max_requests=8, retries=14, backoff_s=0.01, backoff_max_s=0.1)
     ds = fastload.FileDataset(f"s3://{s3_bucket}/train/", settings=settings, storage_options=options)
     loader = fastload.DataLoader(ds, batch_size=8, collate_fn=lambda b: b)
     root = ds.reader.manifest_root(f"s3://{s3_bucket}/train/") + "/"

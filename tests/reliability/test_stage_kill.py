@@ -104,7 +104,7 @@ def test_sigkill_mid_staging_then_rerun_leaves_no_bad_entries(
         before = count_published(cache_dir)
         target = before + rng.randint(1, max(1, (len(files) - before) // (2 * (kills - k + 1))))
         proc = subprocess.Popen(
-            cli(str(root), "--workers", "2", cache_dir=cache_dir),
+            cli(str(root), "--max-requests", "2", cache_dir=cache_dir),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -142,7 +142,7 @@ def test_four_processes_staging_the_same_dataset_agree(tmp_path: Path) -> None:
     files = make_dataset(root, n=120, size=32 * 1024)
     procs = [
         subprocess.Popen(
-            cli(str(root), "--workers", "3", cache_dir=cache_dir),
+            cli(str(root), "--max-requests", "3", cache_dir=cache_dir),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )

@@ -56,7 +56,7 @@ def test_another_block_size_reads_what_it_can_says_why_once_and_info_and_clear_s
     assert (ds.reader.hits, ds.reader.misses) == (2 * SMALL + LARGE, LARGE)
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1, said
-    assert f"{LARGE} of the {SMALL + LARGE} objects" in said[0] and "blocks of 65.54 KB" in said[0], said[0]
+    assert f"{LARGE} of the {SMALL + LARGE} objects" in said[0] and "blocks of 65.5 KB" in said[0], said[0]
     assert "fetched again" in said[0] and f"FASTLOAD_BLOCK_SIZE={BLOCK}" in said[0], said[0]
 
     caplog.clear()

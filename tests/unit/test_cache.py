@@ -30,7 +30,7 @@ def make_files(root: Path, n: int = 8, size: int = 50_000) -> dict[str, bytes]:
 
 @pytest.fixture()
 def settings(tmp_path: Path) -> Settings:
-    return Settings(cache_dir=tmp_path / "cache", cache_limit_bytes=10**9, block_bytes=64 * 1024, chunk_bytes=16 * 1024, workers=4, retries=2, backoff_s=0.01)
+    return Settings(cache_dir=tmp_path / "cache", cache_limit_bytes=10**9, block_bytes=64 * 1024, chunk_bytes=16 * 1024, max_requests=4, retries=2, backoff_s=0.01)
 
 
 def test_staged_reads_survive_the_remote_disappearing(tmp_path: Path, settings: Settings) -> None:

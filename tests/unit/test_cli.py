@@ -161,3 +161,20 @@ def test_glob_classes_match_fresh_and_from_a_recorded_listing(tmp_path: Path, ca
 def test_info_is_the_one_command_that_shows_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
     # `ls` was a second name for `info`; one meaning, one name.
     assert main(["ls"]) == 2 and "invalid choice: 'ls'" in capsys.readouterr().err
+
+
+def test_workers_flag_is_max_requests_old_name(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastload import cli, config
+
+    seen: list[int] = []
+    real = cli._settings
+    monkeypatch.setattr(cli, "_settings", lambda args: seen.append(real(args).max_requests) or real(args))
+    monkeypatch.setattr(config, "_warned", set())
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "a.bin").write_bytes(b"a")
+    assert main(["cache", str(data), "--max-requests", "3", "--cache-dir", str(tmp_path / "c"), "--no-progress"]) == 0
+    with pytest.warns(FutureWarning, match="'--workers' is now '--max-requests'"):
+        assert main(["cache", str(data), "--workers", "5", "--cache-dir", str(tmp_path / "c"), "--no-progress"]) == 0
+    assert 3 in seen and 5 in seen and 64 not in seen[seen.index(5):]

@@ -25,8 +25,26 @@ def test_parse_size_rejects_with_a_named_value(bad: object) -> None:
 
 
 def test_env_is_read_in_one_place(tmp_path: Path) -> None:
-    s = Settings.from_env({"FASTLOAD_CACHE_DIR": str(tmp_path), "FASTLOAD_CACHE_LIMIT": "2GB", "FASTLOAD_WORKERS": "3"})
-    assert (s.cache_dir, s.cache_limit_bytes, s.workers) == (tmp_path, 2 * 10**9, 3)
+    s = Settings.from_env({"FASTLOAD_CACHE_DIR": str(tmp_path), "FASTLOAD_CACHE_LIMIT": "2GB", "FASTLOAD_MAX_REQUESTS": "3"})
+    assert (s.cache_dir, s.cache_limit_bytes, s.max_requests) == (tmp_path, 2 * 10**9, 3)
+
+
+def test_workers_is_max_requests_old_name_taken_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request cap read like torch's num_workers; its old names still work, each warning once."""
+    from fastload import config
+
+    monkeypatch.setattr(config, "_warned", set())
+    with pytest.warns(FutureWarning, match="'workers' is now 'max_requests'"):
+        s = Settings(workers=5)
+    assert s.max_requests == 5 and s.workers == 5 and s == Settings(max_requests=5)
+    with pytest.warns(FutureWarning, match="FASTLOAD_WORKERS"):
+        assert Settings.from_env({"FASTLOAD_WORKERS": "7"}).max_requests == 7
+    assert Settings.from_env({"FASTLOAD_WORKERS": "7", "FASTLOAD_MAX_REQUESTS": "9"}).max_requests == 9
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: no second warning
+        assert Settings(workers=6).max_requests == 6
 
 
 def test_env_errors_name_the_variable() -> None:
@@ -47,7 +65,7 @@ def test_invalid_settings_are_rejected() -> None:
 
 
 def test_format_size() -> None:
-    assert format_size(1_500_000) == "1.50 MB"
+    assert format_size(1_500_000) == "1.5 MB" and format_size(10_030_000) == "10 MB" and format_size(None) == "-"
     assert format_size(999) == "999 B"
 
 

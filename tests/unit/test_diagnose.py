@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from fastload.cli import main
+from fastload.config import format_size
 from fastload.diagnose import _util
 from fastload.diagnose import gpu as gpu_mod
 from fastload.diagnose import link as link_mod
@@ -318,7 +319,7 @@ def test_rate_formatting():
     assert _util.fmt_rate(17273) == "17,000"
     assert _util.fmt_rate(113.6) == "114"
     assert _util.fmt_bps(2.6e9) == "2.6 GB/s" and _util.fmt_bps(12.1e6) == "12.1 MB/s"
-    assert _util.fmt_bytes(108_000) == "108 KB"
+    assert format_size(108_000) == "108 KB"
 
 
 @pytest.mark.parametrize("module", [_util, gpu_mod, link_mod, verdict_mod])

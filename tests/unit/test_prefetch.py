@@ -15,14 +15,13 @@ from _loader_helpers import assert_same
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastload.batch_tree import collect_tensors, rebuild
 from fastload.errors import ConfigError, LoaderError
 from fastload.prefetch import (
     MIN_SLOT_BYTES,
     DevicePrefetcher,
     _HostBackend,
     _Slot,
-    collect_tensors,
-    rebuild,
     slot_size,
 )
 from fastload.stats import StatsCollector
