@@ -90,7 +90,7 @@ print(json.dumps({"bytes": n, "seconds": time.perf_counter() - t0}))
 _LIST_CLIENT = """
 import json, sys, time, fastload
 from fastload.config import Settings
-s = Settings(cache_dir=sys.argv[2], workers=int(sys.argv[3]))
+s = Settings(cache_dir=sys.argv[2], max_requests=int(sys.argv[3]))
 t0 = time.perf_counter()
 r = fastload.stage(sys.argv[1], settings=s, dry_run=True, progress=False)
 print(json.dumps({"seconds": time.perf_counter() - t0, "items": r.items, "remote_bytes": r.remote_bytes}))
