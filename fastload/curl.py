@@ -452,6 +452,23 @@ _FS_KEYS = {"simple_links", "block_size", "same_scheme", "size_policy", "cache_t
             "skip_instance_cache"}
 
 
+def closed_by(choice: str) -> str:
+    """Why no GET may take libcurl's engine under ``choice`` (``Settings.http_client``), or "" when they
+    may: every store's route asks here (HTTP below, fastload.source.s3, fastload.source.gcs).
+
+    Raises:
+        ConfigError: ``choice`` is "curl" and the engine cannot run here.
+    """
+    if choice == "aiohttp":
+        return "FASTLOAD_HTTP_CLIENT=aiohttp"
+    if engine() is None:
+        if choice == "curl":
+            raise ConfigError(f"http_client='curl' cannot run here: {unavailable()}; fix: install libcurl "
+                              "(apt-get install libcurl4) and a C compiler, or FASTLOAD_HTTP_CLIENT=auto")
+        return f"libcurl's engine cannot run here ({unavailable()})"
+    return ""
+
+
 def route_for(options: dict[str, Any], choice: str, encode: Callable[[str], Any]) -> CurlRoute | None:
     """A route through curl for an HTTP source's ``storage_options``, or None for aiohttp.
 
@@ -462,12 +479,7 @@ def route_for(options: dict[str, Any], choice: str, encode: Callable[[str], Any]
     where the engine runs and every option maps onto curl; "curl" does the same
     but raises ConfigError where the engine cannot run.
     """
-    if choice == "aiohttp":
-        return None
-    if engine() is None:
-        if choice == "curl":
-            raise ConfigError(f"http_client='curl' cannot run here: {unavailable()}; fix: install libcurl "
-                              "(apt-get install libcurl4) and a C compiler, or FASTLOAD_HTTP_CLIENT=auto")
+    if closed_by(choice):
         return None
     if "get_client" in options:
         return None  # the user's own session factory: only aiohttp honours it

@@ -35,7 +35,7 @@ from urllib.parse import quote
 
 from fastload import curl
 from fastload.curl import CurlRoute
-from fastload.errors import ConfigError, CredentialsError
+from fastload.errors import CredentialsError
 from fastload.source.items import ListPage
 
 # storage_options this path honours; gcsfs's own caches, buffers and write settings are nothing of a GET.
@@ -111,13 +111,8 @@ class GcsRoute(CurlRoute):
 def route_for(fs: Any, options: dict[str, Any], choice: str) -> tuple[GcsRoute | None, str]:
     """A GCS source's route through libcurl, made from its gcsfs filesystem ``fs``, or (None, why its
     GETs stay on gcsfs). ``choice`` is ``Settings.http_client``: "aiohttp" keeps every GET off libcurl."""
-    if choice == "aiohttp":
-        return None, "FASTLOAD_HTTP_CLIENT=aiohttp"
-    if curl.engine() is None:
-        if choice == "curl":
-            raise ConfigError(f"http_client='curl' cannot run here: {curl.unavailable()}; fix: install libcurl "
-                              "(apt-get install libcurl4) and a C compiler, or FASTLOAD_HTTP_CLIENT=auto")
-        return None, f"libcurl's engine cannot run here ({curl.unavailable()})"
+    if why := curl.closed_by(choice):
+        return None, why
     odd = sorted(set(options) - HONOURED - GCSFS_ONLY)
     if odd:
         return None, f"storage option {odd[0]!r} is honoured by gcsfs only"

@@ -42,7 +42,7 @@ from xml.etree import ElementTree
 
 from fastload import curl
 from fastload.curl import CurlRoute
-from fastload.errors import ConfigError, CredentialsError
+from fastload.errors import CredentialsError
 from fastload.source import errors, sigv4
 from fastload.source.items import ListPage
 
@@ -155,13 +155,8 @@ def route_for(url: str, options: dict[str, Any], choice: str) -> tuple[S3Route |
 
     ``choice`` is ``Settings.http_client``: "aiohttp" keeps every GET off libcurl.
     """
-    if choice == "aiohttp":
-        return None, "FASTLOAD_HTTP_CLIENT=aiohttp"
-    if curl.engine() is None:
-        if choice == "curl":
-            raise ConfigError(f"http_client='curl' cannot run here: {curl.unavailable()}; fix: install libcurl "
-                              "(apt-get install libcurl4) and a C compiler, or FASTLOAD_HTTP_CLIENT=auto")
-        return None, f"libcurl's engine cannot run here ({curl.unavailable()})"
+    if why := curl.closed_by(choice):
+        return None, why
     client = dict(options.get("client_kwargs") or {})
     config = dict(options.get("config_kwargs") or {})
     addressing = (config.get("s3") or {}).get("addressing_style", "auto")
