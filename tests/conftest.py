@@ -120,6 +120,17 @@ def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_servers.
 
 
 @pytest.fixture
+def no_aws_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No AWS credentials, profile, region or instance metadata from this machine: what a test passes is all."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION",
+                "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture
 def s3_options(moto_server: _servers.MotoServer) -> dict[str, Any]:
     """s3fs ``storage_options`` that point at the session's moto server."""
     return _servers.s3_storage_options(moto_server.endpoint_url)

@@ -75,15 +75,11 @@ def test_pyarrow_dataset_over_an_s3_prefix(
 
 
 def test_a_wrapped_s3fs_filesystem_reads_with_its_own_credentials(
-    tmp_path: Path, moto_server: Any, s3_bucket: str, s3_options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, moto_server: Any, s3_bucket: str, s3_options: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+    no_aws_env: None,
 ) -> None:
     import s3fs
 
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("FASTLOAD_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "local").mkdir()
     (tmp_path / "local" / "x.bin").write_bytes(b"secret data")

@@ -49,13 +49,8 @@ def test_nonexistent_bucket_is_named(tmp_path: Path, s3_options: dict[str, Any])
 
 
 def test_missing_credentials_are_a_credentials_error(
-    tmp_path: Path, moto_server: Any, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, moto_server: Any, s3_bucket: str, no_aws_env: None
 ) -> None:
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     options = {
         "client_kwargs": {"endpoint_url": moto_server.endpoint_url, "region_name": "us-east-1"},
         "skip_instance_cache": True,

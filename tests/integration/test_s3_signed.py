@@ -37,16 +37,6 @@ def signed(signed_moto: _servers.SignedMotoServer) -> _servers.SignedMotoServer:
     return signed_moto
 
 
-@pytest.fixture
-def no_aws_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION",
-                "AWS_DEFAULT_REGION"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-
-
 def _urls(prefix: str = "keys/") -> list[str]:
     return [f"s3://signed/{prefix}{i:03d} x+y.bin" for i in range(N)]
 

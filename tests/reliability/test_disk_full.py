@@ -207,14 +207,8 @@ def test_a_write_refused_by_a_full_disk_holds_none_of_its_room_later(tmpfs: Call
     mib = 1024**2
     disk = tmpfs(16 * mib)
     first = Cache(Settings(cache_dir=disk / "first", disk_reserve_bytes=0))
-    filler = disk / "filler"
-    with open(filler, "wb") as f:  # fill the disk to the last block
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
+    _fill(disk)
+    filler = disk / "checkpoint.bin"
     with pytest.raises(CacheFullError):
         first.put("a" * 40, os.urandom(6 * mib), url="refused")
     first.close()

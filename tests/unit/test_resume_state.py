@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -175,6 +176,21 @@ def test_resume_across_another_num_workers_keeps_the_order() -> None:
 # -- stateful datasets and samplers -----------------------------------------------------------
 
 
+def _stopped_and_resumed(make: Callable[[], DataLoader], k: int, other_seed: int) -> list[Any]:
+    """``k`` batches of a seeded epoch, its state through JSON, then the rest from a new loader
+    whose process RNG was reseeded to ``other_seed`` (the state must carry what it needs)."""
+    _seed_all(0)
+    a = make()
+    it = iter(a)
+    head = [next(it) for _ in range(k)]
+    state = _json(a.state_dict())
+    del it
+    _seed_all(other_seed)
+    b = make()
+    b.load_state_dict(state)
+    return head + list(b)
+
+
 @pytest.mark.parametrize(("workers", "every"), [(0, 1), (2, 1), (2, 3), (3, 2), (2, 0)])
 def test_stateful_iterable_dataset_resumes_mid_epoch(workers: int, every: int) -> None:
     def make() -> DataLoader:
@@ -183,16 +199,7 @@ def test_stateful_iterable_dataset_resumes_mid_epoch(workers: int, every: int) -
     _seed_all(0)
     expected = [list(make_ := make()), list(make_)]
     for k in (1, 5, 8):
-        _seed_all(0)
-        a = make()
-        it = iter(a)
-        head = [next(it) for _ in range(k)]
-        state = _json(a.state_dict())
-        del it
-        _seed_all(99)
-        b = make()
-        b.load_state_dict(state)
-        assert_same(head + list(b), expected[0], f"k={k}")
+        assert_same(_stopped_and_resumed(make, k, 99), expected[0], f"k={k}")
     assert sorted(int(x[0]) for b in expected[0] for x in b) == list(range(30))
 
 
@@ -204,16 +211,7 @@ def test_stateful_iterator_of_a_stateless_dataset_resumes(workers: int, every: i
     _seed_all(0)
     expected = list(make())
     for k in (1, 4):
-        _seed_all(0)
-        a = make()
-        it = iter(a)
-        head = [next(it) for _ in range(k)]
-        state = _json(a.state_dict())
-        del it
-        _seed_all(7)
-        b = make()
-        b.load_state_dict(state)
-        assert_same(head + list(b), expected, f"k={k}")
+        assert_same(_stopped_and_resumed(make, k, 7), expected, f"k={k}")
 
 
 @pytest.mark.parametrize("workers", [0, 2])
