@@ -13,10 +13,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from types import TracebackType
@@ -24,6 +22,7 @@ from typing import Any
 from urllib.parse import quote
 
 from fastload._servers.errors import ServerError
+from fastload._servers.ports import free_port, wait_listening
 
 __all__ = ["GcsEmulator", "gcs_emulator_available"]
 
@@ -56,24 +55,17 @@ class GcsEmulator:
         return {"endpoint_url": self.endpoint_url, "token": "anon", "project": "fastload"}
 
     def start(self) -> GcsEmulator:
-        with socket.socket() as s:
-            s.bind((self.host, 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port(self.host)
         with open(self.log, "wb") as out:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", self.host, "--port", str(self.port),
                  "--in-memory"], stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection((self.host, self.port), timeout=1).close()
-                return self
-            except OSError as err:
-                if time.monotonic() > deadline or self._proc.poll() is not None:
-                    self.stop()
-                    raise ServerError(f"gcp-storage-emulator did not start on port {self.port}: "
-                                      f"{self.log.read_text(errors='replace')[-500:]}") from err
-                time.sleep(0.1)
+        try:
+            wait_listening(self.host, self.port, self._proc, "gcp-storage-emulator", self.log)
+        except ServerError:
+            self.stop()
+            raise
+        return self
 
     def _call(self, method: str, path: str, data: bytes | None = None, content_type: str = "application/json") -> Any:
         req = urllib.request.Request(self.endpoint_url + path, data=data, method=method,

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from fastload._servers.errors import ServerError
+from fastload._servers.ports import free_port
 
 __all__ = ["NginxServer", "find_nginx", "nginx_available"]
 
@@ -51,14 +52,6 @@ def nginx_available() -> bool:
         return subprocess.run([binary, "-v"], capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
-
-
-def _free_port(host: str) -> int:
-    # nginx cannot listen on port 0, so ask the kernel for a free port and hand
-    # it over. Another process may grab it in between; NginxServer retries.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _nginx_quote(path: Path) -> str:
@@ -170,7 +163,7 @@ class NginxServer:
         try:
             while True:
                 attempt += 1
-                self.port = fixed_port if fixed_port is not None else _free_port(self.host)
+                self.port = fixed_port if fixed_port is not None else free_port(self.host)  # nginx cannot listen on port 0; retried if taken
                 if self._launch(binary, tmp):
                     return self
                 status = None if self._proc is None else self._proc.poll()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fastload._servers.errors import ServerError
+from fastload._servers.ports import free_port, wait_listening
 
 __all__ = ["MotoServer", "SignedMotoServer", "create_bucket", "moto_available", "s3_storage_options", "upload_tree"]
 
@@ -166,30 +167,21 @@ class SignedMotoServer:
     def start(self) -> SignedMotoServer:
         import json
         import os
-        import socket
         import subprocess
         import sys
-        import time
 
         import boto3
 
-        with socket.socket() as s:
-            s.bind((self.host, 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port(self.host)
         env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT=str(self._SETUP_ACTIONS))
         with open(self.log, "wb") as out:
             self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
                                           env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection((self.host, self.port), timeout=1).close()
-                break
-            except OSError as err:
-                if time.monotonic() > deadline or self._proc.poll() is not None:
-                    self.stop()
-                    raise ServerError(f"moto's server did not start on port {self.port}") from err
-                time.sleep(0.1)
+        try:
+            wait_listening(self.host, self.port, self._proc, "moto's server", self.log)
+        except ServerError:
+            self.stop()
+            raise
         allow = json.dumps({"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]})
         trust = json.dumps({"Version": "2012-10-17", "Statement": [
             {"Effect": "Allow", "Principal": {"AWS": "*"}, "Action": "sts:AssumeRole"}]})
