@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
-from fastload import partition
 from fastload.cache import keys
 from fastload.config import Settings, format_size
 from fastload.errors import (
@@ -177,6 +176,8 @@ def stage(
     items = snapshot if snapshot is not None else reader.list(url, pattern, refresh=refresh, complete=dry_run or part)
     node = ""
     if part:
+        from fastload import partition  # numpy: only for a node's part, not at every import of fastload
+
         env_nodes, env_rank = partition.node_env()
         nodes = env_nodes if nodes is None else nodes
         node_rank = env_rank if node_rank is None else node_rank
