@@ -176,7 +176,9 @@ def stage(
     items = snapshot if snapshot is not None else reader.list(url, pattern, refresh=refresh, complete=dry_run or part)
     node = ""
     if part:
-        from fastload import partition  # numpy: only for a node's part, not at every import of fastload
+        from fastload import (
+            partition,  # numpy: only for a node's part, not at every import of fastload
+        )
 
         env_nodes, env_rank = partition.node_env()
         nodes = env_nodes if nodes is None else nodes
