@@ -1,7 +1,7 @@
 """First-block HTTP GETs on libcurl (``fastload._curl``, native/_curl.c), off the GIL.
 
 Why: every cold object of an HTTP listing is fetched by one ranged GET of its
-first block (:meth:`fastload.source.Source.read_first`). Through fsspec's aiohttp
+first block (:meth:`fastload.source.Source.fetch_first`). Through fsspec's aiohttp
 session that GET costs 0.17 ms of Python on fsspec's event loop thread unshaped,
 0.31-0.36 ms on a paced 1 Gbit link, where each answer arrives in many pieces
 (benchmarks/peers/results/profile.md, rounds 3 and 5), and that thread trades
@@ -12,7 +12,7 @@ headers and bodies land in C buffers, and Python collects the answers when it
 waits for them.
 
 Scope: the first-block GET of a sizeless HTTP item, fetched ahead
-(:meth:`Source.start_first_many`) or on a miss (:meth:`Source.read_first_many`),
+(:meth:`Source.start_first_many`) or on a miss (:meth:`Source.fetch_first_many`),
 and the folder pages of an HTTP listing (:meth:`CurlRoute.start_pages`). So a
 cold epoch over HTTP sends its first requests without waiting for aiohttp to
 import (~0.1 s, about 3% of a 3,000-object epoch at 1 Gbit; the Source imports it
@@ -26,7 +26,7 @@ which costs less CPU in C than on aiohttp (``benchmarks/ordinary_server``, issue
 0.86 of the link here against 0.65-0.71 on aiohttp in the same run, a 2-core
 machine under load; staging 200 small files skips aiohttp's import). Any answer this path does not take
 as it is (an error status, a failed transfer, a body without a length) is
-redone by :meth:`Source.read_first` on aiohttp, whose retries, backoff and error
+redone by :meth:`Source.fetch_first` on aiohttp, whose retries, backoff and error
 messages are the ones users see.
 
 Requests in flight: each host's :class:`~fastload.hostlimit.HostLimit` stays the
@@ -306,7 +306,7 @@ def settle(futures: Sequence[Any], stop: threading.Event, timeout_s: float) -> N
     set, or ``timeout_s`` passes; ``stop`` is looked at every STOP_POLL_S.
 
     One wait for a chunk wakes its thread once, not once per answer (a switch and a GIL
-    handoff each): fetch.Fetcher and Source.read_first_many both wait this way.
+    handoff each): fetch.Fetcher and Source.fetch_first_many both wait this way.
     """
     pending = [f for f in futures if not f.done()]
     deadline = time.monotonic() + timeout_s

@@ -265,7 +265,7 @@ class Fetcher:
         return settings.request_timeout_s * settings.retries + settings.backoff_max_s
 
     def _first_blocks(self, items: list[RemoteItem]) -> list[tuple[RemoteItem, bytes]]:
-        """Source.read_first of each, from fetches started ahead where there are some."""
+        """Source.fetch_first of each, from fetches started ahead where there are some."""
         bb = self.reader.settings.block_bytes
         out: list[tuple[RemoteItem, bytes] | None] = [None] * len(items)
         rest = []
@@ -282,10 +282,10 @@ class Fetcher:
             src = self.reader.source(item.url)
             done, data = src.finish_first(item, self.ahead_bytes, future)
             if len(data) != min(bb, done.size):  # larger than fetched ahead: its whole first block
-                done, data = src.read_first(done, bb)
+                done, data = src.fetch_first(done, bb)
             out[k] = (done, data)
         if rest:
-            got = self.reader.source(items[rest[0]].url).read_first_many([items[k] for k in rest], bb)
+            got = self.reader.source(items[rest[0]].url).fetch_first_many([items[k] for k in rest], bb)
             for k, pair in zip(rest, got):
                 out[k] = pair
         return [pair for pair in out if pair is not None]
@@ -296,7 +296,7 @@ class Fetcher:
         """The bytes of each (sized) block, fetched once whoever asks, stored, and returned.
 
         A block another thread is fetching is waited for (bounded by the request
-        timeout and retries); the rest go out together (one Source.read_many call,
+        timeout and retries); the rest go out together (one Source.fetch_many call,
         whose requests overlap on fsspec's event loop) and are stored by one
         Cache.put_many. Counts one miss per block fetched here.
 
@@ -407,7 +407,7 @@ class Fetcher:
                 # Each answer is checked against the item's listed size and version: a refetched
                 # block of a rewritten object is a RemoteChangedError, never a torn object.
                 listed = [blocks[ks[0]][0] for ks in ranges.values()]
-                for ks, data in zip(ranges.values(), src.read_many(list(ranges), listed)):
+                for ks, data in zip(ranges.values(), src.fetch_many(list(ranges), listed)):
                     for k in ks:
                         fetched[k] = data
         stored: list[tuple[Block, bytes]] = []
@@ -457,7 +457,7 @@ class Fetcher:
         their waiters get each as soon as it is stored.
 
         ``probe``: the host's Range support is not known yet; the GET asks for that block
-        alone (Source.read_whole), so a 206 returns just it.
+        alone (Source.fetch_whole), so a 206 returns just it.
         """
         reader = self.reader
         claimed: set[int] = set()
@@ -502,7 +502,7 @@ class Fetcher:
                 flush()
 
         try:
-            reader.source(item.url).read_whole(item, reader.settings.block_bytes, sink, probe)
+            reader.source(item.url).fetch_whole(item, reader.settings.block_bytes, sink, probe)
             flush()
         except BaseException as err:
             self._land([((item.url, b), None) for b in claimed - landed], err)

@@ -8,7 +8,7 @@ nginx's own CPU is not counted). Clients, in alternation, ``--repeats`` times:
 
 * ``fsspec``: ``HTTPFileSystem._cat_file`` on fsspec's loop (fastload's sized reads);
 * ``aiohttp``: a bare ``session.get`` on fsspec's session (the floor of fastload's path);
-* ``fastload``: ``Source.read_first_many`` in batches of 64 (slots, retries, sizes);
+* ``fastload``: ``Source.fetch_first_many`` in batches of 64 (slots, retries, sizes);
 * ``obstore``: obstore's Rust client (``HTTPStore``), sync ``get`` on a thread pool;
 * ``pycurl``: libcurl's multi interface, driven by one thread.
 
@@ -83,7 +83,7 @@ def _clients(base: str, rel: list[str], conc: int) -> dict[str, Callable[[], lis
 
     def by_fastload() -> list[Any]:
         items = [RemoteItem(f"{base}/{r}", -1, "") for r in rel]
-        return [d for k in range(0, len(items), 64) for _, d in src.read_first_many(items[k : k + 64], FIRST_BLOCK)]
+        return [d for k in range(0, len(items), 64) for _, d in src.fetch_first_many(items[k : k + 64], FIRST_BLOCK)]
 
     out["fastload"] = by_fastload
     try:

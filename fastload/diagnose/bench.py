@@ -192,7 +192,7 @@ def _wants_decode(opts: BenchOptions, ds: Any) -> bool:
         return opts.decode == "cpu"
     item = ds.items[0]
     # Straight from the source, not through the cache: epoch 1 must stay cold.
-    head = ds.reader.source(item.url).read(item.url, 0, 16 if item.size < 0 else min(item.size, 16))
+    head = ds.reader.source(item.url).fetch(item.url, 0, 16 if item.size < 0 else min(item.size, 16))
     return head[:3] == b"\xff\xd8\xff"
 
 

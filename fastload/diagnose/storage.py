@@ -218,7 +218,7 @@ def _settled(src: Source, fs: Any, units: list[tuple[str, int, int]], budget: St
     batch = ranges * max(1, -(-limit.cap // len(ranges)))  # enough to fill the cap
     deadline, moved = time.perf_counter() + budget.level_s, 0
     while time.perf_counter() < deadline and moved < budget.max_level_bytes:
-        moved += sum(len(r) for r in src.read_many(batch) if isinstance(r, bytes))
+        moved += sum(len(r) for r in src.fetch_many(batch) if isinstance(r, bytes))
     return limit.as_dict()
 
 

@@ -130,7 +130,7 @@ async def http_get_range(fs: Any, url: str, start: int, end: int | None, timeout
 
 
 class HttpStream:
-    """An answer to a GET on fsspec's aiohttp session, read a piece at a time (Source.read_whole)."""
+    """An answer to a GET on fsspec's aiohttp session, read a piece at a time (Source.fetch_whole)."""
 
     def __init__(self, response: Any) -> None:
         self.response = response
@@ -182,7 +182,7 @@ async def gather_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], time
     """Each ``(path, start, end)`` read together, a failure in its place; ``answers`` (HTTP):
     each as :func:`http_get_range`'s (info, body), so the caller can check its version."""
     async def one(path: str, start: int, end: int | None) -> Any:
-        # Bounded like Source.read's requests (asyncio's own timeout for stores that take no
+        # Bounded like Source.fetch's requests (asyncio's own timeout for stores that take no
         # kwarg); the timeout starts once the request holds its slot.
         limit = limit_of(fs.unstrip_protocol(path))
 

@@ -306,8 +306,8 @@ class Source(FsspecRoad):
             return self._item(self._call(lambda: self._sync(fs._info, url), url))
         return self._item(self._call(lambda: fs.info(url), url))
 
-    def read_first(self, item: RemoteItem, nbytes: int) -> tuple[RemoteItem, bytes]:
-        """Complete ``item`` and read its first ``nbytes`` bytes, in one request where possible.
+    def fetch_first(self, item: RemoteItem, nbytes: int) -> tuple[RemoteItem, bytes]:
+        """Complete ``item`` and fetch its first ``nbytes`` bytes, in one request where possible.
 
         An HTTP listing has no sizes, and a HEAD per object before its GET doubles the
         per-object latency (2 x ~20 ms to first byte on an object store; profiled in
@@ -322,13 +322,13 @@ class Source(FsspecRoad):
         if started is not None:
             self._settle(started, 2 * self.settings.request_timeout_s)  # as finish_first
             return self.finish_first(item, nbytes, started[0])
-        return self._read_first(item, nbytes)
+        return self._fetch_first(item, nbytes)
 
-    def _read_first(self, item: RemoteItem, nbytes: int) -> tuple[RemoteItem, bytes]:
-        """:meth:`read_first` through fsspec's session or filesystem: retried, errors translated."""
+    def _fetch_first(self, item: RemoteItem, nbytes: int) -> tuple[RemoteItem, bytes]:
+        """:meth:`fetch_first` through fsspec's session or filesystem: retried, errors translated."""
         if item.size >= 0 or not self._http:
             done = self.complete(item)
-            return done, self.read(done.url, 0, min(nbytes, done.size), expect=min(nbytes, done.size), listed=done)
+            return done, self.fetch(done.url, 0, min(nbytes, done.size), expect=min(nbytes, done.size), listed=done)
         timeout_s = self.settings.request_timeout_s
 
         def once() -> tuple[dict[str, Any], bytes]:
@@ -337,23 +337,23 @@ class Source(FsspecRoad):
         info, data = self._call(once, item.url)  # _call holds the slot
         return self._item(info), data
 
-    def read_first_many(self, items: builtins.list[RemoteItem], nbytes: int) -> builtins.list[tuple[RemoteItem, bytes]]:
-        """:meth:`read_first` of each item, with their GETs overlapping on fsspec's event loop.
+    def fetch_first_many(self, items: builtins.list[RemoteItem], nbytes: int) -> builtins.list[tuple[RemoteItem, bytes]]:
+        """:meth:`fetch_first` of each item, with their GETs overlapping on fsspec's event loop.
 
         A staging thread that waits on one request at a time keeps ``max_requests`` requests in
         flight, too few for 20 ms to first byte; more threads cost CPU and contend for the
         GIL and the cache index. Here one thread keeps a whole batch in flight. An item
-        whose GET fails is retried alone through :meth:`read_first` (backoff, translation).
+        whose GET fails is retried alone through :meth:`fetch_first` (backoff, translation).
         """
         started = self._curl_first(items, nbytes) if len(items) >= 2 or self._store else None
         if started is not None:
             self._settle(started, 2 * self.settings.request_timeout_s)  # as finish_first
             return [self.finish_first(item, nbytes, p) for item, p in zip(items, started)]
         if len(items) < 2 or not self._http or any(i.size >= 0 for i in items):
-            return [self.read_first(i, nbytes) for i in items]
+            return [self.fetch_first(i, nbytes) for i in items]
         urls = [i.url for i in items]
         results = self._sync(aio.gather_first, self.fs, urls, nbytes, self.settings.request_timeout_s, self.limit_of)
-        return [self.read_first(item, nbytes) if isinstance(res, BaseException) else (self._item(res[0]), res[1])
+        return [self.fetch_first(item, nbytes) if isinstance(res, BaseException) else (self._item(res[0]), res[1])
                 for item, res in zip(items, results)]
 
     def start_first_many(self, items: Sequence[RemoteItem], nbytes: int) -> builtins.list[concurrent.futures.Future[Any]] | None:
@@ -407,8 +407,8 @@ class Source(FsspecRoad):
         return out
 
     def finish_first(self, item: RemoteItem, nbytes: int, future: concurrent.futures.Future[Any]) -> tuple[RemoteItem, bytes]:
-        """:meth:`read_first`'s result from a :meth:`start_first_many` future; a failed or short read
-        is done again by :meth:`read_first` (retries, backoff, error translation)."""
+        """:meth:`fetch_first`'s result from a :meth:`start_first_many` future; a failed or short read
+        is done again by :meth:`fetch_first` (retries, backoff, error translation)."""
         try:
             res = self._wait(future, self.settings.request_timeout_s * 2, item.url)
             if item.size < 0 or isinstance(future, curl.Pending):  # (info, body): sized by the answer
@@ -438,7 +438,7 @@ class Source(FsspecRoad):
             future.cancel()
         except Exception:  # noqa: S110 - redone below, where errors are retried and translated
             future.cancel()
-        return self._read_first(item, nbytes)
+        return self._fetch_first(item, nbytes)
 
     def _wait(self, future: concurrent.futures.Future[T], timeout_s: float, url: str) -> T:
         """``future.result(timeout_s)``, but a stop cancels it and raises StoppedError (as :meth:`_sync`).

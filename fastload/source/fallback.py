@@ -68,8 +68,8 @@ class _Source(Protocol):
     def _item(self, info: dict[str, Any]) -> RemoteItem: ...
     def _sync(self, func: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout_s: float | None = None,
               **kwargs: Any) -> T: ...
-    def read(self, url: str, start: int = 0, end: int | None = None, *, expect: int | None = None,
-             listed: RemoteItem | None = None) -> bytes: ...
+    def fetch(self, url: str, start: int = 0, end: int | None = None, *, expect: int | None = None,
+              listed: RemoteItem | None = None) -> bytes: ...
     def note_ranges(self, url: str, honoured: bool) -> None: ...
 
 
@@ -171,9 +171,9 @@ class FsspecRoad:
             files[rel] = RemoteItem(fs.unstrip_protocol(path), -1 if size is None else int(size), version_of(detail))
         return files, folders
 
-    def read(self: _Source, url: str, start: int = 0, end: int | None = None, *, expect: int | None = None,
-             listed: RemoteItem | None = None) -> bytes:
-        """Read ``url[start:end]`` with retries, backoff and a per-request timeout.
+    def fetch(self: _Source, url: str, start: int = 0, end: int | None = None, *, expect: int | None = None,
+              listed: RemoteItem | None = None) -> bytes:
+        """Fetch ``url[start:end]`` with retries, backoff and a per-request timeout.
 
         Args:
             url: The object.
@@ -209,18 +209,18 @@ class FsspecRoad:
 
         return self._call(once, url)
 
-    def read_many(self: _Source, ranges: builtins.list[tuple[str, int, int | None]],
-                  listed: builtins.list[RemoteItem] | None = None) -> builtins.list[bytes | Exception]:
+    def fetch_many(self: _Source, ranges: builtins.list[tuple[str, int, int | None]],
+                   listed: builtins.list[RemoteItem] | None = None) -> builtins.list[bytes | Exception]:
         """``url[start:end]`` (``end`` None: to the end) of each ``(url, start, end)``, their
         requests overlapping on fsspec's event loop; a failed one's error in its place. As
-        with :meth:`read`, a body of another length is returned for the caller to judge;
+        with :meth:`fetch`, a body of another length is returned for the caller to judge;
         over HTTP one of another size or version than ``listed`` (one per range) is a
         RemoteChangedError in its place: a refetched block never mixes versions.
 
         Threads that each wait on one request cost a context switch or more per object
         and contend for the GIL: a cold epoch ran at 615 objects/s with 8 read threads
         and 16 fetch threads, 937/s with 2 read threads (unshaped loopback, 108 KB).
-        A range whose request fails is retried alone through :meth:`read` (backoff,
+        A range whose request fails is retried alone through :meth:`fetch` (backoff,
         timeout, error translation); what that raises is returned for it.
         """
         fs: Any = self.fs
@@ -240,7 +240,7 @@ class FsspecRoad:
         def again(i: int) -> bytes | Exception:
             url, start, end = ranges[i]
             try:
-                return self.read(url, start, end, listed=None if listed is None else listed[i])
+                return self.fetch(url, start, end, listed=None if listed is None else listed[i])
             except Exception as err:
                 return err
 
@@ -248,7 +248,7 @@ class FsspecRoad:
                                                                      and not isinstance(res, RemoteChangedError))]
         if len(redo) > 1 and not getattr(fs, "async_impl", False):
             # A store without an event loop (local files, NFS): its reads overlap on threads.
-            with ThreadPoolExecutor(min(len(redo), self.settings.local_threads), thread_name_prefix="fastload-read") as pool:
+            with ThreadPoolExecutor(min(len(redo), self.settings.local_threads), thread_name_prefix="fastload-fetch") as pool:
                 for i, res in zip(redo, pool.map(again, redo)):
                     results[i] = res
         else:
@@ -256,8 +256,8 @@ class FsspecRoad:
                 results[i] = again(i)
         return [res if isinstance(res, Exception) else bytes(res) for res in results]
 
-    def read_whole(self: _Source, item: RemoteItem, block_bytes: int, sink: Callable[[RemoteItem, int, bytes], None],
-                   block: int | None = None) -> tuple[RemoteItem, bool]:
+    def fetch_whole(self: _Source, item: RemoteItem, block_bytes: int, sink: Callable[[RemoteItem, int, bytes], None],
+                    block: int | None = None) -> tuple[RemoteItem, bool]:
         """One GET of all of ``item``, handed to ``sink(item, block, bytes)`` a ``block_bytes`` block at a time.
 
         For hosts that ignore Range (:meth:`ignores_ranges`: Python's http.server): each

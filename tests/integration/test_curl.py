@@ -139,7 +139,7 @@ def test_a_server_that_ignores_ranges_is_cut_at_the_block_and_noted(tmp_path: Pa
     server = py_server(tmp_path / "www", http10=True)
     src = Source(server.url + "/", settings=Settings(cache_dir=tmp_path / "c"))
     items = [RemoteItem(f"{server.url}/{name}", -1, "") for name in files]
-    got = src.read_first_many(items, 4096)
+    got = src.fetch_first_many(items, 4096)
     for (item, data), want in zip(got, files.values()):
         assert data == want[:4096] and item.size == len(want)
     assert src.ignores_ranges(items[0].url)
@@ -161,7 +161,7 @@ def test_a_503_cuts_the_limit_and_the_object_is_still_read_whole(tmp_path: Path,
     server = py_server(tmp_path / "www", refuse=1, status=503)
     src = Source(server.url + "/", settings=Settings(cache_dir=tmp_path / "c", backoff_s=0.01))
     items = [RemoteItem(f"{server.url}/{name}", -1, "") for name in files]
-    got = src.read_first_many(items, 1 << 20)
+    got = src.fetch_first_many(items, 1 << 20)
     assert [data for _, data in got] == list(files.values())  # the refused one redone on aiohttp
     limit = src.host_limit
     assert limit is not None
@@ -187,7 +187,7 @@ def test_session_headers_reach_the_server_and_unknown_options_keep_aiohttp(tmp_p
     server = py_server(tmp_path / "www")
     src = Source(server.url + "/", {"headers": {"X-Token": "abc"}}, settings=Settings(cache_dir=tmp_path / "c"))
     assert src.route is not None
-    got = src.read_first_many([RemoteItem(f"{server.url}/{n}", -1, "") for n in files], 1 << 20)
+    got = src.fetch_first_many([RemoteItem(f"{server.url}/{n}", -1, "") for n in files], 1 << 20)
     assert [d for _, d in got] == list(files.values())
     assert [h.get("X-Token") for h in server.seen] == ["abc", "abc"]
     # A session option curl has no word for: aiohttp, which honours it.
@@ -274,7 +274,7 @@ def test_a_host_libcurl_cannot_speak_to_goes_to_aiohttp_for_good(tmp_path: Path,
     items = [RemoteItem(f"{server.url}/{n}", -1, "") for n in files]
     assert src.start_first_many(items, 1 << 20) is not None  # aiohttp's futures now
     assert not any(isinstance(f, curl.Pending) for f in src.start_first_many(items, 1 << 20) or [])
-    assert [d for _, d in src.read_first_many(items, 1 << 20)] == list(files.values())
+    assert [d for _, d in src.fetch_first_many(items, 1 << 20)] == list(files.values())
 
 
 class _Queued(curl.Pending):
@@ -431,7 +431,7 @@ def test_the_listing_and_first_blocks_do_not_wait_for_aiohttp_to_import(tmp_path
     t0 = time.monotonic()
     src = Source("{server.url}/train/", settings=Settings(cache_dir=Path("{tmp_path}/c")))
     items = src.list(pattern="**/*.jpg", complete=False)
-    got = src.read_first_many(items, 1 << 20)
+    got = src.fetch_first_many(items, 1 << 20)
     assert not RAN.is_set(), "the listing or a first block waited for aiohttp"
     assert [len(data) for _, data in got] == [500] * 4 and all(i.size == 500 and i.version for i, _ in got)
     RELEASE.set()
@@ -480,7 +480,7 @@ def test_a_login_reaches_the_server_on_both_clients_and_a_wrong_one_is_a_credent
         assert (src.route is not None) == (client == "auto")
         items = sorted(src.list(pattern="**/*.jpg", complete=False), key=lambda i: i.url)
         assert [i.url for i in items] == want
-        assert [len(data) for _, data in src.read_first_many(items, 1 << 20)] == [500] * 4
+        assert [len(data) for _, data in src.fetch_first_many(items, 1 << 20)] == [500] * 4
     wrong = {"headers": {"Authorization": "Basic " + base64.b64encode(b"reader:wrong-pw").decode()}}
     for opts in (wrong, {}):
         with pytest.raises(CredentialsError, match=r"/train/: the server refused the request \(HTTP 401") as err:
@@ -497,7 +497,7 @@ def test_a_server_that_lists_no_folders_is_told_apart_in_the_error(tmp_path: Pat
     assert "pass the objects' URLs as a list (--url-list" in str(err.value)
     # Its objects still read, as a list of URLs.
     src = Source(server.url + "/train/a/1.jpg", settings=Settings(cache_dir=tmp_path / "c"))
-    assert src.read_first(RemoteItem(src.url, -1, ""), 1 << 20)[0].size == 500
+    assert src.fetch_first(RemoteItem(src.url, -1, ""), 1 << 20)[0].size == 500
 
 
 def test_a_failed_import_on_the_import_thread_reaches_the_source_that_needs_it(tmp_path: Path) -> None:

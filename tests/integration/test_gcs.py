@@ -112,7 +112,7 @@ def test_an_unknown_option_keeps_gets_on_gcsfs_and_says_which(
         src = Source(_urls(bucket)[0], options)
         assert src.route is None
     assert "'version_aware'" in caplog.text and "gcsfs" in caplog.text
-    done, first = src.read_first(RemoteItem(_urls(bucket)[0], -1, ""), 100)
+    done, first = src.fetch_first(RemoteItem(_urls(bucket)[0], -1, ""), 100)
     assert (done.size, first) == (4000, bytes(100))
     assert _counts(gcs_emulator, bucket)[1] >= 1  # gcsfs sized it with a metadata request
 
@@ -212,7 +212,7 @@ def test_a_token_is_sent_and_the_generation_versions_the_object(google: _FakeGoo
     options = {"endpoint_url": google.url, "token": _credentials(google, "first-token", 3600), "project": "p"}
     src = Source("gs://bkt/a.bin", options)
     assert isinstance(src.route, GcsRoute)
-    done, first = src.read_first(RemoteItem("gs://bkt/a.bin", -1, ""), 100)
+    done, first = src.fetch_first(RemoteItem("gs://bkt/a.bin", -1, ""), 100)
     assert (done.size, done.version, first) == (3000, "1700000000000001", b"g" * 100)
     assert google.seen == ["Bearer first-token"] and google.issued == 0
 
@@ -225,11 +225,11 @@ def test_an_expiring_token_is_refreshed_between_batches_with_no_error(google: _F
                "project": "p"}
     src = Source("gs://bkt/", options)
     items = [RemoteItem(f"gs://bkt/{i}.bin", -1, "") for i in range(3)]
-    assert [d.size for d, _ in src.read_first_many(items, 100)] == [3000] * 3
+    assert [d.size for d, _ in src.fetch_first_many(items, 100)] == [3000] * 3
     threading.Event().wait(2.5)
     with google.lock:
         google.valid = "expired-now"  # what GCS does once the hour is up
-    assert [d.size for d, _ in src.read_first_many(items, 100)] == [3000] * 3
+    assert [d.size for d, _ in src.fetch_first_many(items, 100)] == [3000] * 3
     assert google.issued == 1  # one refresh, through google-auth, before the second batch
     assert google.seen[3:] == ["Bearer refreshed-1"] * 3
 
@@ -239,7 +239,7 @@ def test_a_refused_token_is_a_credentials_error_naming_the_fix_without_the_token
     options = {"endpoint_url": google.url, "token": _credentials(google, token, 3600), "project": "p"}
     src = Source("gs://bkt/", options, Settings(retries=2, backoff_s=0.01))
     with pytest.raises(CredentialsError) as info:
-        src.read_first(RemoteItem("gs://bkt/x/a.bin", -1, ""), 100)
+        src.fetch_first(RemoteItem("gs://bkt/x/a.bin", -1, ""), 100)
     message = str(info.value)
     assert "gs://bkt/x/a.bin" in message and "HTTP 401" in message and "Invalid Credentials" in message
     assert "GOOGLE_APPLICATION_CREDENTIALS" in message and token not in message

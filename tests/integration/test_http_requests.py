@@ -2,7 +2,7 @@
 
 An HTTP listing has no sizes. A HEAD per object before its GET doubled the
 per-object latency on a 20 ms link (benchmarks/peers), so a fresh stage now
-completes each object with the GET of its first block (Source.read_first);
+completes each object with the GET of its first block (Source.fetch_first);
 an interrupted stage's rerun still HEADs, so what is cached is skipped.
 """
 
@@ -193,14 +193,14 @@ def test_lookahead_fetches_ahead_without_fetching_twice(
     assert _requests(server, "GET") == len(files) + 3 and _requests(server, "HEAD") == 0  # nothing twice
 
 
-def test_read_first_many_overlaps_gets_and_names_a_missing_object(
+def test_fetch_first_many_overlaps_gets_and_names_a_missing_object(
     tmp_path: Path, nginx_server: Callable, settings: Settings
 ) -> None:
     files = _tree(tmp_path / "www")
     server = nginx_server(tmp_path / "www")
     src = Source(server.url + "/", settings=settings)
     sizeless = [RemoteItem(f"{server.url}/{rel}", -1, "") for rel in sorted(files)]
-    got = src.read_first_many(sizeless, 64 * 1024)
+    got = src.fetch_first_many(sizeless, 64 * 1024)
     for (item, first), rel in zip(got, sorted(files)):
         assert item.size == len(files[rel]) and item.version
         assert first == files[rel][: 64 * 1024]
@@ -208,4 +208,4 @@ def test_read_first_many_overlaps_gets_and_names_a_missing_object(
 
     missing = [*sizeless[:2], RemoteItem(f"{server.url}/c0/gone.bin", -1, "")]
     with pytest.raises(RemoteNotFoundError, match="gone.bin"):
-        src.read_first_many(missing, 64 * 1024)
+        src.fetch_first_many(missing, 64 * 1024)

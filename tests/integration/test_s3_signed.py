@@ -209,7 +209,7 @@ def test_an_unknown_option_keeps_gets_on_s3fs_and_says_which(
         src = Source(_urls()[0], options)
         assert src.route is None
     assert "'version_aware'" in caplog.text and "s3fs" in caplog.text
-    item = src.read_first(RemoteItem(_urls()[0], -1, ""), 100)
+    item = src.fetch_first(RemoteItem(_urls()[0], -1, ""), 100)
     assert item[0].size == 5000 and item[1] == bytes(100)
 
 
@@ -246,5 +246,5 @@ def test_anonymous_reads_go_unsigned(
     def not_s3fs(*args: Any) -> Any:
         raise AssertionError("the GET went to s3fs, not to libcurl unsigned")
 
-    monkeypatch.setattr(Source, "_read_first", not_s3fs)
+    monkeypatch.setattr(Source, "_fetch_first", not_s3fs)
     assert _epoch(tmp_path, options, [f"s3://{s3_bucket}/public/x.bin"]) == [b"open data" * 100]

@@ -194,7 +194,7 @@ def test_listing_without_sizes_is_completed_by_first_blocks(store: Store) -> Non
     src = _source(store)
     items = src.list(complete=False)
     assert all(i.size >= 0 for i in items) == store.sizes_listed
-    got = src.read_first_many(items, 1000)
+    got = src.fetch_first_many(items, 1000)
     assert {_rel(store, done): (done.size, data) for done, data in got} == \
         {rel: (len(d), d[:1000]) for rel, d in FILES.items()}
 
@@ -202,7 +202,7 @@ def test_listing_without_sizes_is_completed_by_first_blocks(store: Store) -> Non
 def test_a_key_list_is_sized_by_the_first_block(store: Store) -> None:
     src = _source(store)
     for rel, data in FILES.items():
-        done, first = src.read_first(RemoteItem(src.canonical(store.url(rel)), -1, ""), 4096)
+        done, first = src.fetch_first(RemoteItem(src.canonical(store.url(rel)), -1, ""), 4096)
         assert (done.size, first) == (len(data), data[:4096])
         assert bool(done.version) == store.versions_answered  # real GCS sends x-goog-generation; its emulator does not
 
@@ -210,12 +210,12 @@ def test_a_key_list_is_sized_by_the_first_block(store: Store) -> None:
 def test_ranged_reads_and_whole_reads(store: Store) -> None:
     src = _source(store)
     data = FILES["a.bin"]
-    item, _ = src.read_first(RemoteItem(src.canonical(store.url("a.bin")), -1, ""), 65536)
+    item, _ = src.fetch_first(RemoteItem(src.canonical(store.url("a.bin")), -1, ""), 65536)
     assert src.ignores_ranges(item.url) == (not store.ranges)
     if store.ranges:
-        assert src.read(item.url, 70_000, 70_100, expect=100) == data[70_000:70_100]
+        assert src.fetch(item.url, 70_000, 70_100, expect=100) == data[70_000:70_100]
     blocks: dict[int, bytes] = {}
-    src.read_whole(item, 65536, lambda _item, b, data: blocks.__setitem__(b, data))  # one GET, block by block: what a Range-less host gets
+    src.fetch_whole(item, 65536, lambda _item, b, data: blocks.__setitem__(b, data))  # one GET, block by block: what a Range-less host gets
     assert b"".join(blocks[k] for k in sorted(blocks)) == data and len(blocks) == 5
 
 
@@ -223,7 +223,7 @@ def test_a_missing_object_and_a_missing_folder_are_named(store: Store) -> None:
     src = _source(store)
     missing = src.canonical(store.url("no/such/object.bin"))
     with pytest.raises(RemoteNotFoundError, match="object.bin"):
-        src.read_first(RemoteItem(missing, -1, ""), 1000)
+        src.fetch_first(RemoteItem(missing, -1, ""), 1000)
     if store.lists:
         with pytest.raises((RemoteNotFoundError, EmptyDatasetError), match="no-such-folder"):
             _source(store, store.url("no-such-folder/")).list()
@@ -232,10 +232,10 @@ def test_a_missing_object_and_a_missing_folder_are_named(store: Store) -> None:
 def test_a_changed_object_has_another_fingerprint(store: Store) -> None:
     src = _source(store)
     url = src.canonical(store.url("sub/b.bin"))
-    before, _ = src.read_first(RemoteItem(url, -1, ""), 100)
+    before, _ = src.fetch_first(RemoteItem(url, -1, ""), 100)
     time.sleep(1.1)  # mtimes and Last-Modified tick in seconds on some stores
     store.write("sub/b.bin", b"changed" * 3)
-    after, first = _source(store).read_first(RemoteItem(url, -1, ""), 100)
+    after, first = _source(store).fetch_first(RemoteItem(url, -1, ""), 100)
     assert (after.size, first) == (21, b"changed" * 3)
     assert (after.size, after.version) != (before.size, before.version)
 
@@ -245,7 +245,7 @@ def test_refused_credentials_are_a_credentials_error_without_the_secret(store: S
         pytest.skip(f"{store.name} takes no credentials here")
     src = _source(store, options=store.refused)
     with pytest.raises(CredentialsError) as info:
-        src.read_first(RemoteItem(src.canonical(store.url("a.bin")), -1, ""), 1000)
+        src.fetch_first(RemoteItem(src.canonical(store.url("a.bin")), -1, ""), 1000)
     assert "a.bin" in str(info.value)
     assert store.refused["secret"] not in str(info.value)
 
@@ -265,7 +265,7 @@ def test_a_stop_ends_a_request_in_the_middle_and_gives_its_slot_back(
 
         def read() -> None:
             try:
-                src.read_first(item, len(FILES["a.bin"]))  # all of it: the proxy sends half, then stalls
+                src.fetch_first(item, len(FILES["a.bin"]))  # all of it: the proxy sends half, then stalls
             except BaseException as err:
                 outcome.append(err)
 

@@ -119,7 +119,7 @@ def _exhaust(proxy: Any, url: str, env: dict[str, str], cache_dir: Path) -> tupl
     src = Source(url, settings=settings)
     t0 = time.monotonic()
     with pytest.raises(SourceError) as info:
-        src.read(url)
+        src.fetch(url)
     elapsed = time.monotonic() - t0
     path = "/" + url.split("/", 3)[-1]
     times = [r.at for r in proxy.requests_for(path) if r.method == "GET"]

@@ -184,7 +184,7 @@ def test_a_stopped_source_starts_no_request(tmp_path: Path) -> None:
     (tmp_path / "a.bin").write_bytes(b"abc")
     stop = threading.Event()
     src = Source(str(tmp_path), stop=stop)
-    assert src.read(str(tmp_path / "a.bin")) == b"abc"
+    assert src.fetch(str(tmp_path / "a.bin")) == b"abc"
     calls: list[int] = []
     stop.set()
     with pytest.raises(fastload.errors.StoppedError):
