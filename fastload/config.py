@@ -247,12 +247,18 @@ setattr(Settings, "workers", property(_workers))  # noqa: B010 - after the class
 _warned: set[str] = set()
 
 
-def deprecated(old: str, new: str) -> None:
-    """Warn once per process that ``old`` is ``new``'s old name (a FutureWarning: shown by default)."""
+_MAX_REQUESTS = "the most requests in flight to one host, not torch's num_workers"
+
+
+def deprecated(old: str, new: str, meaning: str = _MAX_REQUESTS) -> None:
+    """Warn once per process that ``old`` is ``new``'s old name (a FutureWarning: shown by default).
+
+    ``meaning`` says what ``new`` is, so the message tells why the name changed.
+    """
     if old not in _warned:
         _warned.add(old)
-        warnings.warn(f"fastload: {old!r} is now {new!r} (the most requests in flight to one host, not torch's "
-                      f"num_workers); {old!r} still works for now", FutureWarning, stacklevel=3)
+        warnings.warn(f"fastload: {old!r} is now {new!r} ({meaning}); {old!r} still works for now",
+                      FutureWarning, stacklevel=3)
 
 
 _ENV_NAMES = (*ENV_FIELDS, "FASTLOAD_WORKERS")  # every variable from_env reads (the last: an old name)

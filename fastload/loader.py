@@ -545,12 +545,12 @@ class DataLoader(tud.DataLoader[T_co]):
             # Copy ahead only when reading ahead is already allowed (workers or the
             # read_batch path); otherwise __getitem__ would run before torch runs it.
             may_read_ahead = self.num_workers > 0 or read_fn is not None
-            lookahead = self.prefetch_to_device - 1 if may_read_ahead else 0
+            depth = self.prefetch_to_device - 1 if may_read_ahead else 0
             if timed is not None:
                 fetch = _TimedNext(nxt)
                 nxt = fetch
             feed = source if nxt is plain else _Calls(nxt)
-            nxt = self._fl_prefetcher.iterate(feed, lookahead=lookahead).__next__
+            nxt = self._fl_prefetcher.iterate(feed, depth).__next__
         self._fl_progress = progress
         kind = _LoaderIter if self._fl_live_stats is None else _LiveLoaderIter
         live = self._fl_live_stats

@@ -10,7 +10,7 @@ staging slots:
    ONE long-lived side CUDA stream, into a device buffer allocated *on that side
    stream*; the batch's tensors are views into that buffer. The side stream waits
    for nothing on the consumer's stream, so batch N+1 copies while step N computes,
-   at every ``lookahead`` (0 included).
+   at every ``depth`` (0 included).
 3. When the batch is handed out, the consumer's stream waits on the copy's CUDA
    event (the host never blocks) and ``record_stream(consumer)`` tells the caching
    allocator that the consumer uses the buffer from then on.
@@ -57,7 +57,7 @@ On a CPU device the same code runs (flatten, slot ring, growth, unflatten) with
 plain, non-pinned slots and synchronous copies, so CI exercises the bookkeeping.
 Without ``device=`` the loader does not use a prefetcher at all.
 
-Ordering: with ``lookahead=L`` up to L batches beyond the one being returned are
+Ordering: with ``depth=D`` up to D batches beyond the one being returned are
 pulled from the source. A source that raises is re-raised, with its original
 traceback, at the position where its batch would have arrived.
 """
@@ -74,6 +74,7 @@ import torch
 
 from fastload._torch_compat import empty_host_cache
 from fastload.batch_tree import collect_tensors, rebuild
+from fastload.config import deprecated
 from fastload.errors import ConfigError, LoaderError
 from fastload.stats import StatsCollector
 
@@ -83,6 +84,19 @@ T = TypeVar("T")
 
 ALIGN = 256  # bytes; every leaf starts at a multiple (any dtype view; vectorised kernels)
 MIN_SLOT_BYTES = 64 * 1024  # the smallest slot; larger ones are powers of two
+
+
+_DEPTH = "the batches the device copy pulls ahead of the one it returns"
+
+
+def _depth(depth: int | None, lookahead: int | None) -> int | None:
+    """``depth``, or ``lookahead`` (its old name) with a FutureWarning once."""
+    if lookahead is None:
+        return depth
+    if depth is not None:
+        raise ConfigError(f"depth={depth} and lookahead={lookahead}: pass depth only (lookahead is its old name)")
+    deprecated("lookahead", "depth", _DEPTH)
+    return lookahead
 
 
 def _round_up(n: int, k: int) -> int:
@@ -269,9 +283,10 @@ class DevicePrefetcher(Generic[T]):
         device: Target device: ``"cuda"``, ``"cuda:1"``, a ``torch.device``, or
             ``"cpu"`` (runs the same ring with plain memory).
         slots: Staging slots in the ring (>= 2): how many batches can be in transit.
-        lookahead: Batches pulled from the source beyond the one being returned
+        depth: Batches pulled from the source beyond the one being returned
             (0 to ``slots - 1``; default ``slots - 1``). 0 keeps the source's calls at
-            exactly the moments a plain loop would make them.
+            exactly the moments a plain loop would make them. ``lookahead=`` is its old
+            name, still taken (with a FutureWarning, once).
         max_slot_bytes: Cap on one slot's size. A batch larger than the cap bypasses
             the ring (a direct, unstaged copy), warns once and counts
             ``oversize_batch``. None means no cap. Slots are powers of two below
@@ -280,7 +295,7 @@ class DevicePrefetcher(Generic[T]):
         collector: Where ``stage`` and ``h2d`` are recorded (None: not recorded).
 
     Raises:
-        ConfigError: Bad ``slots``/``lookahead``/``max_slot_bytes``, a CUDA device
+        ConfigError: Bad ``slots``/``depth``/``max_slot_bytes``, a CUDA device
             without CUDA, or an unsupported device type.
     """
 
@@ -290,10 +305,11 @@ class DevicePrefetcher(Generic[T]):
         device: str | torch.device = "cuda",
         *,
         slots: int = 2,
-        lookahead: int | None = None,
+        depth: int | None = None,
         max_slot_bytes: int | None = 2 * 1024**3,
         timeout: float = 60.0,
         collector: StatsCollector | None = None,
+        lookahead: int | None = None,
     ) -> None:
         if slots < 2:
             raise ConfigError(f"slots={slots} must be >= 2 (one copying while one is in use)")
@@ -320,7 +336,7 @@ class DevicePrefetcher(Generic[T]):
             )
         self.source = source
         self.slots = slots
-        self.lookahead = self._check_lookahead(lookahead)
+        self.depth = self._check_depth(_depth(depth, lookahead))
         self.max_slot_bytes = max_slot_bytes
         self.timeout = timeout
         self.collector = collector
@@ -337,12 +353,18 @@ class DevicePrefetcher(Generic[T]):
         #: Batches too large for ``max_slot_bytes`` that bypassed the ring.
         self.oversize_batches = 0
 
-    def _check_lookahead(self, lookahead: int | None) -> int:
-        if lookahead is None:
+    def _check_depth(self, depth: int | None) -> int:
+        if depth is None:
             return self.slots - 1
-        if not 0 <= lookahead <= self.slots - 1:
-            raise ConfigError(f"lookahead={lookahead} must be in [0, slots - 1 = {self.slots - 1}]")
-        return lookahead
+        if not 0 <= depth <= self.slots - 1:
+            raise ConfigError(f"depth={depth} must be in [0, slots - 1 = {self.slots - 1}]")
+        return depth
+
+    @property
+    def lookahead(self) -> int:
+        """:attr:`depth`'s old name (a FutureWarning, once)."""
+        deprecated("lookahead", "depth", _DEPTH)
+        return self.depth
 
     @property
     def pinned(self) -> bool:
@@ -359,13 +381,15 @@ class DevicePrefetcher(Generic[T]):
             raise ConfigError("DevicePrefetcher(source=None): call iterate(batches) instead")
         return self.iterate(self.source)
 
-    def iterate(self, source: Iterable[T], lookahead: int | None = None) -> Iterator[T]:
+    def iterate(self, source: Iterable[T], depth: int | None = None, *, lookahead: int | None = None) -> Iterator[T]:
         """Return an iterator over ``source``'s batches, on the device.
 
-        Starting a new pass ends the previous one (the ring is shared): the old
+        ``depth`` (default: the prefetcher's) as in the class; ``lookahead=`` is its old
+        name. Starting a new pass ends the previous one (the ring is shared): the old
         iterator then raises LoaderError.
         """
-        la = self.lookahead if lookahead is None else self._check_lookahead(lookahead)
+        depth = _depth(depth, lookahead)
+        la = self.depth if depth is None else self._check_depth(depth)
         self._pass += 1
         for slot in self._ring:
             slot.busy = False  # a superseded pass's batches are dropped; events still guard reuse
@@ -375,7 +399,7 @@ class DevicePrefetcher(Generic[T]):
 
     def _acquire(self, need: int) -> _Slot:
         slot = self._ring[self._next_slot]
-        if slot.busy:  # internal invariant: lookahead < slots keeps one slot free
+        if slot.busy:  # internal invariant: depth < slots keeps one slot free
             raise LoaderError("DevicePrefetcher ring overrun (a bug in fastload)")
         self._next_slot = (self._next_slot + 1) % self.slots
         self._wait_done(slot)
@@ -504,11 +528,11 @@ class _Pass(Iterator[T]):
     """One pass of a DevicePrefetcher over a source iterator."""
 
     def __init__(
-        self, owner: DevicePrefetcher[T], source: Iterator[T], lookahead: int, pass_id: int
+        self, owner: DevicePrefetcher[T], source: Iterator[T], depth: int, pass_id: int
     ):
         self._owner = owner
         self._source = source
-        self._lookahead = lookahead
+        self._depth = depth
         self._id = pass_id
         self._queue: collections.deque[_Staged] = collections.deque()
         self._exhausted = False
@@ -538,7 +562,7 @@ class _Pass(Iterator[T]):
                 "(its staging ring is shared); iterate one pass at a time"
             )
         queue = self._queue
-        while not self._exhausted and len(queue) <= self._lookahead:
+        while not self._exhausted and len(queue) <= self._depth:
             try:
                 batch = next(self._source)
             except StopIteration:

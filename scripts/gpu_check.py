@@ -5,7 +5,7 @@ Steps, each in its own process under a time limit, so the whole check ends withi
 
 1. ``pytest -m gpu tests/gpu``: every GPU test, with the reason of each skip or failure;
 2. ``benchmarks/gpu/bench.py --cases prefetch``: H2D GB/s of the prefetcher against a
-   plain pinned ``copy_``, and copy/compute overlap at lookahead 0 and 1;
+   plain pinned ``copy_``, and copy/compute overlap at depth 0 and 1;
 3. ``... --cases decode``: the torch backend's GPU decode path;
 4. ``... --cases inflate``: LZ4 inflated by nvCOMP (DALI), when DALI imports.
 
@@ -61,8 +61,8 @@ NOT_RUN = "not_run"
 #: What each GPU test guards (the bugs of issues 15 and 23), so the report says it in words.
 GUARDS = {
     "test_dropped_batch_never_lands_in_a_later_tensor": "15.1: a dropped batch's copy never writes into a later tensor",
-    "test_next_copy_runs_while_the_step_still_computes_at_lookahead_0": "15.2: copy N+1 overlaps step N at lookahead 0",
-    "test_overlap_hides_copy_time_behind_compute": "15.2, 15.6: overlap at lookahead 0 and 2, bound max + min/2",
+    "test_next_copy_runs_while_the_step_still_computes_at_depth_0": "15.2: copy N+1 overlaps step N at depth 0",
+    "test_overlap_hides_copy_time_behind_compute": "15.2, 15.6: overlap at depth 0 and 2, bound max + min/2",
     "test_torch_backend_makes_no_host_sync": "15.3: no host sync per batch in the torch backend",
     "test_every_copy_reaches_the_stats": "15.4: every copy is recorded as h2d",
     "test_bench_on_cuda_records_h2d": "15.4: fastload bench --device cuda records both copies",

@@ -5,7 +5,7 @@ Cases (``--cases``, comma-separated); every ratio is measured side by side in on
 * ``prefetch``: host-to-device GB/s of ``DevicePrefetcher`` (pageable batches ->
   pinned slot -> one copy on the side stream) against a plain ``copy_`` from one
   pinned buffer, and against torch's ``pin_memory()`` + ``.to(non_blocking=True)``,
-  on the same bytes. Then overlap at ``lookahead`` 0 and 1: the compute per step
+  on the same bytes. Then overlap at ``depth`` 0 and 1: the compute per step
   is sized to the copy time just measured, and
   ``overlap = (t_copy + t_compute - t_both) / min(t_copy, t_compute)``:
   1.0 = the shorter side fully hidden, 0.0 = copy and compute in series.
@@ -85,9 +85,9 @@ def _wall(fn: Callable[[], Any]) -> float:
 # -- prefetch ----------------------------------------------------------------------
 
 
-def _drain(pf: DevicePrefetcher[Any], batches: list[torch.Tensor], lookahead: int,
+def _drain(pf: DevicePrefetcher[Any], batches: list[torch.Tensor], depth: int,
            step: Callable[[torch.Tensor], None] | None = None) -> None:
-    for x in pf.iterate(batches, lookahead=lookahead):
+    for x in pf.iterate(batches, depth=depth):
         if step is not None:
             step(x)
 
@@ -143,16 +143,16 @@ def bench_prefetch(args: argparse.Namespace) -> dict[str, Any]:
         "fastload_vs_plain_pinned": gbps["fastload_prefetcher"] / gbps["plain_pinned_copy"],
         "overlap": {},
     }
-    for lookahead in (0, 1):
+    for depth in (0, 1):
         ring: DevicePrefetcher[Any] = DevicePrefetcher(None, dev, slots=2)
-        _drain(ring, batches[:2], lookahead)
-        t_copy = _wall(lambda: _drain(ring, batches, lookahead))  # noqa: B023 (called at once)
+        _drain(ring, batches[:2], depth)
+        t_copy = _wall(lambda: _drain(ring, batches, depth))  # noqa: B023 (called at once)
         step = _matmul_step(t_copy / n, dev, args.matmul)
         resident = batches[0].to(dev)
         t_compute = _wall(lambda: [step(resident) for _ in range(n)])  # noqa: B023
-        t_both = _wall(lambda: _drain(ring, batches, lookahead, step))  # noqa: B023
+        t_both = _wall(lambda: _drain(ring, batches, depth, step))  # noqa: B023
         shorter = min(t_copy, t_compute)
-        out["overlap"][f"lookahead_{lookahead}"] = {
+        out["overlap"][f"depth_{depth}"] = {
             "copy_s": t_copy,
             "compute_s": t_compute,
             "both_s": t_both,

@@ -182,8 +182,8 @@ class HostToDevice:
         if self.device.type == "cpu":
             return batch
         if self._ring is None:
-            self._ring = DevicePrefetcher(None, self.device, slots=2, lookahead=0)
-        return next(self._ring.iterate((batch,), lookahead=0))
+            self._ring = DevicePrefetcher(None, self.device, slots=2, depth=0)
+        return next(self._ring.iterate((batch,), depth=0))
 
     def __getstate__(self) -> dict[str, Any]:
         return {"device": self.device}

@@ -71,7 +71,7 @@ def test_copy_runs_on_one_side_stream_without_blocking_the_host() -> None:
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time queued on the side stream
     t0 = time.perf_counter()
-    it = pf.iterate(data, lookahead=0)
+    it = pf.iterate(data, depth=0)
     first = next(it)
     host_s = time.perf_counter() - t0
     assert host_s < 0.05, f"next() blocked the host for {host_s:.3f} s"
@@ -88,9 +88,9 @@ def _delayed(batches: list[torch.Tensor], seed: int) -> Iterator[torch.Tensor]:
         yield b
 
 
-@pytest.mark.parametrize("slots,lookahead", [(2, 0), (2, 1), (3, 2)])
-def test_correct_under_random_producer_delays(slots: int, lookahead: int) -> None:
-    gen = torch.Generator().manual_seed(slots + lookahead)
+@pytest.mark.parametrize("slots,depth", [(2, 0), (2, 1), (3, 2)])
+def test_correct_under_random_producer_delays(slots: int, depth: int) -> None:
+    gen = torch.Generator().manual_seed(slots + depth)
     batches = [
         torch.randn(int(torch.randint(1, 64, (1,), generator=gen)), 257, generator=gen)
         for _ in range(40)
@@ -99,7 +99,7 @@ def test_correct_under_random_producer_delays(slots: int, lookahead: int) -> Non
     expected = [(b.cuda() @ w).cpu() for b in batches]
     pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=slots)
     got = []
-    for b in pf.iterate(_delayed(batches, seed=lookahead), lookahead=lookahead):
+    for b in pf.iterate(_delayed(batches, seed=depth), depth=depth):
         got.append(b @ w)  # consumed on the current stream right away
         torch.cuda._sleep(int(random.random() * 2_000_000))  # a step of random length
     assert all(torch.allclose(g.cpu(), e) for g, e in zip(got, expected))
@@ -127,20 +127,20 @@ def _step_for(seconds: float, a: torch.Tensor) -> tuple[int, float]:
     return max(1, round(seconds / one)), one
 
 
-@pytest.mark.parametrize("lookahead", [0, 2])
-def test_overlap_hides_copy_time_behind_compute(lookahead: int) -> None:
+@pytest.mark.parametrize("depth", [0, 2])
+def test_overlap_hides_copy_time_behind_compute(depth: int) -> None:
     # Compute is sized to the measured copy time, so that perfect overlap (max) and
     # none (sum) are far apart whatever the link: the bound is max + half of min.
     n, mb = 12, 64
     batches = [torch.randn(mb * 1024 * 256) for _ in range(n)]  # 64 MB each
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)  # few, long kernels: not launch-bound
     pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=3)
-    for _ in pf.iterate(batches[:3], lookahead=2):  # warm-up: slots, kernels, clocks
+    for _ in pf.iterate(batches[:3], depth=2):  # warm-up: slots, kernels, clocks
         pass
     torch.cuda.synchronize()
 
     t0 = time.perf_counter()
-    for _ in pf.iterate(batches, lookahead=lookahead):
+    for _ in pf.iterate(batches, depth=depth):
         pass
     torch.cuda.synchronize()
     t_copy = time.perf_counter() - t0
@@ -159,23 +159,23 @@ def test_overlap_hides_copy_time_behind_compute(lookahead: int) -> None:
     t_compute = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    for x in pf.iterate(batches, lookahead=lookahead):
+    for x in pf.iterate(batches, depth=depth):
         step(x)
     torch.cuda.synchronize()
     t_both = time.perf_counter() - t0
     longer, shorter = max(t_copy, t_compute), min(t_copy, t_compute)
-    print(f"lookahead {lookahead}: copy {t_copy:.3f} s, compute {t_compute:.3f} s, overlapped {t_both:.3f} s")
+    print(f"depth {depth}: copy {t_copy:.3f} s, compute {t_compute:.3f} s, overlapped {t_both:.3f} s")
     assert t_both < longer + 0.5 * shorter, (t_copy, t_compute, t_both)
 
 
-def test_next_copy_runs_while_the_step_still_computes_at_lookahead_0() -> None:
+def test_next_copy_runs_while_the_step_still_computes_at_depth_0() -> None:
     # The side stream must not wait for the consumer's queued step: copy N+1 completes
     # while step N (a long sleep on the consumer stream) is still running.
-    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=2, lookahead=0)
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=2, depth=0)
     batches = [torch.full((1 << 20,), float(i)) for i in range(3)]
     list(pf.iterate(batches))  # warm-up: slots allocated
     torch.cuda.synchronize()
-    it = pf.iterate(batches, lookahead=0)
+    it = pf.iterate(batches, depth=0)
     first = next(it)
     torch.cuda._sleep(2_000_000_000)  # step N: about a second of GPU time on the consumer stream
     second = next(it)  # stages and copies batch N+1
@@ -205,7 +205,7 @@ def test_dropped_batch_never_lands_in_a_later_tensor() -> None:
         yield torch.full((n,), 9, dtype=torch.uint8)
         yield torch.full((n,), 9, dtype=torch.uint8)
 
-    it = pf.iterate(source(), lookahead=1)
+    it = pf.iterate(source(), depth=1)
     first = next(it)  # batch 0 handed out; batch 1 staged, its copy still queued
     del it  # the loop breaks: batch 1's device buffer is freed before its copy ran
     fresh = torch.zeros(n, dtype=torch.uint8, device="cuda")  # same size, on the consumer stream

@@ -85,7 +85,7 @@ def test_junit_outcomes_and_guards(tmp_path: Path, load_script: Callable[[str], 
     name = "tests.gpu.test_prefetch_gpu::test_overlap_hides_copy_time_behind_compute[0]"
     assert got["tests"][name] == {"outcome": "failed", "message": "assert 1.2 < 1.0"}
     assert check.guarded(got["tests"]) == {
-        "15.2, 15.6: overlap at lookahead 0 and 2, bound max + min/2": ["failed", "passed"]
+        "15.2, 15.6: overlap at depth 0 and 2, bound max + min/2": ["failed", "passed"]
     }
 
 
@@ -120,7 +120,7 @@ def test_bench_says_no_cuda_and_runs_every_case_on_the_cpu(
     assert bench.main(bench.parse_args(tiny)) == 0
     got = json.loads((tmp_path / "b.json").read_text())["results"]
     prefetch = got["prefetch"]
-    assert prefetch["status"] == "ok" and set(prefetch["overlap"]) == {"lookahead_0", "lookahead_1"}
+    assert prefetch["status"] == "ok" and set(prefetch["overlap"]) == {"depth_0", "depth_1"}
     assert all(v > 0 for v in prefetch["h2d_gb_per_s"].values())
     assert got["decode"]["status"] == "ok" and got["decode"]["output"].startswith("(2, 3, 224, 224)")
     if got["inflate"]["status"] == "ok":  # DALI installed: its CPU pipeline, host-decoded LZ4

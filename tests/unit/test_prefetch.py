@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import time
 import traceback
+import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -127,7 +128,7 @@ def test_batches_without_tensors_pass_through() -> None:
     assert list(DevicePrefetcher(src, "cpu")) == src
 
 
-def test_lookahead_controls_how_far_the_source_is_pulled() -> None:
+def test_depth_controls_how_far_the_source_is_pulled() -> None:
     pulled: list[int] = []
 
     def source(n: int) -> Iterator[torch.Tensor]:
@@ -136,14 +137,32 @@ def test_lookahead_controls_how_far_the_source_is_pulled() -> None:
             yield torch.tensor([i])
 
     pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=3)
-    it = pf.iterate(source(6), lookahead=0)
+    it = pf.iterate(source(6), depth=0)
     next(it)
     assert pulled == [0]  # exactly what a plain loop would have pulled
     pulled.clear()
-    it = pf.iterate(source(6), lookahead=2)
+    it = pf.iterate(source(6), depth=2)
     assert int(next(it)) == 0
     assert pulled == [0, 1, 2]
     assert [int(x) for x in it] == [1, 2, 3, 4, 5]
+
+
+def test_lookahead_is_deprecated_for_depth_and_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastload import config
+
+    monkeypatch.setattr(config, "_warned", set())
+    with pytest.warns(FutureWarning, match="'lookahead' is now 'depth'"):
+        pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=3, lookahead=1)
+    assert pf.depth == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: the second use is silent
+        assert pf.lookahead == 1
+        pulled: list[int] = []
+        it = pf.iterate((pulled.append(i) or torch.tensor([i]) for i in range(4)), lookahead=2)
+        next(it)
+        assert pulled == [0, 1, 2]
+    with pytest.raises(ConfigError, match="pass depth only"):
+        DevicePrefetcher(None, "cpu", slots=3, depth=1, lookahead=1)
 
 
 class _ProducerError(RuntimeError):
@@ -156,10 +175,10 @@ def _failing_producer(n_ok: int) -> Iterator[torch.Tensor]:
     raise _ProducerError("disk went away")
 
 
-@pytest.mark.parametrize("lookahead", [0, 1])
-def test_producer_error_reraised_in_order_with_traceback(lookahead: int) -> None:
+@pytest.mark.parametrize("depth", [0, 1])
+def test_producer_error_reraised_in_order_with_traceback(depth: int) -> None:
     pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=2)
-    it = pf.iterate(_failing_producer(3), lookahead=lookahead)
+    it = pf.iterate(_failing_producer(3), depth=depth)
     got = [int(next(it)) for _ in range(3)]  # every good batch arrives first
     assert got == [0, 1, 2]
     with pytest.raises(_ProducerError, match="disk went away") as info:
@@ -179,7 +198,7 @@ class _NeverDone(_HostBackend):
 def test_hung_copy_raises_instead_of_hanging() -> None:
     pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=2, timeout=0.2)
     pf._backend = _NeverDone(torch.device("cpu"))
-    it = pf.iterate([torch.ones(8)] * 5, lookahead=0)
+    it = pf.iterate([torch.ones(8)] * 5, depth=0)
     next(it), next(it)  # both slots fresh
     t0 = time.monotonic()
     with pytest.raises(LoaderError, match="timeout=0.2"):
@@ -224,7 +243,7 @@ class _LateCopies(_HostBackend):
 @pytest.mark.parametrize("slots,n", [(2, 2), (2, 5), (3, 7)])
 def test_pending_copies_are_recorded_at_the_end_of_the_pass(slots: int, n: int) -> None:
     col = StatsCollector()
-    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=slots, collector=col, lookahead=0)
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=slots, collector=col, depth=0)
     pf._backend = _LateCopies(torch.device("cpu"))
     it = pf.iterate([torch.ones(1000, dtype=torch.uint8)] * n)
     next(it)
@@ -252,7 +271,7 @@ class _NeverDone(_HostBackend):
 @pytest.mark.parametrize("stats", [False, True])
 def test_the_end_of_a_pass_waits_for_copies_only_to_record_them(stats: bool) -> None:
     col = StatsCollector() if stats else None
-    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=2, lookahead=0, timeout=0.05, collector=col)
+    pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=2, depth=0, timeout=0.05, collector=col)
     pf._backend = _NeverDone(torch.device("cpu"))
     it = pf.iterate([torch.ones(100, dtype=torch.uint8)] * 2)  # two slots: no reuse waits
     assert len([next(it), next(it)]) == 2
@@ -268,7 +287,7 @@ def test_the_end_of_a_pass_waits_for_copies_only_to_record_them(stats: bool) -> 
 def test_a_pass_ended_early_records_its_completed_copies(how: str) -> None:
     col = StatsCollector()
     pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=2, collector=col)
-    it = pf.iterate([torch.ones(100, dtype=torch.uint8)] * 5)  # lookahead 1
+    it = pf.iterate([torch.ones(100, dtype=torch.uint8)] * 5)  # depth 1
     next(it), next(it)  # the third batch is staged and copied, never handed out
     assert col.snapshot().stage("h2d").items == 2
     if how == "close":
@@ -328,7 +347,7 @@ def test_docstring_examples_run() -> None:
     "kw,match",
     [
         (dict(slots=1), "slots=1"),
-        (dict(lookahead=2), "lookahead=2"),
+        (dict(depth=2), "depth=2"),
         (dict(max_slot_bytes=0), "max_slot_bytes=0"),
         (dict(timeout=0), "timeout=0"),
         (dict(device="meta"), "only 'cuda' and 'cpu'"),
