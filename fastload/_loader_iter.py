@@ -1,8 +1,8 @@
 """The iterator that ``iter(fastload.DataLoader)`` returns, and its cheap instrumentation.
 
 It counts the batches handed to the consumer (for ``state_dict``), times the
-consumer's waits and the loop's wall time, splits torch's single-process fetch
-into reading and collating, and makes the loader's collector the active one
+consumer's waits and the loop's wall time, splits torch's single-process batch assembly
+into assembling and collating, and makes the loader's collector the active one
 from the first ``next()`` until the pass ends, so datasets and the cache record
 into it. Sums are kept in plain attributes and moved into
 the collector every TICK_S seconds.
@@ -62,7 +62,7 @@ class _Progress:
 
 
 class _TimedCollate:
-    """Splits torch's single-process fetch into reading and collating, at almost no cost.
+    """Splits torch's single-process batch assembly into assembling and collating, at almost no cost.
 
     Item counts are exact. With torch's own BatchSampler every index batch holds
     ``batch_size`` items except the epoch's last, so items are batches times
@@ -81,20 +81,20 @@ class _TimedCollate:
     out: torch's first collate is several times slower than the rest.
 
     Args:
-        source: torch's single-process iterator (its fetcher and sampler iterator are
+        source: torch's single-process iterator (its dataset fetcher and sampler iterator are
             instrumented in place).
         per_batch: Items per index batch: ``batch_size`` for torch's BatchSampler, 1
             without auto-collation, None to count every collate_fn call.
     """
 
     __slots__ = (
-        "fetcher", "fn", "per_batch", "base", "recent", "short", "counted", "warm",
+        "torch_fetcher", "fn", "per_batch", "base", "recent", "short", "counted", "warm",
         "s_items", "s_bytes", "s_timed", "s_seconds", "rate_s", "rate_b",
     )  # fmt: skip
 
     def __init__(self, source: Any, per_batch: int | None) -> None:
-        self.fetcher = source._dataset_fetcher
-        self.fn: Callable[[Any], Any] = self.fetcher.collate_fn
+        self.torch_fetcher = source._dataset_fetcher
+        self.fn: Callable[[Any], Any] = self.torch_fetcher.collate_fn
         self.per_batch = per_batch
         self.counted = 0  # items, when per_batch is None
         self.warm = False  # whether collate_fn was sampled once already
@@ -109,18 +109,18 @@ class _TimedCollate:
         self.base: Callable[[Any], Any] = self.fn if per_batch is not None else self._counting
         if per_batch is not None and per_batch > 1:
             source._sampler_iter = itertools.filterfalse(self.recent.append, source._sampler_iter)
-        self.fetcher.collate_fn = self.base
+        self.torch_fetcher.collate_fn = self.base
 
     def arm(self) -> None:
-        """Time the next collate_fn call (then the fetcher's own function is put back)."""
-        self.fetcher.collate_fn = self._sampled
+        """Time the next collate_fn call (then torch's dataset fetcher gets its own function back)."""
+        self.torch_fetcher.collate_fn = self._sampled
 
     def _counting(self, data: Any) -> Any:
         self.counted += len(data)
         return self.fn(data)
 
     def _sampled(self, data: Any) -> Any:
-        self.fetcher.collate_fn = self.base
+        self.torch_fetcher.collate_fn = self.base
         n = 1 if self.per_batch == 1 else len(data)
         if self.per_batch is None:
             self.counted += n
@@ -206,7 +206,7 @@ class _LoaderIter(Iterator[Any]):
     """
 
     __slots__ = (
-        "_next", "_progress", "_collector", "_collate", "_fetch", "_length", "_keep",
+        "_next", "_progress", "_collector", "_collate", "_timed_next", "_length", "_keep",
         "_mark", "_last", "_due", "_wait", "_flushed", "_report", "_scope", "_untimed",
         "_gaps", "_timed", "_mean_wait", "_tick_at", "_tick_n", "_arm_in", "_torch", "__weakref__",
     )  # fmt: skip
@@ -217,7 +217,7 @@ class _LoaderIter(Iterator[Any]):
         progress: _Progress,
         collector: StatsCollector | None,
         collate: _TimedCollate | None,
-        fetch: _TimedNext | None,
+        timed_next: _TimedNext | None,
         length: Callable[[], int],
         keep: Any,
         report: Callable[[], None] | None = None,
@@ -228,7 +228,7 @@ class _LoaderIter(Iterator[Any]):
         self._progress = progress
         self._collector = collector
         self._collate = collate  # torch's collate_fn, sampled (num_workers=0 torch path)
-        self._fetch = fetch  # torch's __next__, timed (only when a prefetcher wraps it)
+        self._timed_next = timed_next  # torch's __next__, timed (only when a prefetcher wraps it)
         self._length = length
         self._keep = keep  # the source iterator: keeps workers / pools alive
         self._mark = self._last = perf_counter()
@@ -334,15 +334,15 @@ class _LoaderIter(Iterator[Any]):
             wait = self._mean_wait * batches
         if batches:
             col.record_batches(batches, wait, self._last - self._mark)
-        collate, fetch = self._collate, self._fetch
+        collate, timed_next = self._collate, self._timed_next
         if collate is not None:
             items, seconds, size = collate.take(batches)
             if items:
-                inside = fetch.seconds if fetch is not None else wait
+                inside = timed_next.seconds if timed_next is not None else wait
                 col.add("collate", items=items, bytes=round(size), seconds=seconds)
                 col.add("read", items=items, bytes=round(size), seconds=max(0.0, inside - seconds))
-            if fetch is not None:
-                fetch.seconds = 0.0
+            if timed_next is not None:
+                timed_next.seconds = 0.0
         self._mark, self._wait, self._timed, self._flushed = self._last, 0.0, 0, yielded
 
     def close(self, timeout: float | None = None) -> None:

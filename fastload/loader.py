@@ -532,7 +532,7 @@ class DataLoader(tud.DataLoader[T_co]):
             # Before the prefetcher: it must see plain batches.
             nxt = Unwrap(nxt, collector, _WORKER_COLLATE.get(source), self._warn_pickled, tracker)
         self._fl_workers = tracker
-        fetch = None
+        timed_next = None
         if self.device is not None:
             if self._fl_prefetcher is None:
                 self._fl_prefetcher = DevicePrefetcher(
@@ -547,14 +547,14 @@ class DataLoader(tud.DataLoader[T_co]):
             may_read_ahead = self.num_workers > 0 or read_fn is not None
             depth = self.prefetch_to_device - 1 if may_read_ahead else 0
             if timed is not None:
-                fetch = _TimedNext(nxt)
-                nxt = fetch
+                timed_next = _TimedNext(nxt)
+                nxt = timed_next
             feed = source if nxt is plain else _Calls(nxt)
             nxt = self._fl_prefetcher.iterate(feed, depth).__next__
         self._fl_progress = progress
         kind = _LoaderIter if self._fl_live_stats is None else _LiveLoaderIter
         live = self._fl_live_stats
-        it = new_iter(kind, source, nxt, progress, collector, timed, fetch, lambda: len(self), keep, live)
+        it = new_iter(kind, source, nxt, progress, collector, timed, timed_next, lambda: len(self), keep, live)
         self._fl_live = weakref.ref(it)
         return it
 
