@@ -1,8 +1,8 @@
 """The iterator that ``iter(fastload.DataLoader)`` returns, and its cheap instrumentation.
 
 It counts the batches handed to the consumer (for ``state_dict``), times the
-consumer's waits and the loop's wall time, splits torch's single-process batch assembly
-into assembling and collating, and makes the loader's collector the active one
+consumer's waits and the loop's wall time, splits torch's single-process __next__
+into assembling samples and collating them, and makes the loader's collector the active one
 from the first ``next()`` until the pass ends, so datasets and the cache record
 into it. Sums are kept in plain attributes and moved into
 the collector every TICK_S seconds.
@@ -62,7 +62,7 @@ class _Progress:
 
 
 class _TimedCollate:
-    """Splits torch's single-process batch assembly into assembling and collating, at almost no cost.
+    """Splits torch's single-process __next__ into assembling samples and collating them, at almost no cost.
 
     Item counts are exact. With torch's own BatchSampler every index batch holds
     ``batch_size`` items except the epoch's last, so items are batches times
@@ -340,7 +340,7 @@ class _LoaderIter(Iterator[Any]):
             if items:
                 inside = timed_next.seconds if timed_next is not None else wait
                 col.add("collate", items=items, bytes=round(size), seconds=seconds)
-                col.add("read", items=items, bytes=round(size), seconds=max(0.0, inside - seconds))
+                col.add("assemble", items=items, bytes=round(size), seconds=max(0.0, inside - seconds))
             if timed_next is not None:
                 timed_next.seconds = 0.0
         self._mark, self._wait, self._timed, self._flushed = self._last, 0.0, 0, yielded

@@ -1,11 +1,11 @@
 """Stats recorded inside DataLoader worker processes, shipped to the parent with each batch.
 
-With ``num_workers > 0`` the dataset's stages (fetch, cache_read, decode) and
+With ``num_workers > 0`` the dataset's ops (fetch, cache_read, decode) and
 collate run in torch's worker processes, where they record into the worker's
 process-wide collector (:func:`fastload.stats.default_collector`). While torch
 builds its multi-process iterator, the loader gives it a :class:`WorkerCollate`
 in place of ``collate_fn``: it runs the user's collate_fn, times it as the
-``collate`` stage, and returns a :class:`WorkerBatch` holding the batch and what
+``collate`` op, and returns a :class:`WorkerBatch` holding the batch and what
 the worker recorded since its previous batch. In the parent, :class:`Unwrap` sits right after torch's
 ``__next__``: it adds the delta to the loader's collector and returns the batch
 itself, so the device prefetcher and the user get exactly what torch's loader
@@ -38,7 +38,7 @@ from fastload.stats import StatsCollector, default_collector, nbytes
 
 __all__ = ["Delta", "Unwrap", "WorkerBatch", "WorkerCollate"]
 
-#: ``((stage, items, bytes, seconds), ...), ((counter, n), ...), limits``: recorded since
+#: ``((op, items, bytes, seconds), ...), ((counter, n), ...), limits``: recorded since
 #: the worker's previous batch (None: nothing). ``limits`` is ``(process, {host: state})``:
 #: the worker's host limits (:func:`fastload.hostlimit.settled`) when they changed since
 #: the worker's previous batch, else None. Each worker process has its own limits
@@ -131,16 +131,16 @@ class WorkerCollate:
 
     def _delta(self, collate: tuple[str, int, int, float]) -> Delta:
         col = default_collector()  # reset in each forked worker (fastload.stats)
-        stages, counters, mine = col._take_mine()  # this thread's: the dataset's, mostly
-        ds = [collate] + [(name, r[0], r[1], r[2]) for name, r in stages.items()]
+        ops, counters, mine = col._take_mine()  # this thread's: the dataset's, mostly
+        ds = [collate] + [(name, r[0], r[1], r[2]) for name, r in ops.items()]
         dc = list(counters.items())
         others = col._others(mine)  # e.g. the cache reader's fetch threads
         if others is not None:
-            old_stages, old_counters = self._seen
-            self._seen = (others.stages, others.counters)
+            old_ops, old_counters = self._seen
+            self._seen = (others.ops, others.counters)
             zero = [0, 0, 0.0]
-            for name, r in others.stages.items():
-                o = old_stages.get(name, zero)
+            for name, r in others.ops.items():
+                o = old_ops.get(name, zero)
                 if r != o:
                     ds.append((name, r[0] - o[0], r[1] - o[1], r[2] - o[2]))
             for name, k in others.counters.items():
@@ -193,9 +193,9 @@ class Unwrap:
 
     def _merge(self, out: WorkerBatch) -> None:
         if out.delta is not None and self.collector is not None:
-            stages, counters, limits = out.delta
+            ops, counters, limits = out.delta
             col = self.collector
-            for name, items, size, seconds in stages:
+            for name, items, size, seconds in ops:
                 col.add(name, items=items, bytes=size, seconds=seconds)
             for name, n in counters:
                 col.count(name, n)

@@ -67,4 +67,4 @@ class StoppedError(FastloadError):
 
 
 class LoaderError(FastloadError, RuntimeError):
-    """The DataLoader or a background stage failed (worker death, timeout)."""
+    """The DataLoader or its background work failed (worker death, timeout)."""

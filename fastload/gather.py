@@ -21,7 +21,7 @@ Two implementations produce identical bytes and identical results:
 
 The output buffer may be any writable C-contiguous buffer: a numpy array, a
 ``bytearray``, or the numpy view of a pinned torch tensor (so a batch can be
-assembled directly in a host-to-device staging slot).
+assembled directly in a pinned slot of the device prefetcher).
 
 Results, one per job, are the same from both: ``None`` when the ranges were
 copied, ``("missing", message)`` when the payload file is gone,

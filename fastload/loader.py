@@ -8,7 +8,7 @@ torch's loader yields, in the same order for the same seed. With
 inside ``next()``, as in torch, so RNG draws in the dataset and in the training
 step interleave exactly as before (``tests/unit/test_loader_compat.py``).
 
-The loader wires stages together and holds none of their logic:
+The loader wires the pipeline's parts together and holds none of their logic:
 
 * index order, sharding and resume: :mod:`fastload.sampler`
 * parallel reads for datasets with ``read_batch``: :mod:`fastload.readahead`
@@ -120,15 +120,15 @@ class DataLoader(tud.DataLoader[T_co]):
         seed: With ``distributed=True``, the shard permutation seed (default 0, as
             DistributedSampler). Otherwise, when ``generator`` is None, seeds a private
             generator for shuffling.
-        stats: Record per-stage counters (see :meth:`stats`); costs well under 2%.
+        stats: Record per-op counters (see :meth:`stats`); costs well under 2%.
         read_threads: Threads for the read_batch hook (default: the CPUs, 2 to 8); 0 disables the hook.
         read_ahead: Batches read ahead of the consumer on the read_batch path (default
             2). For a plain map-style dataset with ``num_workers=0``, a value > 0 opts
             in to background reads: ``__getitem__`` (or ``__getitems__``) then runs on
             ``read_threads`` threads and must be thread-safe and draw no global RNG.
-        max_slot_bytes: Cap on one device staging slot (see DevicePrefetcher).
+        max_slot_bytes: Cap on one host slot of the device prefetcher (see DevicePrefetcher).
         log_every: Every ``log_every`` batches, log the interval's :meth:`stats` (batches/s,
-            data stall, cache hits, slowest stage) at INFO on the ``fastload.live`` logger.
+            data stall, cache hits, slowest op) at INFO on the ``fastload.live`` logger.
             The lines are shown without any logging setup: that logger is set to INFO
             unless it or ``fastload`` has a level, and while no handler of yours (on
             ``fastload.live``, ``fastload`` or the root logger) takes them they go to stderr.

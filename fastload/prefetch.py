@@ -2,7 +2,7 @@
 
 :class:`DevicePrefetcher` moves each batch (any nesting of dict / list / tuple /
 namedtuple with tensor and non-tensor leaves) to a device through a *ring* of
-staging slots:
+host slots:
 
 1. The batch's CPU tensors are copied into one slot, each at an aligned offset of
    a single flat ``uint8`` buffer (pinned when the device is CUDA).
@@ -123,13 +123,13 @@ def slot_size(need: int, max_slot_bytes: int | None) -> int:
 
 
 class _Slot:
-    """One staging buffer of the ring."""
+    """One host buffer of the ring."""
 
     __slots__ = ("buf", "busy", "done", "start", "timed_bytes", "timed_s")
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
-        self.busy = False  # holds a staged batch not yet handed to the consumer
+        self.busy = False  # holds a copied batch not yet handed to the consumer
         self.done: Any = None  # event: the slot's last copy has completed
         self.start: Any = None
         self.timed_bytes = 0  # a copy whose duration is not yet recorded
@@ -250,7 +250,7 @@ class _CudaBackend(_HostBackend):
 # --- the prefetcher -------------------------------------------------------------------
 
 
-class _Staged:
+class _Copied:
     __slots__ = ("batch", "slot", "error", "buffer")
 
     def __init__(
@@ -267,7 +267,7 @@ class _Staged:
 
 
 class DevicePrefetcher(Generic[T]):
-    """Move batches to ``device`` through a reused ring of (pinned) staging slots.
+    """Move batches to ``device`` through a reused ring of (pinned) host slots.
 
     Use it on any iterable of batches, or let ``fastload.DataLoader(device=...)`` do it::
 
@@ -282,17 +282,17 @@ class DevicePrefetcher(Generic[T]):
             :meth:`iterate` is called instead.
         device: Target device: ``"cuda"``, ``"cuda:1"``, a ``torch.device``, or
             ``"cpu"`` (runs the same ring with plain memory).
-        slots: Staging slots in the ring (>= 2): how many batches can be in transit.
+        slots: Host slots in the ring (>= 2): how many batches can be in transit.
         depth: Batches pulled from the source beyond the one being returned
             (0 to ``slots - 1``; default ``slots - 1``). 0 keeps the source's calls at
             exactly the moments a plain loop would make them. ``lookahead=`` is its old
             name, still taken (with a FutureWarning, once).
         max_slot_bytes: Cap on one slot's size. A batch larger than the cap bypasses
-            the ring (a direct, unstaged copy), warns once and counts
+            the ring (a direct copy, not through a slot), warns once and counts
             ``oversize_batch``. None means no cap. Slots are powers of two below
             the cap; a cap that is not one is pinned rounded up to one by torch.
         timeout: Seconds to wait for a slot's previous copy before raising LoaderError.
-        collector: Where ``stage`` and ``h2d`` are recorded (None: not recorded).
+        collector: Where ``pin`` and ``h2d`` are recorded (None: not recorded).
 
     Raises:
         ConfigError: Bad ``slots``/``depth``/``max_slot_bytes``, a CUDA device
@@ -348,7 +348,7 @@ class DevicePrefetcher(Generic[T]):
         self._warned_oversize = False
         #: Host slot buffers allocated so far (first use and every growth).
         self.slot_allocations = 0
-        #: Batches staged through the ring.
+        #: Batches copied through the ring.
         self.copies = 0
         #: Batches too large for ``max_slot_bytes`` that bypassed the ring.
         self.oversize_batches = 0
@@ -395,7 +395,7 @@ class DevicePrefetcher(Generic[T]):
             slot.busy = False  # a superseded pass's batches are dropped; events still guard reuse
         return _Pass(self, iter(source), la, self._pass)
 
-    # -- staging --------------------------------------------------------------------
+    # -- the copy --------------------------------------------------------------------
 
     def _acquire(self, need: int) -> _Slot:
         slot = self._ring[self._next_slot]
@@ -455,11 +455,11 @@ class DevicePrefetcher(Generic[T]):
             )
         slot.timed_bytes = 0
 
-    def _stage(self, batch: Any) -> _Staged:
+    def _copy(self, batch: Any) -> _Copied:
         tensors: list[torch.Tensor] = []
         collect_tensors(batch, tensors)
         if not tensors:
-            return _Staged(batch, None)
+            return _Copied(batch, None)
         t0 = time.perf_counter()
         offsets: list[int] = []
         used = 0
@@ -476,7 +476,7 @@ class DevicePrefetcher(Generic[T]):
             return self._oversize(batch, tensors, used)
         if used == 0:  # only device / sparse tensors
             moved = [self._backend.move(t) for t in tensors]
-            return _Staged(rebuild(batch, iter(moved)), None)
+            return _Copied(rebuild(batch, iter(moved)), None)
         slot = self._acquire(used)
         buf = cast(torch.Tensor, slot.buf)  # _acquire always leaves a buffer
         with torch.no_grad():
@@ -485,7 +485,7 @@ class DevicePrefetcher(Generic[T]):
                     n = t.numel() * t.element_size()
                     buf[off : off + n].view(t.dtype).view(t.shape).copy_(t)
             if self.collector is not None:
-                self.collector.add("stage", items=1, bytes=used, seconds=time.perf_counter() - t0)
+                self.collector.add("pin", items=1, bytes=used, seconds=time.perf_counter() - t0)
             out = self._backend.transfer(slot, used)
             views = []
             for t, off, ok in zip(tensors, offsets, ringable):
@@ -496,32 +496,32 @@ class DevicePrefetcher(Generic[T]):
                     views.append(self._backend.move(t))
         slot.busy = True
         self.copies += 1
-        return _Staged(rebuild(batch, iter(views)), slot, buffer=out)
+        return _Copied(rebuild(batch, iter(views)), slot, buffer=out)
 
-    def _oversize(self, batch: Any, tensors: list[torch.Tensor], used: int) -> _Staged:
+    def _oversize(self, batch: Any, tensors: list[torch.Tensor], used: int) -> _Copied:
         self.oversize_batches += 1
         if self.collector is not None:
             self.collector.count("oversize_batch")
         if not self._warned_oversize:
             self._warned_oversize = True
             warnings.warn(
-                f"a batch needs {used} staging bytes, more than max_slot_bytes="
+                f"a batch needs {used} slot bytes, more than max_slot_bytes="
                 f"{self.max_slot_bytes}; such batches bypass the pinned ring (slower, "
                 "synchronous copies). Raise max_slot_bytes or lower the batch size",
                 RuntimeWarning,
                 stacklevel=4,
             )
         moved = [self._backend.move(t) for t in tensors]
-        return _Staged(rebuild(batch, iter(moved)), None)
+        return _Copied(rebuild(batch, iter(moved)), None)
 
-    def _deliver(self, staged: _Staged) -> Any:
-        slot = staged.slot
+    def _deliver(self, copied: _Copied) -> Any:
+        slot = copied.slot
         if slot is not None:
-            self._backend.hand_over(slot, cast(torch.Tensor, staged.buffer))  # staged with its slot
+            self._backend.hand_over(slot, cast(torch.Tensor, copied.buffer))  # copied with its slot
             slot.busy = False
             if self._backend.is_done(slot):  # a query, never a wait
                 self._record_copy(slot)
-        return staged.batch
+        return copied.batch
 
 
 class _Pass(Iterator[T]):
@@ -534,7 +534,7 @@ class _Pass(Iterator[T]):
         self._source = source
         self._depth = depth
         self._id = pass_id
-        self._queue: collections.deque[_Staged] = collections.deque()
+        self._queue: collections.deque[_Copied] = collections.deque()
         self._exhausted = False
 
     def __iter__(self) -> _Pass[T]:
@@ -542,7 +542,7 @@ class _Pass(Iterator[T]):
 
     def close(self) -> None:
         """End this pass early (a loop that breaks, ``--batches``): drop the batches
-        staged ahead, and record the copies already complete, without waiting."""
+        copied ahead, and record the copies already complete, without waiting."""
         self._exhausted = True
         self._queue.clear()
         if self._owner._pass == self._id:
@@ -559,7 +559,7 @@ class _Pass(Iterator[T]):
         if owner._pass != self._id:
             raise LoaderError(
                 "this DevicePrefetcher started a newer pass, which ended this one "
-                "(its staging ring is shared); iterate one pass at a time"
+                "(its ring of slots is shared); iterate one pass at a time"
             )
         queue = self._queue
         while not self._exhausted and len(queue) <= self._depth:
@@ -569,15 +569,15 @@ class _Pass(Iterator[T]):
                 self._exhausted = True
                 break
             except Exception as err:  # re-raised in order, traceback intact
-                queue.append(_Staged(None, None, err))
+                queue.append(_Copied(None, None, err))
                 self._exhausted = True
                 break
-            queue.append(owner._stage(batch))
+            queue.append(owner._copy(batch))
         if not queue:
             owner._flush()
             raise StopIteration
-        staged = queue.popleft()
-        if staged.error is not None:
-            failure, staged.error = staged.error, None
+        copied = queue.popleft()
+        if copied.error is not None:
+            failure, copied.error = copied.error, None
             raise failure
-        return owner._deliver(staged)  # type: ignore[no-any-return]
+        return owner._deliver(copied)  # type: ignore[no-any-return]

@@ -114,7 +114,7 @@ class ReadAhead(Iterator[Any]):
             finally:
                 _ACTIVE.reset(token)
             dt = time.perf_counter() - t0
-            col.add("read", items=len(chunk), bytes=nbytes(out), seconds=dt)
+            col.add("assemble", items=len(chunk), bytes=nbytes(out), seconds=dt)
         if len(out) != len(chunk):
             raise LoaderError(
                 f"{self._name}.read_batch returned {len(out)} samples for {len(chunk)} indices; "

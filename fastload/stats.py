@@ -1,9 +1,9 @@
-"""Per-stage counters and timers, and the data-stall fraction.
+"""Per-op counters and timers, and the data-stall fraction.
 
-Every stage of the pipeline records what it did into a :class:`StatsCollector`:
-items, bytes and busy seconds per *stage*, plus plain event counters such as
-``cache_hit``. The :class:`~fastload.loader.DataLoader` owns one collector and
-makes it the *active* collector (a ContextVar) of the code that iterates it, from
+Every op of the pipeline (a timed piece of work: fetch, decode, collate...) records
+what it did into a :class:`StatsCollector`: items, bytes and busy seconds per *op*,
+plus plain event counters such as ``cache_hit``. The
+:class:`~fastload.loader.DataLoader` owns one collector and makes it the *active* collector (a ContextVar) of the code that iterates it, from
 its first ``next()`` until the pass ends, and of its ``read_batch`` threads while
 they read, so code deep inside a dataset or the cache reader records without
 holding a reference::
@@ -19,11 +19,11 @@ holding a reference::
 Outside any loader, :func:`current_collector` returns a process-wide default
 collector (:func:`default_collector`), so direct dataset use is counted too.
 
-Stage names are free-form; the canonical ones, in table order, are
-:data:`STAGES`. The loader itself records ``read`` (time producing samples:
-``__getitem__`` or ``read_batch``, which *contains* the sub-stages ``fetch``,
-``cache_read`` and ``decode`` that datasets record), ``collate``, ``stage``
-(host copy into a staging slot) and ``h2d``.
+Op names are free-form; the canonical ones, in table order, are
+:data:`OPS`. The loader itself records ``assemble`` (time producing a batch's
+samples: ``__getitem__`` or ``read_batch``, which *contains* the ops ``fetch``,
+``cache_read`` and ``decode`` that datasets record), ``collate``, ``pin``
+(the host copy into a pinned slot of the device prefetcher) and ``h2d``.
 
 Cost. ``add`` touches only the calling thread's own shard (a
 ``threading.local``), so the hot path takes no lock; the shards are merged
@@ -52,9 +52,9 @@ from typing import Any
 from fastload import hostlimit
 
 __all__ = [
-    "STAGES",
+    "OPS",
     "LoaderStats",
-    "StageStats",
+    "OpStats",
     "StatsCollector",
     "combine_limits",
     "current_collector",
@@ -63,20 +63,20 @@ __all__ = [
     "use_collector",
 ]
 
-#: Canonical stage names, in the order the table prints them. Other names are allowed
+#: Canonical op names, in the order the table prints them. Other names are allowed
 #: and print after these, sorted.
-STAGES: tuple[str, ...] = ("fetch", "cache_read", "decode", "read", "collate", "stage", "h2d")
+OPS: tuple[str, ...] = ("fetch", "cache_read", "decode", "assemble", "collate", "pin", "h2d")
 
 
 @dataclass(frozen=True)
-class StageStats:
-    """What one stage did.
+class OpStats:
+    """What one op did.
 
     Attributes:
-        items: Items (samples, batches or requests; the stage decides) processed.
-        bytes: Bytes produced or moved by the stage.
-        seconds: Busy seconds, summed over every thread that ran the stage, so it can
-            exceed wall time when the stage runs in parallel.
+        items: Items (samples, batches or requests; the op decides) processed.
+        bytes: Bytes produced or moved by the op.
+        seconds: Busy seconds, summed over every thread that ran the op, so it can
+            exceed wall time when the op runs in parallel.
     """
 
     items: int = 0
@@ -94,7 +94,7 @@ class StageStats:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-_ZERO = StageStats()
+_ZERO = OpStats()
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class LoaderStats:
     """A snapshot of a loader's counters; ``str()`` renders it as a table.
 
     Attributes:
-        stages: Stage name -> :class:`StageStats`.
+        ops: Op name -> :class:`OpStats`.
         counters: Event name -> count (``cache_hit``, ``cache_miss``, ``oversize_batch``...).
         batches: Batches handed to the consumer.
         wait_seconds: Seconds the consumer spent inside ``next()`` waiting for a batch
@@ -119,16 +119,16 @@ class LoaderStats:
             cuts, last_cut}}``, each process's own (:func:`combine_limits`).
     """
 
-    stages: Mapping[str, StageStats] = field(default_factory=dict)
+    ops: Mapping[str, OpStats] = field(default_factory=dict)
     counters: Mapping[str, int] = field(default_factory=dict)
     batches: int = 0
     wait_seconds: float = 0.0
     wall_seconds: float = 0.0
     concurrency: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
-    def stage(self, name: str) -> StageStats:
-        """Return the stats of stage ``name`` (all zero if it never recorded)."""
-        return self.stages.get(name, _ZERO)
+    def op(self, name: str) -> OpStats:
+        """Return the stats of op ``name`` (all zero if it never recorded)."""
+        return self.ops.get(name, _ZERO)
 
     @property
     def data_stall_fraction(self) -> float:
@@ -154,7 +154,7 @@ class LoaderStats:
             "cache_hit_rate": self.cache_hit_rate,
             "counters": dict(self.counters),
             "concurrency": {host: dict(v) for host, v in self.concurrency.items()},
-            "stages": {
+            "ops": {
                 name: {
                     "items": s.items,
                     "bytes": s.bytes,
@@ -162,16 +162,16 @@ class LoaderStats:
                     "items_per_s": s.items_per_s,
                     "bytes_per_s": s.bytes_per_s,
                 }
-                for name, s in self.stages.items()
+                for name, s in self.ops.items()
             },
         }
 
     def __str__(self) -> str:
-        names = [n for n in STAGES if n in self.stages]
-        names += sorted(n for n in self.stages if n not in STAGES)
-        rows = [("stage", "items", "MB", "busy s", "items/s", "MB/s")]
+        names = [n for n in OPS if n in self.ops]
+        names += sorted(n for n in self.ops if n not in OPS)
+        rows = [("op", "items", "MB", "busy s", "items/s", "MB/s")]
         for name in names:
-            s = self.stages[name]
+            s = self.ops[name]
             rows.append(
                 (
                     name,
@@ -212,11 +212,11 @@ class LoaderStats:
 class _Shard:
     """One thread's counters; only its owner thread writes to it."""
 
-    __slots__ = ("stages", "counters", "batches", "wait", "wall", "thread")
+    __slots__ = ("ops", "counters", "batches", "wait", "wall", "thread")
 
     def __init__(self, thread: threading.Thread | None) -> None:
-        # stage -> [items, bytes, seconds]; a list so the hot path mutates in place.
-        self.stages: dict[str, list[Any]] = {}
+        # op -> [items, bytes, seconds]; a list so the hot path mutates in place.
+        self.ops: dict[str, list[Any]] = {}
         self.counters: dict[str, int] = {}
         self.batches = 0
         self.wait = 0.0
@@ -224,8 +224,8 @@ class _Shard:
         self.thread = thread
 
     def merge_into(self, other: _Shard) -> None:
-        for name, rec in self.stages.items():
-            dst = other.stages.setdefault(name, [0, 0, 0.0])
+        for name, rec in self.ops.items():
+            dst = other.ops.setdefault(name, [0, 0, 0.0])
             dst[0] += rec[0]
             dst[1] += rec[1]
             dst[2] += rec[2]
@@ -237,7 +237,7 @@ class _Shard:
 
 
 class StatsCollector:
-    """Thread-safe, cheap per-stage counters (per-thread shards merged on read).
+    """Thread-safe, cheap per-op counters (per-thread shards merged on read).
 
     Args:
         enabled: When False every recording method returns at once.
@@ -247,7 +247,7 @@ class StatsCollector:
         >>> col.add("cache_read", items=2, bytes=4096, seconds=0.5)
         >>> col.count("cache_hit", 2)
         >>> s = col.snapshot()
-        >>> (s.stage("cache_read").bytes, s.counters["cache_hit"])
+        >>> (s.op("cache_read").bytes, s.counters["cache_hit"])
         (4096, 2)
     """
 
@@ -272,21 +272,21 @@ class StatsCollector:
             self._local.shard = shard
             return shard
 
-    def add(self, stage: str, *, items: int = 0, bytes: int = 0, seconds: float = 0.0) -> None:
-        """Record work done by ``stage``.
+    def add(self, op: str, *, items: int = 0, bytes: int = 0, seconds: float = 0.0) -> None:
+        """Record work done by ``op``.
 
         Args:
-            stage: Stage name, e.g. ``"fetch"``, ``"cache_read"``, ``"decode"`` (see STAGES).
+            op: Op name, e.g. ``"fetch"``, ``"cache_read"``, ``"decode"`` (see OPS).
             items: Items processed.
             bytes: Bytes produced or moved.
             seconds: Busy seconds spent (wall time of this thread).
         """
         if not self.enabled:
             return
-        stages = self._shard().stages
-        rec = stages.get(stage)
+        ops = self._shard().ops
+        rec = ops.get(op)
         if rec is None:
-            stages[stage] = [items, bytes, seconds]
+            ops[op] = [items, bytes, seconds]
         else:
             rec[0] += items
             rec[1] += bytes
@@ -300,8 +300,8 @@ class StatsCollector:
         counters[name] = counters.get(name, 0) + n
 
     @contextmanager
-    def timer(self, stage: str, *, items: int = 0, bytes: int = 0) -> Iterator[None]:
-        """Time the ``with`` body and record it as ``add(stage, items, bytes, seconds)``.
+    def timer(self, op: str, *, items: int = 0, bytes: int = 0) -> Iterator[None]:
+        """Time the ``with`` body and record it as ``add(op, items, bytes, seconds)``.
 
         The record is made even when the body raises, so failed work still shows up.
         """
@@ -309,7 +309,7 @@ class StatsCollector:
         try:
             yield
         finally:
-            self.add(stage, items=items, bytes=bytes, seconds=time.perf_counter() - t0)
+            self.add(op, items=items, bytes=bytes, seconds=time.perf_counter() - t0)
 
     def record_batches(self, batches: int, wait_seconds: float, wall_seconds: float) -> None:
         """Record batches handed to the consumer (called by the loader only).
@@ -357,9 +357,9 @@ class StatsCollector:
     def snapshot(self) -> LoaderStats:
         """Merge every thread's shard into an immutable :class:`LoaderStats`."""
         total = self._merged()
-        stages = {n: StageStats(int(r[0]), int(r[1]), float(r[2])) for n, r in total.stages.items()}
+        ops = {n: OpStats(int(r[0]), int(r[1]), float(r[2])) for n, r in total.ops.items()}
         return LoaderStats(
-            stages=MappingProxyType(stages),
+            ops=MappingProxyType(ops),
             counters=MappingProxyType(dict(total.counters)),
             batches=total.batches,
             wait_seconds=total.wait,
@@ -374,21 +374,21 @@ class StatsCollector:
         return combine_limits({"main": hostlimit.settled(), **workers})
 
     def _take_mine(self) -> tuple[dict[str, list[Any]], dict[str, int], _Shard]:
-        """Detach the calling thread's records: ``({stage: [items, bytes, seconds]}, {counter: n})``.
+        """Detach the calling thread's records: ``({op: [items, bytes, seconds]}, {counter: n})``.
 
         O(1): only the calling thread writes its own shard, so it is swapped out, not
         copied. DataLoader workers ship these with each batch (fastload._worker_stats).
         The third value is the shard, for :meth:`_others`.
         """
         shard = self._shard()
-        stages, counters = shard.stages, shard.counters
-        shard.stages, shard.counters = {}, {}
-        return stages, counters, shard
+        ops, counters = shard.ops, shard.counters
+        shard.ops, shard.counters = {}, {}
+        return ops, counters, shard
 
     def _others(self, mine: _Shard) -> _Shard | None:
         """Running totals of every thread's records but ``mine``; None when there are none."""
         with self._lock:
-            if len(self._shards) < 2 and not (self._retired.stages or self._retired.counters):
+            if len(self._shards) < 2 and not (self._retired.ops or self._retired.counters):
                 return None
         return self._merged(skip=mine)
 

@@ -9,7 +9,7 @@ Modules (each imported on first use, so ``import fastload.diagnose`` is cheap):
 * :mod:`~fastload.diagnose.storage` - TTFB, throughput against concurrency, list speed
 * :mod:`~fastload.diagnose.disk` - cache disk read speed and cache state
 * :mod:`~fastload.diagnose.compute` - CPU/GPU JPEG decode, LZ4 decode
-* :mod:`~fastload.diagnose.verdict` - per-stage ceilings, the limit, the advice
+* :mod:`~fastload.diagnose.verdict` - per-op ceilings, the limit, the advice
 * :mod:`~fastload.diagnose.report` / :mod:`~fastload.diagnose.plot` - text and PNG output
 * :mod:`~fastload.diagnose.bench` - ``fastload bench``
 * :mod:`~fastload.diagnose.live` - ``DataLoader(log_every=, summary_writer=)``

@@ -2,26 +2,26 @@
 
 It builds a :class:`fastload.FileDataset` over ``DATASET_OR_URL`` (or over
 built-in sample JPEGs with ``--sample``), decodes each JPEG on the CPU to a
-``uint8`` 3 x S x S tensor (Pillow; recorded as the ``decode`` stage), and
+``uint8`` 3 x S x S tensor (Pillow; recorded as the ``decode`` op), and
 iterates ``--epochs`` epochs with a simulated training step of ``--step-ms``
 (a sleep, which like a GPU step leaves the CPU to the loader's threads).
 
 Per epoch it reports samples/s, the data-stall fraction (the share of the loop's
 wall time spent waiting in ``next()``), the cache hit rate, peak RSS, and the
-per-stage table of ``loader.stats()``. Epoch 1 is *cold*: unless ``--cache-dir``
+per-op table of ``loader.stats()``. Epoch 1 is *cold*: unless ``--cache-dir``
 is given, the cache is a fresh temporary folder, removed afterwards, so epoch 1
 fetches everything and later epochs read the cache. ``--compare`` runs torch's
 own DataLoader over the same files (through its own fresh cache) the same way;
-its dataset's stages (fetch, cache_read, decode) are recorded too, one thread.
+its dataset's ops (fetch, cache_read, decode) are recorded too, one thread.
 
 Order is sequential (no shuffle) so that with ``--batches`` a warm epoch reads
 exactly what the cold epoch cached.
 
-Stage capacity. ``loader.stats()`` gives busy seconds per stage summed over
+Op capacity. ``loader.stats()`` gives busy seconds per op summed over
 threads; ``capacity_per_s`` multiplies the per-thread rate by the threads that
-run the stage (``read_threads`` for fetch / cache_read / decode / read, 1 for
-collate / stage / h2d; ``num_workers`` for the first group when workers read,
-their stages reaching the parent with their batches: :mod:`fastload._worker_stats`).
+run the op (``read_threads`` for fetch / cache_read / decode / assemble, 1 for
+collate / pin / h2d; ``num_workers`` for the first group when workers read,
+their ops reaching the parent with their batches: :mod:`fastload._worker_stats`).
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ from fastload.stats import StatsCollector, current_collector, use_collector
 
 __all__ = ["BenchOptions", "DecodeJpeg", "render_bench", "run_bench"]
 
-THREAD_STAGES = ("fetch", "cache_read", "decode", "read")
-SUB_STAGES = ("fetch", "cache_read", "decode", "collate", "stage", "h2d")
+THREAD_OPS = ("fetch", "cache_read", "decode", "assemble")
+SUB_OPS = ("fetch", "cache_read", "decode", "collate", "pin", "h2d")
 
 
 class DecodeJpeg:
-    """Transform: JPEG bytes -> ``uint8`` tensor (3, size, size); records the ``decode`` stage.
+    """Transform: JPEG bytes -> ``uint8`` tensor (3, size, size); records the ``decode`` op.
 
     A plain class (not a lambda) so that it pickles into DataLoader workers.
     """
@@ -153,10 +153,10 @@ def _epoch(loader: Any, opts: BenchOptions) -> dict[str, Any]:
     }
 
 
-def _stage_rows(stats: Any, threads: int) -> dict[str, dict[str, Any]]:
+def _op_rows(stats: Any, threads: int) -> dict[str, dict[str, Any]]:
     rows = {}
-    for name, s in stats.stages.items():
-        par = threads if name in THREAD_STAGES else 1
+    for name, s in stats.ops.items():
+        par = threads if name in THREAD_OPS else 1
         rows[name] = {
             "items": s.items,
             "bytes": s.bytes,
@@ -168,9 +168,9 @@ def _stage_rows(stats: Any, threads: int) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def _limit(stages: dict[str, dict[str, Any]]) -> str | None:
-    subs = {n: r for n, r in stages.items() if n in SUB_STAGES and r["capacity_per_s"]}
-    pool = subs or {n: r for n, r in stages.items() if r["capacity_per_s"]}
+def _limit(ops: dict[str, dict[str, Any]]) -> str | None:
+    subs = {n: r for n, r in ops.items() if n in SUB_OPS and r["capacity_per_s"]}
+    pool = subs or {n: r for n, r in ops.items() if r["capacity_per_s"]}
     return min(pool, key=lambda n: pool[n]["capacity_per_s"]) if pool else None
 
 
@@ -234,13 +234,13 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             loader.reset_stats()
             run = _epoch(loader, opts)
             stats = loader.stats()
-            stages = _stage_rows(stats, threads if opts.num_workers == 0 else opts.num_workers)
+            ops = _op_rows(stats, threads if opts.num_workers == 0 else opts.num_workers)
             hits = stats.cache_hit_rate
             runs.append({
                 "loader": "fastload", "epoch": epoch,
                 # No cache counters at all (nothing read through the cache): the fresh cache decides.
                 "regime": "cold" if (hits < 0.5 if hits is not None else epoch == 1) else "warm",
-                "cache_hit_rate": hits, "stages": stages, "limit": _limit(stages),
+                "cache_hit_rate": hits, "ops": ops, "limit": _limit(ops),
                 "loader_stats": stats.as_dict(), "table": str(stats), **run,
             })
         if opts.compare:
@@ -256,9 +256,9 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                 with use_collector(tcol):
                     run = _epoch(tloader, opts)
                 stats = tcol.snapshot()
-                stages = _stage_rows(stats, 1) if opts.num_workers == 0 else {}
+                ops = _op_rows(stats, 1) if opts.num_workers == 0 else {}
                 runs.append({"loader": "torch", "epoch": epoch, "regime": "cold" if epoch == 1 else "warm",
-                             "cache_hit_rate": stats.cache_hit_rate, "stages": stages, "limit": _limit(stages),
+                             "cache_hit_rate": stats.cache_hit_rate, "ops": ops, "limit": _limit(ops),
                              **run})
     consumer = opts.batch_size * 1000.0 / opts.step_ms if opts.step_ms > 0 else None
     for run in runs:
@@ -314,10 +314,10 @@ def render_bench(r: dict[str, Any]) -> str:
         lines += ["", f"fastload epoch {run['epoch']} ({run['regime']}): loader.stats()", run["table"]]
         lim = run.get("limit")
         if lim:
-            st = run["stages"][lim]
+            st = run["ops"][lim]
             demand = run.get("consumer_per_s")
             vs = f"; the simulated step consumes {fmt_rate(demand)}/s" if demand else ""
-            lines.append(f"slowest stage: {lim}, about {fmt_rate(st['capacity_per_s'])} items/s over "
+            lines.append(f"slowest op: {lim}, about {fmt_rate(st['capacity_per_s'])} items/s over "
                          f"{st['threads']} thread(s){vs}")
     lines.append("")
     lines.append(f"peak RSS (process lifetime) {format_size(r['ru_maxrss_bytes'])}"

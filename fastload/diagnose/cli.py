@@ -49,9 +49,9 @@ def _read_threads_default() -> str:
 def add_parsers(sub: Any, common: argparse.ArgumentParser, *, size_arg: Callable[[str], int],
                 json_arg: Callable[[str], dict[str, Any]]) -> None:
     """Add ``diagnose`` and ``bench`` to the ``fastload`` subparsers ``sub``."""
-    d = sub.add_parser("diagnose", parents=[common], help="measure every stage and name the bottleneck",
+    d = sub.add_parser("diagnose", parents=[common], help="measure every op and name the bottleneck",
                        description="Measure the environment, the GPU and its link, the storage behind URL, the "
-                       "cache disk and decode speeds; then name the limiting stage and what to change.")
+                       "cache disk and decode speeds; then name the limiting op and what to change.")
     d.add_argument("url", nargs="?", help="dataset URL to probe (any fsspec URL); without it storage is skipped")
     d.add_argument("--storage-options", type=json_arg, default={}, help="JSON fsspec options (credentials, endpoint)")
     d.add_argument("--pattern", help="glob relative to URL, e.g. '**/*.jpg'")
@@ -73,11 +73,11 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, *, size_arg: Callable
     d.add_argument("--step-ms", type=_nonneg_float, help="your training step time in ms (with --batch-size)")
     d.add_argument("--batch-size", type=_positive_int, help="your batch size (with --step-ms)")
     d.add_argument("--no-gpu", dest="gpu", action="store_false", help="skip every GPU probe")
-    d.add_argument("--plot", type=Path, metavar="FILE.png", help="also draw the stage table (needs matplotlib)")
+    d.add_argument("--plot", type=Path, metavar="FILE.png", help="also draw the op table (needs matplotlib)")
 
     b = sub.add_parser("bench", parents=[common], help="run the real DataLoader over a dataset, epoch by epoch",
                        description="Run fastload.DataLoader (and torch's with --compare) over DATASET_OR_URL: "
-                       "per-stage throughput, cold vs warm epochs, data stall under a simulated step, peak RSS.")
+                       "per-op throughput, cold vs warm epochs, data stall under a simulated step, peak RSS.")
     b.add_argument("dataset", nargs="?", metavar="DATASET_OR_URL", help="folder or URL of files (one per sample)")
     b.add_argument("--sample", action="store_true", help="use built-in sample JPEGs instead of DATASET_OR_URL")
     b.add_argument("--sample-images", type=_positive_int, default=128, help="images for --sample (default 128)")
@@ -94,7 +94,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, *, size_arg: Callable
     b.add_argument("--step-ms", type=_nonneg_float, default=0.0, help="simulated training step per batch, ms")
     b.add_argument("--compare", action="store_true", help="also run torch.utils.data.DataLoader the same way")
     b.add_argument("--device", help="deliver batches to this device, e.g. cuda")
-    b.add_argument("--plot", type=Path, metavar="FILE.png", help="draw stage throughput and consumer wait")
+    b.add_argument("--plot", type=Path, metavar="FILE.png", help="draw op throughput and consumer wait")
 
 
 def _plot_ready(args: argparse.Namespace) -> bool:

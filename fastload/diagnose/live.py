@@ -5,7 +5,7 @@ snapshotted and the *interval* since the previous report (not the running
 total, which hides a recent stall) is
 
 * logged through :mod:`logging` (logger ``fastload.live``): one INFO line with
-  batches/s, the data-stall fraction, the cache hit rate and the slowest stage,
+  batches/s, the data-stall fraction, the cache hit rate and the slowest op,
   and the full stats table at DEBUG. Asking for ``log_every`` is asking to see
   the lines, so when neither ``fastload.live`` nor ``fastload`` has a level of
   its own the logger is set to INFO, and while no handler of the user's would
@@ -18,7 +18,7 @@ total, which hides a recent stall) is
 Scalars (``step`` is the number of batches the loader has handed out, over all
 epochs): ``fastload/batches_per_s``, ``fastload/data_stall``,
 ``fastload/cache_hit_rate`` (when the interval read through the cache), and per
-stage ``fastload/<stage>/items_per_s`` and ``fastload/<stage>/MBps`` (per busy
+op ``fastload/<op>/items_per_s`` and ``fastload/<op>/MBps`` (per busy
 second, as in the stats table).
 """
 
@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from fastload.stats import STAGES, LoaderStats
+from fastload.stats import OPS, LoaderStats
 
 __all__ = ["DEFAULT_WRITE_EVERY", "LiveStats", "interval"]
 
@@ -79,12 +79,12 @@ def interval(now: LoaderStats, before: LoaderStats | None) -> dict[str, Any]:
     wait = now.wait_seconds - b.wait_seconds
     hits = now.counters.get("cache_hit", 0) - b.counters.get("cache_hit", 0)
     misses = now.counters.get("cache_miss", 0) - b.counters.get("cache_miss", 0)
-    stages = {}
-    for name, s in now.stages.items():
-        old = b.stage(name)
+    ops = {}
+    for name, s in now.ops.items():
+        old = b.op(name)
         items, nbytes, secs = s.items - old.items, s.bytes - old.bytes, s.seconds - old.seconds
         if items or secs:
-            stages[name] = {
+            ops[name] = {
                 "items": items,
                 "items_per_s": items / secs if secs > 0 else 0.0,
                 "MBps": nbytes / secs / 1e6 if secs > 0 else 0.0,
@@ -94,12 +94,12 @@ def interval(now: LoaderStats, before: LoaderStats | None) -> dict[str, Any]:
         "batches_per_s": batches / wall if wall > 0 else 0.0,
         "data_stall": min(1.0, wait / wall) if wall > 0 else 0.0,
         "cache_hit_rate": hits / (hits + misses) if hits + misses else None,
-        "stages": stages,
+        "ops": ops,
     }
 
 
-def _slowest(stages: dict[str, dict[str, Any]]) -> str | None:
-    timed = {n: s for n, s in stages.items() if s["items_per_s"] > 0 and n in STAGES and n != "read"}
+def _slowest(ops: dict[str, dict[str, Any]]) -> str | None:
+    timed = {n: s for n, s in ops.items() if s["items_per_s"] > 0 and n in OPS and n != "assemble"}
     return min(timed, key=lambda n: timed[n]["items_per_s"]) if timed else None
 
 
@@ -146,8 +146,8 @@ class LiveStats:
         iv = interval(now, self._last)
         self._last = now
         if self.log:
-            slow = _slowest(iv["stages"])
-            slow_text = f", slowest stage {slow} {iv['stages'][slow]['items_per_s']:.0f} items/s" if slow else ""
+            slow = _slowest(iv["ops"])
+            slow_text = f", slowest op {slow} {iv['ops'][slow]['items_per_s']:.0f} items/s" if slow else ""
             hit = iv["cache_hit_rate"]
             hit_text = "" if hit is None else f", cache hits {hit:.0%}"
             _log.info("fastload: batch %d: %.1f batches/s, data stall %.1f%%%s%s", self.step, iv["batches_per_s"],
@@ -159,7 +159,7 @@ class LiveStats:
             add("fastload/data_stall", iv["data_stall"], self.step)
             if iv["cache_hit_rate"] is not None:
                 add("fastload/cache_hit_rate", iv["cache_hit_rate"], self.step)
-            for name, s in iv["stages"].items():
+            for name, s in iv["ops"].items():
                 add(f"fastload/{name}/items_per_s", s["items_per_s"], self.step)
                 add(f"fastload/{name}/MBps", s["MBps"], self.step)
         return iv

@@ -32,13 +32,13 @@ def _figure(rows: int, height: float) -> tuple[Any, Any]:
 
 
 def plot_verdict(verdict: dict[str, Any], path: str | Path) -> Path:
-    """Horizontal bars: each stage's max samples/s; the limiting stage in red."""
-    stages = [s for s in verdict["stages"] if s["samples_per_s"]]
-    fig, (ax,) = _figure(1, 1.2 + 0.45 * max(1, len(stages)))
+    """Horizontal bars: each op's max samples/s; the limiting op in red."""
+    ops = [s for s in verdict["ops"] if s["samples_per_s"]]
+    fig, (ax,) = _figure(1, 1.2 + 0.45 * max(1, len(ops)))
     limits = {verdict["cold"]["limit"], verdict["warm"]["limit"]}
-    names = [s["label"] + ("" if s["in_path"] else " (not in path)") for s in stages]
-    rates = [s["samples_per_s"] for s in stages]
-    colors = [(_LIMIT if s["name"] in limits else _OTHER) if s["in_path"] else _OFF for s in stages]
+    names = [s["label"] + ("" if s["in_path"] else " (not in path)") for s in ops]
+    rates = [s["samples_per_s"] for s in ops]
+    colors = [(_LIMIT if s["name"] in limits else _OTHER) if s["in_path"] else _OFF for s in ops]
     ax.barh(names, rates, color=colors)
     ax.set_xscale("log")
     ax.invert_yaxis()
@@ -52,17 +52,17 @@ def plot_verdict(verdict: dict[str, Any], path: str | Path) -> Path:
 
 
 def plot_bench(report: dict[str, Any], path: str | Path) -> Path:
-    """Top: per-stage throughput bars per epoch against the consumer; bottom: consumer wait per batch."""
+    """Top: per-op throughput bars per epoch against the consumer; bottom: consumer wait per batch."""
     runs = report["runs"]
     fig, (bars, timeline) = _figure(2, 7.5)
     width = 0.8 / max(1, len(runs))
     names: list[str] = []
     for run in runs:
-        for st in run.get("stages", {}):
+        for st in run.get("ops", {}):
             if st not in names:
                 names.append(st)
     for k, run in enumerate(runs):
-        vals = [run.get("stages", {}).get(n, {}).get("capacity_per_s") or 0.0 for n in names]
+        vals = [run.get("ops", {}).get(n, {}).get("capacity_per_s") or 0.0 for n in names]
         xs = [i + k * width for i in range(len(names))]
         bars.bar(xs, vals, width=width, label=f"{run['loader']} epoch {run['epoch']} ({run['regime']})")
         if run.get("consumer_per_s"):
@@ -70,7 +70,7 @@ def plot_bench(report: dict[str, Any], path: str | Path) -> Path:
     bars.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
     bars.set_yscale("log")
     bars.set_ylabel("items/s (busy-time capacity)")
-    bars.set_title("per-stage throughput; dashed: the simulated step's demand", fontsize=9, loc="left")
+    bars.set_title("per-op throughput; dashed: the simulated step's demand", fontsize=9, loc="left")
     bars.legend(fontsize=7)
     for run in runs:
         waits = run.get("wait_ms_per_batch") or []

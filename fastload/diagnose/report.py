@@ -6,7 +6,7 @@ from typing import Any
 
 from fastload.config import format_size
 from fastload.diagnose._util import fmt_bps, fmt_rate
-from fastload.diagnose.verdict import Advice, Regime, Stage, Verdict
+from fastload.diagnose.verdict import Advice, Op, Regime, Verdict
 
 __all__ = ["render", "verdict_from_dict"]
 
@@ -22,7 +22,7 @@ def verdict_from_dict(d: dict[str, Any]) -> Verdict:
     return Verdict(
         sample_bytes=d["sample_bytes"],
         sample_bytes_source=d["sample_bytes_source"],
-        stages=tuple(Stage(**s) for s in d["stages"]),
+        ops=tuple(Op(**s) for s in d["ops"]),
         cold=Regime(**d["cold"]),
         warm=Regime(**d["warm"]),
         headline=d["headline"],

@@ -1,13 +1,13 @@
-"""The verdict: each stage's max samples/s, the stage that limits, and what to change.
+"""The verdict: each op's max samples/s, the op that limits, and what to change.
 
 Pure arithmetic over measurements (no probes run here), so every bottleneck
 class is unit-tested with synthetic numbers (``tests/unit/test_verdict.py``).
 
 The model. A sample of ``sample_bytes`` (the encoded file, e.g. a ~108 KB JPEG)
-flows through stages, each with a ceiling in samples/s:
+flows through ops, each with a ceiling in samples/s:
 
 ===============  ======================================================  ===========
-stage            ceiling                                                 epochs
+op               ceiling                                                 epochs
 ===============  ======================================================  ===========
 ``storage``      remote bytes/s at the saturating concurrency / size     cold [1]_
 ``cache_disk``   local cache disk bytes/s / size                         warm
@@ -24,7 +24,7 @@ What crosses the GPU link depends on where decoding happens: decoded images
 (``fp32``/``fp16``/``uint8`` at ``image_size`` squared, 3 channels) when the CPU
 decodes, the JPEG itself when the GPU does.
 
-The slowest stage in a regime (epoch 1 = *cold*, epochs 2+ = *warm*) is its
+The slowest op in a regime (epoch 1 = *cold*, epochs 2+ = *warm*) is its
 limit. The headline is the warm regime, unless every epoch streams from storage.
 """
 
@@ -37,7 +37,7 @@ from typing import Any
 from fastload.config import Settings, format_size
 from fastload.diagnose._util import fmt_bps, fmt_rate
 
-__all__ = ["PAYLOADS", "Advice", "Inputs", "Regime", "Stage", "Verdict", "make_verdict", "payload_bytes"]
+__all__ = ["PAYLOADS", "Advice", "Inputs", "Regime", "Op", "Verdict", "make_verdict", "payload_bytes"]
 
 PAYLOADS = ("fp32", "fp16", "uint8", "jpeg")
 DECODE_PLACES = ("cpu", "gpu", "none")  # none: the data is not images (arrays, tokens), shipped as stored
@@ -52,8 +52,8 @@ CLASS_OF = {
     "model": "compute",
 }
 DEFAULT_READ_THREADS = 8  # Inputs' default: fastload.config.default_read_threads() on 8 or more CPUs
-DEFAULT_STAGE_WORKERS = Settings.max_requests  # the cap on requests in flight per host
-CLOSE = 1.15  # two stages within 15% of each other are "balanced"
+DEFAULT_MAX_REQUESTS = Settings.max_requests  # the cap on requests in flight per host
+CLOSE = 1.15  # two ops within 15% of each other are "balanced"
 #: A100 + DALI mixed decode, about 7,000 img/s (DALI's A100 blog, quoted in NVIDIA/DALI issue 5362),
 #: quoted when unmeasured.
 REFERENCE_GPU_DECODE = 7000.0
@@ -79,7 +79,7 @@ class Inputs:
     """Measurements and the user's current settings; None = not measured.
 
     Rates are bytes/s unless named ``img_s``/``per_core`` (images/s). ``why_missing``
-    maps a stage name to the reason it was not measured (shown in the table).
+    maps a op name to the reason it was not measured (shown in the table).
     """
 
     sample_bytes: float
@@ -111,7 +111,7 @@ class Inputs:
 
 
 @dataclass(frozen=True)
-class Stage:
+class Op:
     """One row of the table."""
 
     name: str
@@ -127,7 +127,7 @@ class Regime:
     """The limit of one regime: ``cold`` (epoch 1, from storage) or ``warm`` (from the cache)."""
 
     name: str
-    limit: str | None  # stage name
+    limit: str | None  # op name
     bottleneck: str | None  # class: storage, disk, cpu, link, gpu, compute
     samples_per_s: float | None
     sentence: str
@@ -148,7 +148,7 @@ class Verdict:
 
     sample_bytes: float
     sample_bytes_source: str
-    stages: tuple[Stage, ...]
+    ops: tuple[Op, ...]
     cold: Regime
     warm: Regime
     headline: str
@@ -157,20 +157,20 @@ class Verdict:
     advice: tuple[Advice, ...]
     notes: tuple[str, ...]
 
-    def stage(self, name: str) -> Stage:
-        """The row of stage ``name`` (KeyError for an unknown name)."""
-        for s in self.stages:
+    def op(self, name: str) -> Op:
+        """The row of op ``name`` (KeyError for an unknown name)."""
+        for s in self.ops:
             if s.name == name:
                 return s
-        raise KeyError(f"no stage {name!r}; stages are {', '.join(s.name for s in self.stages)}")
+        raise KeyError(f"no op {name!r}; ops are {', '.join(s.name for s in self.ops)}")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def lines(self) -> list[str]:
         """The table, the limit per regime, the advice and the notes, as text lines."""
-        rows = [("stage", "max samples/s", "measured", "epochs")]
-        for s in self.stages:
+        rows = [("op", "max samples/s", "measured", "epochs")]
+        for s in self.ops:
             rate = fmt_rate(s.samples_per_s) if s.samples_per_s is not None else "-"
             rows.append((s.label + ("" if s.in_path else " (not in path)"), rate, s.detail, s.epochs))
         w = [max(len(r[i]) for r in rows) for i in range(3)]
@@ -193,20 +193,20 @@ class Verdict:
         return out
 
 
-# -- stages -------------------------------------------------------------------------
+# -- ops -------------------------------------------------------------------------
 
 
-def _stages(x: Inputs) -> list[Stage]:
+def _ops(x: Inputs) -> list[Op]:
     size = x.sample_bytes
     miss = x.why_missing
     on_gpu = x.decode_on == "gpu"
     payload = _link_payload(x)
-    stages = []
+    ops = []
 
     def add(name: str, label: str, rate: float | None, detail: str, epochs: str, in_path: bool = True) -> None:
         if rate is None:
             detail = f"not measured: {_short(miss.get(name, 'no measurement'))}"
-        stages.append(Stage(name, label, rate, detail, epochs, in_path))
+        ops.append(Op(name, label, rate, detail, epochs, in_path))
 
     cold_epochs = "all" if _streams(x) else "cold"
     if x.storage_bps is not None:
@@ -231,7 +231,7 @@ def _stages(x: Inputs) -> list[Stage]:
     add("gpu_decode", "GPU JPEG decode", x.gpu_decode_img_s,
         f"{fmt_rate(x.gpu_decode_img_s)} img/s", "all", on_gpu)
     add("model", "model step", x.model_img_s, f"{fmt_rate(x.model_img_s)} img/s", "all")
-    return stages
+    return ops
 
 
 def _n(count: int, noun: str) -> str:
@@ -262,22 +262,22 @@ def _streams(x: Inputs) -> bool:
     return not x.cache or too_big
 
 
-def _limit(stages: list[Stage], regime: str) -> Stage | None:
+def _limit(ops: list[Op], regime: str) -> Op | None:
     want = {"cold": ("cold", "all"), "warm": ("warm", "all")}[regime]
-    live = [s for s in stages if s.in_path and s.epochs in want and s.samples_per_s is not None]
+    live = [s for s in ops if s.in_path and s.epochs in want and s.samples_per_s is not None]
     return min(live, key=lambda s: s.samples_per_s or 0.0) if live else None
 
 
-def _data_limit(stages: list[Stage], regime: str) -> Stage | None:
-    return _limit([s for s in stages if s.name != "model"], regime)
+def _data_limit(ops: list[Op], regime: str) -> Op | None:
+    return _limit([s for s in ops if s.name != "model"], regime)
 
 
 # -- sentences ----------------------------------------------------------------------
 
 
-def _sentence(x: Inputs, stages: list[Stage], s: Stage | None, regime: str) -> str:
+def _sentence(x: Inputs, ops: list[Op], s: Op | None, regime: str) -> str:
     if s is None:
-        return "no stage on this path was measured"
+        return "no op on this path was measured"
     rate = fmt_rate(s.samples_per_s)
     size = format_size(x.sample_bytes)
     if s.name == "storage":
@@ -302,11 +302,11 @@ def _sentence(x: Inputs, stages: list[Stage], s: Stage | None, regime: str) -> s
         return text
     if s.name == "gpu_decode":
         return f"GPU-decode-bound: the GPU decodes {rate} img/s"
-    data = _data_limit(stages, regime)
+    data = _data_limit(ops, regime)
     if data is None:
-        return f"compute-bound: the model takes {rate} img/s (no data stage was measured)"
+        return f"compute-bound: the model takes {rate} img/s (no data op was measured)"
     room = (data.samples_per_s or 0.0) / (s.samples_per_s or 1.0)
-    return (f"compute-bound: the model takes {rate} img/s and the slowest data stage "
+    return (f"compute-bound: the model takes {rate} img/s and the slowest data op "
             f"({data.label}) delivers {fmt_rate(data.samples_per_s)} ({room:.1f}x headroom); "
             "the input pipeline is not the limit")
 
@@ -326,7 +326,7 @@ def _better_payload(x: Inputs, payload: str) -> tuple[str, str, float] | None:
 # -- advice -------------------------------------------------------------------------
 
 
-def _advice(x: Inputs, stages: list[Stage], s: Stage, regime: str, warm: Stage | None) -> list[Advice]:
+def _advice(x: Inputs, ops: list[Op], s: Op, regime: str, warm: Op | None) -> list[Advice]:
     rate = fmt_rate(s.samples_per_s)
     out: list[Advice] = []
     if s.name == "storage":
@@ -346,7 +346,7 @@ def _advice(x: Inputs, stages: list[Stage], s: Stage, regime: str, warm: Stage |
                                   f"reaches about {fmt_rate(at)} img/s of {rate}"))
         if x.cache and x.cached_fraction != 1.0:
             url = x.storage_url or "URL"
-            cap = (x.storage_settled or {}).get("cap", DEFAULT_STAGE_WORKERS)
+            cap = (x.storage_settled or {}).get("cap", DEFAULT_MAX_REQUESTS)
             workers = f" --max-requests {conn}" if conn and conn > cap else ""
             cost = ""
             if x.dataset_bytes and x.storage_bps:
@@ -407,7 +407,7 @@ def _advice(x: Inputs, stages: list[Stage], s: Stage, regime: str, warm: Stage |
                           f"the GPU decodes {rate} img/s{extra}; DALI's hw_decoder_load=0.65 also balances "
                           "the hardware and CUDA decoders"))
     elif s.name == "model":
-        data = _data_limit(stages, regime)
+        data = _data_limit(ops, regime)
         if data is not None:
             room = (data.samples_per_s or 0.0) / (s.samples_per_s or 1.0)
             out.append(Advice("data pipeline", "no change needed",
@@ -449,14 +449,14 @@ def make_verdict(x: Inputs) -> Verdict:
     if x.decode_on not in DECODE_PLACES:
         raise ValueError(f"decode_on={x.decode_on!r} must be one of {', '.join(DECODE_PLACES)}")
     payload_bytes(x.link_payload, x.sample_bytes, x.image_size)  # validates the payload
-    stages = _stages(x)
+    ops = _ops(x)
     streams = _streams(x)
-    cold_s = _limit(stages, "cold")
-    warm_s = cold_s if streams else _limit(stages, "warm")
-    cold = _regime("cold", x, stages, cold_s, "cold")
-    warm = _regime("warm", x, stages, warm_s, "cold" if streams else "warm")
+    cold_s = _limit(ops, "cold")
+    warm_s = cold_s if streams else _limit(ops, "warm")
+    cold = _regime("cold", x, ops, cold_s, "cold")
+    warm = _regime("warm", x, ops, warm_s, "cold" if streams else "warm")
     # What epochs 2+ would do with the cache on (quoted by the cache advice).
-    warm_if_cached = _limit(_stages(_with_cache(x)), "warm") if streams else warm_s
+    warm_if_cached = _limit(_ops(_with_cache(x)), "warm") if streams else warm_s
     head = cold if streams else warm
     head_regime = "cold" if streams else "warm"
     head_s = cold_s if streams else warm_s
@@ -464,17 +464,17 @@ def make_verdict(x: Inputs) -> Verdict:
     for regime, s in ((head_regime, head_s), ("cold", cold_s)):
         if s is None:
             continue
-        for a in _advice(x, stages, s, regime, warm_if_cached):
+        for a in _advice(x, ops, s, regime, warm_if_cached):
             if all(a.setting != b.setting for b in advice):
                 advice.append(a)
-    notes = _notes(x, stages, head_s, head_regime)
+    notes = _notes(x, ops, head_s, head_regime)
     if not streams and cold_s is not None and cold_s.name == "storage" and x.cached_fraction == 1.0:
         notes.append("this URL is already fully cached, so epoch 1 is warm too")
     headline = head.sentence
     return Verdict(
         sample_bytes=float(x.sample_bytes),
         sample_bytes_source=x.sample_bytes_source,
-        stages=tuple(stages),
+        ops=tuple(ops),
         cold=cold,
         warm=warm,
         headline=headline,
@@ -485,26 +485,26 @@ def make_verdict(x: Inputs) -> Verdict:
     )
 
 
-def _regime(name: str, x: Inputs, stages: list[Stage], s: Stage | None, basis: str) -> Regime:
+def _regime(name: str, x: Inputs, ops: list[Op], s: Op | None, basis: str) -> Regime:
     if s is None:
-        return Regime(name, None, None, None, _sentence(x, stages, None, basis))
-    return Regime(name, s.name, CLASS_OF[s.name], s.samples_per_s, _sentence(x, stages, s, basis))
+        return Regime(name, None, None, None, _sentence(x, ops, None, basis))
+    return Regime(name, s.name, CLASS_OF[s.name], s.samples_per_s, _sentence(x, ops, s, basis))
 
 
 def _with_cache(x: Inputs) -> Inputs:
     return Inputs(**{**{f: getattr(x, f) for f in x.__dataclass_fields__}, "cache": True, "dataset_bytes": None})
 
 
-def _notes(x: Inputs, stages: list[Stage], s: Stage | None, regime: str) -> list[str]:
+def _notes(x: Inputs, ops: list[Op], s: Op | None, regime: str) -> list[str]:
     notes = []
     want = ("cold", "all") if regime == "cold" else ("warm", "all")
-    live = sorted((t for t in stages if t.in_path and t.epochs in want and t.samples_per_s is not None),
+    live = sorted((t for t in ops if t.in_path and t.epochs in want and t.samples_per_s is not None),
                   key=lambda t: t.samples_per_s or 0.0)
     if s is not None and len(live) > 1 and (live[1].samples_per_s or 0) <= CLOSE * (live[0].samples_per_s or 0):
         gain = (live[1].samples_per_s or 0) / (live[0].samples_per_s or 1) - 1
         notes.append(f"{live[0].label} and {live[1].label} are within {CLOSE - 1:.0%} of each other: "
                      f"fixing only the first gains at most {gain:.0%}")
-    unmeasured = [t.label for t in stages if t.in_path and t.samples_per_s is None and t.name != "model"]
+    unmeasured = [t.label for t in ops if t.in_path and t.samples_per_s is None and t.name != "model"]
     if unmeasured:
         notes.append(f"not measured, so not considered: {', '.join(unmeasured)}")
     settled = x.storage_settled

@@ -250,7 +250,7 @@ def channel_constants(values: tuple[float, ...], device: torch.device, dtype: to
 
     Built per batch, ``torch.tensor(..., device="cuda")`` is a blocking copy that
     stalls the host's run-ahead every step; here the one copy ever made is
-    ``non_blocking`` (from pageable memory CUDA stages it before returning, so the
+    ``non_blocking`` (from pageable memory CUDA copies it to its own buffer before returning, so the
     host tensor may go), and later batches reuse the device tensor
     (``tests/gpu/test_pipelines_gpu.py::test_torch_backend_makes_no_host_sync``).
     """

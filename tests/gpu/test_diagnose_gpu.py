@@ -71,7 +71,7 @@ def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, Any]
 def test_diagnose_fills_the_link_row_on_a_gpu(capsys, tmp_path):
     r = _json(capsys, ["diagnose", "--json", "--quick", "--cache-dir", str(tmp_path / "c")])
     assert r["link"]["status"] == "ok" and r["gpu_sanity"]["status"] == "ok"
-    by = {s["name"]: s for s in r["verdict"]["stages"]}
+    by = {s["name"]: s for s in r["verdict"]["ops"]}
     pinned = r["link"]["devices"][0]["h2d_pinned_bps"]
     assert by["link"]["samples_per_s"] == pytest.approx(pinned / (224 * 224 * 3 * 4))
 
@@ -80,4 +80,4 @@ def test_bench_on_cuda_records_h2d(capsys, sample_photos):
     r = _json(capsys, ["bench", "--json", "--sample", "--sample-images", "8", "--batch-size", "4",
                        "--epochs", "1", "--device", "cuda"])
     (run,) = r["runs"]
-    assert run["stages"]["h2d"]["items"] == 2 and run["stages"]["h2d"]["bytes"] > 0
+    assert run["ops"]["h2d"]["items"] == 2 and run["ops"]["h2d"]["bytes"] > 0

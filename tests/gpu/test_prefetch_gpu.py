@@ -218,7 +218,7 @@ def test_every_copy_reaches_the_stats() -> None:
     col = StatsCollector()
     pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cuda", slots=2, collector=col)
     out = list(pf.iterate([torch.ones(1 << 20, dtype=torch.uint8)] * 2))
-    h2d = col.snapshot().stage("h2d")
+    h2d = col.snapshot().op("h2d")
     assert len(out) == 2 and h2d.items == 2 and h2d.bytes == 2 * (1 << 20) and h2d.seconds > 0
 
 
@@ -266,7 +266,7 @@ def test_dataloader_device_cuda_matches_cpu_loader(num_workers: int) -> None:
             torch.equal(g["x"], e["x"]) and torch.equal(g["a"], e["a"]) and g["name"] == e["name"]
         )
     s = loader.stats()
-    assert s.stage("h2d").items == len(got) and s.stage("h2d").seconds > 0  # the last copies too
+    assert s.op("h2d").items == len(got) and s.op("h2d").seconds > 0  # the last copies too
 
 
 def test_dataloader_read_batch_path_on_cuda() -> None:
@@ -296,4 +296,4 @@ def test_workers_pin_memory_with_stats(device: str | None) -> None:
             assert a[0].is_pinned() and torch.equal(a[0], b[0])
         else:
             assert a[0].is_cuda and torch.equal(a[0].cpu(), b[0])
-    assert loader.stats().stage("collate").items == len(TensorDS())
+    assert loader.stats().op("collate").items == len(TensorDS())

@@ -52,9 +52,9 @@ def test_storage_probe_finds_the_shaped_rate(rate, www, tmp_path, shaped_link, n
     assert 0.75 * nominal <= store["best_bps"] <= 1.25 * nominal, (rate, store["levels"])
 
     verdict = report["verdict"]
-    by = {s["name"]: s for s in verdict["stages"]}
+    by = {s["name"]: s for s in verdict["ops"]}
     assert by["storage"]["samples_per_s"] == pytest.approx(store["best_bps"] / store["avg_object_bytes"])
-    cold = [s for s in verdict["stages"] if s["in_path"] and s["epochs"] in ("cold", "all") and s["samples_per_s"]]
+    cold = [s for s in verdict["ops"] if s["in_path"] and s["epochs"] in ("cold", "all") and s["samples_per_s"]]
     assert verdict["cold"]["limit"] == min(cold, key=lambda s: s["samples_per_s"])["name"]
 
 

@@ -45,19 +45,19 @@ def test_bench_sample_runs_cold_then_warm(capsys):
         assert 0.0 <= run["data_stall_fraction"] <= 1.0
         assert run["peak_rss_bytes"] > 50e6
         assert len(run["wait_ms_per_batch"]) == N // 4
-        assert run["stages"]["decode"]["items"] == N
-        assert run["stages"]["decode"]["bytes"] == N * 3 * 224 * 224
+        assert run["ops"]["decode"]["items"] == N
+        assert run["ops"]["decode"]["bytes"] == N * 3 * 224 * 224
         assert run["loader_stats"]["batches"] == N // 4
-        assert run["limit"] in run["stages"]
+        assert run["limit"] in run["ops"]
     # Cold epoch fetched every file; the warm one read them all from the cache.
-    assert cold["stages"]["fetch"]["items"] == N and "cache_read" not in cold["stages"]
-    assert warm["stages"]["cache_read"]["items"] == N and "fetch" not in warm["stages"]
+    assert cold["ops"]["fetch"]["items"] == N and "cache_read" not in cold["ops"]
+    assert warm["ops"]["cache_read"]["items"] == N and "fetch" not in warm["ops"]
     assert cold["loader_stats"]["counters"] == {"cache_miss": N}
     assert r["ru_maxrss_bytes"] >= cold["peak_rss_bytes"]
 
 
 def test_bench_compare_batches_and_step(capsys, folder):
-    leaked_before = default_collector().snapshot().stage("fetch").items
+    leaked_before = default_collector().snapshot().op("fetch").items
     r = _bench(capsys, [str(folder), "--batch-size", "4", "--epochs", "2", "--batches", "2", "--compare",
                         "--step-ms", "2"])
 
@@ -70,11 +70,11 @@ def test_bench_compare_batches_and_step(capsys, folder):
     assert runs[("fastload", 2)]["cache_hit_rate"] == 1.0
     assert runs[("fastload", 1)]["vs_torch"] == pytest.approx(
         runs[("fastload", 1)]["samples_per_s"] / runs[("torch", 1)]["samples_per_s"])
-    # torch reads in the calling thread; its dataset's stages are recorded, not leaked.
-    assert runs[("torch", 1)]["stages"]["fetch"]["items"] == 8 and runs[("torch", 1)]["cache_hit_rate"] == 0.0
-    assert runs[("torch", 2)]["stages"]["cache_read"]["items"] == 8 and runs[("torch", 2)]["cache_hit_rate"] == 1.0
-    assert runs[("torch", 2)]["stages"]["decode"]["threads"] == 1
-    assert default_collector().snapshot().stage("fetch").items == leaked_before
+    # torch reads in the calling thread; its dataset's ops are recorded, not leaked.
+    assert runs[("torch", 1)]["ops"]["fetch"]["items"] == 8 and runs[("torch", 1)]["cache_hit_rate"] == 0.0
+    assert runs[("torch", 2)]["ops"]["cache_read"]["items"] == 8 and runs[("torch", 2)]["cache_hit_rate"] == 1.0
+    assert runs[("torch", 2)]["ops"]["decode"]["threads"] == 1
+    assert default_collector().snapshot().op("fetch").items == leaked_before
     assert r["url"] == str(folder)
 
 
@@ -83,8 +83,8 @@ def test_bench_without_decode_moves_raw_bytes(capsys, folder):
 
     (run,) = r["runs"]
     assert r["decode"] == "none (raw bytes)"
-    assert "decode" not in run["stages"] and run["samples"] == N
-    assert run["stages"]["fetch"]["bytes"] == sum(p.stat().st_size for p in folder.rglob("*.jpg"))
+    assert "decode" not in run["ops"] and run["samples"] == N
+    assert run["ops"]["fetch"]["bytes"] == sum(p.stat().st_size for p in folder.rglob("*.jpg"))
 
 
 def test_bench_human_output_and_plot(capsys, tmp_path, folder):
@@ -93,7 +93,7 @@ def test_bench_human_output_and_plot(capsys, tmp_path, folder):
     assert main(["bench", str(folder), "--batch-size", "4", "--epochs", "2", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "fastload epoch 1 (cold): loader.stats()" in out and "fastload epoch 2 (warm)" in out
-    assert "slowest stage:" in out and f"plot: {png}" in out
+    assert "slowest op:" in out and f"plot: {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -143,9 +143,9 @@ def test_bench_epoch_waits_only_for_its_own_reads() -> None:
         run = _epoch(loader, BenchOptions(batches=1, batch_size=4))
         assert run["batches"] == 1
         assert other.is_alive()  # not waited for
-        after = loader.stats().stage("fetch").items
+        after = loader.stats().op("fetch").items
         time.sleep(0.5)
-        assert loader.stats().stage("fetch").items == after  # its own reads were
+        assert loader.stats().op("fetch").items == after  # its own reads were
     finally:
         release.set()
         timer.cancel()

@@ -35,7 +35,7 @@ from fastload.diagnose.report import render
 from fastload.diagnose.storage import probe_storage, saturating
 
 HAS_CUDA = torch.cuda.is_available()
-STAGES = {"storage", "cache_disk", "cache_decode", "cpu_decode", "link", "gpu_decode", "model"}
+OPS = {"storage", "cache_disk", "cache_decode", "cpu_decode", "link", "gpu_decode", "model"}
 
 
 def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, dict[str, Any]]:
@@ -99,9 +99,9 @@ def test_every_non_gpu_field_is_measured(bare):
     # No URL: storage says why; the verdict still names a limit from what was measured.
     assert r["storage"]["status"] == "skipped" and "no URL" in r["storage"]["reason"]
     v = r["verdict"]
-    assert {s["name"] for s in v["stages"]} == STAGES
+    assert {s["name"] for s in v["ops"]} == OPS
     assert v["sample_bytes"] == 108_000 and "ImageNet" in v["sample_bytes_source"]
-    by = {s["name"]: s for s in v["stages"]}
+    by = {s["name"]: s for s in v["ops"]}
     assert by["cpu_decode"]["samples_per_s"] == pytest.approx(cpu["decode_resize_per_core"] * env["cpu_usable"])
     assert by["storage"]["samples_per_s"] is None and by["storage"]["detail"] == "not measured: no URL given"
     assert v["bottleneck"] in {"cpu", "disk", "link", "gpu"}
@@ -116,7 +116,7 @@ def test_gpu_fields_are_present_and_skipped_with_a_reason(bare):
     assert r["gpu"]["devices"] == [] and r["link"]["devices"] == []
     assert r["compute"]["gpu_decode"]["status"] == "skipped"
     assert "CUDA" in r["compute"]["gpu_decode"]["reason"]
-    by = {s["name"]: s for s in r["verdict"]["stages"]}
+    by = {s["name"]: s for s in r["verdict"]["ops"]}
     assert by["link"]["samples_per_s"] is None and by["link"]["detail"].startswith("not measured: ")
     assert by["gpu_decode"]["samples_per_s"] is None
 
@@ -150,7 +150,7 @@ def test_a_local_folder_url_fills_the_storage_section(capsys, tmp_path, jpeg_fol
     assert r["images"]["source"] == "4 JPEGs from the URL"
     v = r["verdict"]
     assert v["sample_bytes"] == pytest.approx(sum(sizes) / 8) and "measured average" in v["sample_bytes_source"]
-    by = {x["name"]: x for x in v["stages"]}
+    by = {x["name"]: x for x in v["ops"]}
     assert by["storage"]["samples_per_s"] == pytest.approx(s["best_bps"] / s["avg_object_bytes"])
     # --no-gpu skips every GPU probe, saying so.
     assert r["link"]["reason"] == "GPU probes disabled with --no-gpu"
@@ -166,7 +166,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(capsys, monkeypatch, tmp_pat
     assert not (tmp_path / "v.png").exists()
 
 
-def test_plot_draws_the_stage_table(bare, tmp_path):
+def test_plot_draws_the_op_table(bare, tmp_path):
     pytest.importorskip("matplotlib")
     from fastload.diagnose.plot import plot_verdict
 
@@ -364,7 +364,7 @@ def test_build_inputs_from_a_report_and_the_users_settings(bare):
     assert x.cache_disk_bps == r["cache"]["disk"]["random_cold_bps"]
     assert x.why_missing["storage"].startswith("no URL given")
     v = make_verdict(x)
-    assert v.stage("model").samples_per_s == pytest.approx(2560.0)
+    assert v.op("model").samples_per_s == pytest.approx(2560.0)
     assert v.streams_every_epoch  # --no-cache
 
 
@@ -434,7 +434,7 @@ def test_data_that_is_not_images_is_not_diagnosed_as_jpeg_decode(capsys, tmp_pat
     assert r["compute"]["payload_decode"]["raw"]["decode_bps_per_core"] > 0  # the data's own bytes
     v = r["verdict"]
     assert "JPEG" not in v["headline"] and "decode" not in v["headline"].split(":")[0]
-    by = {x["name"]: x for x in v["stages"]}
+    by = {x["name"]: x for x in v["ops"]}
     assert not by["cpu_decode"]["in_path"] and not by["gpu_decode"]["in_path"]
     assert not any("JPEG" in a["value"] + a["why"] for a in v["advice"])
     # --decode-on none on image data skips decoding too; cpu measures it.

@@ -59,7 +59,7 @@ def test_log_every_logs_one_line_per_interval(caplog):
     assert all("batches/s" in line and "data stall" in line for line in lines)
 
 
-def test_log_lines_carry_cache_hits_and_the_slowest_stage(caplog):
+def test_log_lines_carry_cache_hits_and_the_slowest_op(caplog):
     # 12 batches, reports after 4, 8 and 12. Reads run ahead of the consumer, but each
     # interval submits and consumes a new one (batch k+3 goes out after report k).
     loader = DataLoader(FetchDS(36), batch_size=3, log_every=4)
@@ -67,9 +67,9 @@ def test_log_lines_carry_cache_hits_and_the_slowest_stage(caplog):
         list(loader)
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert len(info) == 3
-    assert all("cache hits 0%" in line and "slowest stage fetch 1000 items/s" in line for line in info)
+    assert all("cache hits 0%" in line and "slowest op fetch 1000 items/s" in line for line in info)
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.name == "fastload.live"]
-    assert len(debug) == 3 and "stage" in debug[0] and "fetch" in debug[0]  # the full stats table
+    assert len(debug) == 3 and debug[0].splitlines()[1].split()[0] == "op" and "fetch" in debug[0]  # the full stats table
 
 
 def test_summary_writer_gets_interval_scalars():
@@ -150,8 +150,8 @@ def test_interval_between_two_snapshots():
     iv = interval(col.snapshot(), first)
     assert iv["batches"] == 10 and iv["batches_per_s"] == pytest.approx(2.5)
     assert iv["data_stall"] == pytest.approx(0.75) and iv["cache_hit_rate"] == pytest.approx(0.75)
-    assert iv["stages"]["decode"] == {"items": 30, "items_per_s": pytest.approx(60.0), "MBps": pytest.approx(0.12)}
-    assert interval(first, None)["stages"]["decode"]["items"] == 10
+    assert iv["ops"]["decode"] == {"items": 30, "items_per_s": pytest.approx(60.0), "MBps": pytest.approx(0.12)}
+    assert interval(first, None)["ops"]["decode"]["items"] == 10
 
 
 _LOG_SCRIPT = """

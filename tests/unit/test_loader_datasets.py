@@ -37,12 +37,12 @@ def test_cold_then_warm_epoch_stats_come_from_the_cache(dataset: FileDataset) ->
     loader = fastload.DataLoader(dataset, batch_size=5)
     assert len(urls(list(loader))) == 30
     cold = loader.stats()
-    assert cold.counters.get("cache_miss") == 30 and cold.stage("fetch").items == 30
-    assert cold.stage("fetch").bytes == sum(i.size for i in dataset.items)
+    assert cold.counters.get("cache_miss") == 30 and cold.op("fetch").items == 30
+    assert cold.op("fetch").bytes == sum(i.size for i in dataset.items)
     loader.reset_stats()
     list(loader)
     warm = loader.stats()
-    assert warm.counters.get("cache_hit") == 30 and warm.stage("fetch").items == 0
+    assert warm.counters.get("cache_hit") == 30 and warm.op("fetch").items == 0
     assert warm.cache_hit_rate == 1.0 and warm.batches == 6
     assert "cache_read" in str(warm) and "data stall" in str(warm)
 
@@ -60,14 +60,14 @@ def test_worker_stats_reach_the_parent(dataset: FileDataset) -> None:
     theirs = list(torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=2))
     assert urls(ours) == urls(theirs) and all(type(a) is type(b) for a, b in zip(ours, theirs))
     cold = loader.stats()
-    assert cold.stage("fetch").items == 30 and cold.counters.get("cache_miss") == 30
-    assert cold.stage("fetch").bytes == sum(i.size for i in dataset.items)
-    assert cold.stage("collate").items == 30 and cold.batches == 8
+    assert cold.op("fetch").items == 30 and cold.counters.get("cache_miss") == 30
+    assert cold.op("fetch").bytes == sum(i.size for i in dataset.items)
+    assert cold.op("collate").items == 30 and cold.batches == 8
     loader.reset_stats()
     list(loader)
     warm = loader.stats()
-    assert warm.stage("cache_read").items == 30 and warm.counters.get("cache_hit") == 30
-    assert warm.stage("fetch").items == 0 and warm.cache_hit_rate == 1.0
+    assert warm.op("cache_read").items == 30 and warm.counters.get("cache_hit") == 30
+    assert warm.op("fetch").items == 0 and warm.cache_hit_rate == 1.0
     assert "cache_read" in str(warm)
 
 
@@ -82,5 +82,5 @@ def test_worker_stats_with_persistent_workers_and_device(dataset: FileDataset) -
         got = list(loader)
         assert urls(got) == [i.url for i in dataset.items]
         s = loader.stats()
-        reads = s.stage("fetch").items + s.stage("cache_read").items
-        assert reads == 30 and s.stage("stage").items == 6, epoch
+        reads = s.op("fetch").items + s.op("cache_read").items
+        assert reads == 30 and s.op("pin").items == 6, epoch

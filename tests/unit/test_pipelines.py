@@ -255,7 +255,7 @@ def test_bad_image_skipped_and_counted(samples: list[dict[str, Any]], backend: s
     assert out["url"] == [s["url"] for s in good]
     snap = col.snapshot()
     assert snap.counters["decode_skipped"] == 1
-    assert snap.stages["decode"].items == 4
+    assert snap.ops["decode"].items == 4
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -295,7 +295,7 @@ def test_loader_collate_with_shuffle_and_resume(photo_dir: Path, tmp_path: Path)
     for got, want in zip(rest, full[2:]):
         assert got["url"] == want["url"]
         assert torch.equal(got["label"], want["label"]) and torch.equal(got["image"], want["image"])
-    assert resumed.stats().stages["decode"].items == 14
+    assert resumed.stats().ops["decode"].items == 14
 
 
 # -- arrays: LZ4 payloads ------------------------------------------------------------

@@ -221,9 +221,9 @@ def test_stage_and_h2d_are_recorded() -> None:
     src = [torch.ones(1000, dtype=torch.uint8)] * 3
     list(DevicePrefetcher(src, "cpu", collector=col))
     s = col.snapshot()
-    assert s.stage("stage").items == 3 and s.stage("stage").bytes >= 3000
+    assert s.op("pin").items == 3 and s.op("pin").bytes >= 3000
     # Every copy is recorded, the last ones too (they once waited for a reuse that never came).
-    assert s.stage("h2d").items == 3 and s.stage("h2d").bytes == 3 * 1024
+    assert s.op("h2d").items == 3 and s.op("h2d").bytes == 3 * 1024
 
 
 class _LateCopies(_HostBackend):
@@ -247,9 +247,9 @@ def test_pending_copies_are_recorded_at_the_end_of_the_pass(slots: int, n: int) 
     pf._backend = _LateCopies(torch.device("cpu"))
     it = pf.iterate([torch.ones(1000, dtype=torch.uint8)] * n)
     next(it)
-    assert col.snapshot().stage("h2d").items == 0  # not complete at hand-over: nothing to time yet
+    assert col.snapshot().op("h2d").items == 0  # not complete at hand-over: nothing to time yet
     assert len(list(it)) == n - 1
-    s = col.snapshot().stage("h2d")
+    s = col.snapshot().op("h2d")
     assert s.items == n and s.bytes == n * 1024
 
 
@@ -258,7 +258,7 @@ def test_copy_seen_complete_at_hand_over_is_recorded_then() -> None:
     pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=2, collector=col)
     it = pf.iterate([torch.ones(100, dtype=torch.uint8)] * 4)
     next(it)
-    assert col.snapshot().stage("h2d").items == 1  # before any slot is reused, before the end
+    assert col.snapshot().op("h2d").items == 1  # before any slot is reused, before the end
 
 
 class _NeverDone(_HostBackend):
@@ -289,13 +289,13 @@ def test_a_pass_ended_early_records_its_completed_copies(how: str) -> None:
     pf: DevicePrefetcher[Any] = DevicePrefetcher(None, "cpu", slots=2, collector=col)
     it = pf.iterate([torch.ones(100, dtype=torch.uint8)] * 5)  # depth 1
     next(it), next(it)  # the third batch is staged and copied, never handed out
-    assert col.snapshot().stage("h2d").items == 2
+    assert col.snapshot().op("h2d").items == 2
     if how == "close":
         it.close()  # type: ignore[attr-defined]
         assert list(it) == []
     else:
         del it
-    assert col.snapshot().stage("h2d").items == 3  # every copy made is counted
+    assert col.snapshot().op("h2d").items == 3  # every copy made is counted
     assert len(list(pf.iterate([torch.ones(8)] * 2))) == 2  # the ring is free for the next pass
 
 

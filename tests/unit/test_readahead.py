@@ -52,8 +52,8 @@ def test_close_waits_for_running_reads_and_joins_its_threads() -> None:
     ra.close()
     started = sum(len(c) for c in reads.started)
     assert started == 3  # batch 0 and the two read ahead; the rest were never started
-    assert col.snapshot().stage("fetch").items == started  # recorded before close() returned
-    assert col.snapshot().stage("read").items == started
+    assert col.snapshot().op("fetch").items == started  # recorded before close() returned
+    assert col.snapshot().op("assemble").items == started
     assert not any(t.is_alive() for t in reads.threads)
 
 
@@ -80,8 +80,8 @@ def test_an_epoch_stopped_early_leaks_no_records_into_the_next() -> None:
         break  # drops the iterator: its ReadAhead closes and waits for running reads
     loader.reset_stats()
     time.sleep(READ_S * 2)  # any read still running would have recorded by now
-    assert loader.stats().stage("fetch").items == 0
-    assert loader.stats().stage("read").items == 0
+    assert loader.stats().op("fetch").items == 0
+    assert loader.stats().op("assemble").items == 0
 
 
 

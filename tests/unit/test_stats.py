@@ -18,7 +18,7 @@ from fastload import hostlimit
 from fastload.loader import DataLoader
 from fastload.stats import (
     LoaderStats,
-    StageStats,
+    OpStats,
     StatsCollector,
     current_collector,
     default_collector,
@@ -37,11 +37,11 @@ def test_add_count_timer_snapshot() -> None:
     with col.timer("decode", items=3, bytes=30):
         time.sleep(0.01)
     s = col.snapshot()
-    assert s.stage("fetch") == StageStats(3, 150, 0.75)
-    assert s.stage("fetch").items_per_s == pytest.approx(4.0)
-    assert s.stage("fetch").bytes_per_s == pytest.approx(200.0)
-    assert s.stage("decode").items == 3 and s.stage("decode").seconds >= 0.01
-    assert s.stage("absent") == StageStats()
+    assert s.op("fetch") == OpStats(3, 150, 0.75)
+    assert s.op("fetch").items_per_s == pytest.approx(4.0)
+    assert s.op("fetch").bytes_per_s == pytest.approx(200.0)
+    assert s.op("decode").items == 3 and s.op("decode").seconds >= 0.01
+    assert s.op("absent") == OpStats()
     assert dict(s.counters) == {"cache_hit": 3, "cache_miss": 1}
     assert s.cache_hit_rate == pytest.approx(0.75)
 
@@ -50,7 +50,7 @@ def test_timer_records_even_when_the_body_raises() -> None:
     col = StatsCollector()
     with pytest.raises(ZeroDivisionError), col.timer("decode", items=1):
         1 / 0  # noqa: B018
-    assert col.snapshot().stage("decode").items == 1
+    assert col.snapshot().op("decode").items == 1
 
 
 def test_disabled_collector_records_nothing() -> None:
@@ -81,13 +81,13 @@ def test_concurrent_threads_lose_no_counts() -> None:
     mid = col.snapshot()  # reading while writers run must not raise
     for t in threads:
         t.join(10)
-    assert mid.stage("cache_read").items <= n_threads * n_adds
+    assert mid.op("cache_read").items <= n_threads * n_adds
     s = col.snapshot()
-    assert s.stage("cache_read").items == n_threads * n_adds
-    assert s.stage("cache_read").bytes == 3 * n_threads * n_adds
+    assert s.op("cache_read").items == n_threads * n_adds
+    assert s.op("cache_read").bytes == 3 * n_threads * n_adds
     assert s.counters["cache_hit"] == n_threads * n_adds
     assert len(col._shards) == 0  # dead threads were folded into one retired shard
-    assert col.snapshot().stage("cache_read").items == n_threads * n_adds  # and kept
+    assert col.snapshot().op("cache_read").items == n_threads * n_adds  # and kept
 
 
 def test_reset_forgets_everything() -> None:
@@ -98,13 +98,13 @@ def test_reset_forgets_everything() -> None:
     # Host request limits are the process's state, not counts: reset leaves them.
     assert dataclasses.replace(col.snapshot(), concurrency={}) == LoaderStats()
     col.add("fetch", items=1)
-    assert col.snapshot().stage("fetch").items == 1
+    assert col.snapshot().op("fetch").items == 1
 
 
 def test_stall_fraction_table_and_json() -> None:
     col = StatsCollector()
     col.add("cache_read", items=10, bytes=2_000_000, seconds=0.5)
-    col.add("my_stage", items=1, seconds=0.1)
+    col.add("my_op", items=1, seconds=0.1)
     col.count("cache_miss")
     col.record_batches(1, 0.25, 1.0)
     col.record_batches(1, 0.25, 1.0)
@@ -113,12 +113,12 @@ def test_stall_fraction_table_and_json() -> None:
     assert s.data_stall_fraction == pytest.approx(0.25)
     text = str(s)
     lines = text.splitlines()
-    assert lines[0].split() == ["stage", "items", "MB", "busy", "s", "items/s", "MB/s"]
+    assert lines[0].split() == ["op", "items", "MB", "busy", "s", "items/s", "MB/s"]
     assert lines[1].split()[:3] == ["cache_read", "10", "2.0"]
-    assert lines[2].split()[0] == "my_stage"  # non-canonical stages after canonical ones
+    assert lines[2].split()[0] == "my_op"  # non-canonical ops after canonical ones
     assert "data stall 25.0%" in text and "cache hit rate 0.0%" in text
     data = json.loads(json.dumps(s.as_dict()))
-    assert data["stages"]["cache_read"]["bytes_per_s"] == pytest.approx(4e6)
+    assert data["ops"]["cache_read"]["bytes_per_s"] == pytest.approx(4e6)
     assert LoaderStats().data_stall_fraction == 0.0 and LoaderStats().cache_hit_rate is None
 
 
@@ -159,19 +159,19 @@ class _RecordingReadBatch(ReadBatchDS):
         return super().read_batch(indices)
 
 
-def test_loader_records_dataset_stages_and_its_own() -> None:
+def test_loader_records_dataset_ops_and_its_own() -> None:
     # Other tests read through the cache outside any loader, into the process default.
-    leaked_before = default_collector().snapshot().stage("cache_read").items
+    leaked_before = default_collector().snapshot().op("cache_read").items
     loader = DataLoader(_RecordingDS(10), batch_size=4)
     assert len(list(loader)) == 3
     s = loader.stats()
     assert s.batches == 3
-    assert s.stage("cache_read").items == 10 and s.stage("cache_read").bytes == 120
+    assert s.op("cache_read").items == 10 and s.op("cache_read").bytes == 120
     assert s.counters["cache_hit"] == 5 and s.counters["cache_miss"] == 5
-    assert s.stage("read").items == 10 and s.stage("collate").items == 10
-    assert s.stage("collate").bytes == nbytes(next(iter(DataLoader(TensorDS(10), batch_size=10))))
+    assert s.op("assemble").items == 10 and s.op("collate").items == 10
+    assert s.op("collate").bytes == nbytes(next(iter(DataLoader(TensorDS(10), batch_size=10))))
     assert 0 < s.wait_seconds <= s.wall_seconds
-    assert default_collector().snapshot().stage("cache_read").items == leaked_before  # nothing leaked
+    assert default_collector().snapshot().op("cache_read").items == leaked_before  # nothing leaked
     loader.reset_stats()
     assert loader.stats().batches == 0
 
@@ -180,16 +180,16 @@ def test_read_batch_threads_record_into_the_loader() -> None:
     loader = DataLoader(_RecordingReadBatch(12), batch_size=4, read_threads=3)
     list(loader)
     s = loader.stats()
-    assert s.stage("fetch").items == 12 and s.stage("fetch").bytes == 1200
-    assert s.stage("read").items == 12 and s.stage("collate").items == 12
+    assert s.op("fetch").items == 12 and s.op("fetch").bytes == 1200
+    assert s.op("assemble").items == 12 and s.op("collate").items == 12
 
 
-def test_device_stages_recorded() -> None:
+def test_device_ops_recorded() -> None:
     loader = DataLoader(TensorDS(12), batch_size=3, device="cpu")
     list(loader)
     s = loader.stats()
-    assert s.stage("stage").items == 4
-    assert s.stage("h2d").items >= 2
+    assert s.op("pin").items == 4
+    assert s.op("h2d").items >= 2
 
 
 def test_stats_false_records_nothing() -> None:
@@ -197,7 +197,7 @@ def test_stats_false_records_nothing() -> None:
     list(loader)
     assert loader.stats() == LoaderStats()
     # the dataset's records then go to the process-wide collector
-    assert default_collector().snapshot().stage("cache_read").items >= 8
+    assert default_collector().snapshot().op("cache_read").items >= 8
     default_collector().reset()
 
 
@@ -248,7 +248,7 @@ def test_loader_scope_lasts_the_pass() -> None:
             current_collector().count("in_step")
     assert seen[0] is b._fl_collector  # the latest next() was b's
     assert current_collector() is default_collector()
-    assert a.stats().stage("cache_read").items == 6 and b.stats().stage("cache_read").items == 6
+    assert a.stats().op("cache_read").items == 6 and b.stats().op("cache_read").items == 6
     assert mine.snapshot().counters == {"in_step": 3}
     outer = StatsCollector()
     with use_collector(outer):
@@ -256,8 +256,8 @@ def test_loader_scope_lasts_the_pass() -> None:
             for _ in b:  # a nested pass ends; a's next batch takes its scope back
                 pass
         assert current_collector() is outer
-    assert a.stats().stage("cache_read").items == 12 and b.stats().stage("cache_read").items == 24
-    assert outer.snapshot().stages == {}
+    assert a.stats().op("cache_read").items == 12 and b.stats().op("cache_read").items == 24
+    assert outer.snapshot().ops == {}
 
 
 def test_loader_stopped_early_gives_its_scope_back() -> None:
@@ -293,7 +293,7 @@ def test_fast_loop_waits_are_sampled_and_scaled(monkeypatch: pytest.MonkeyPatch)
         time.sleep(0.004)
     s, f = slow_data.stats(), fast_data.stats()
     assert s.batches == f.batches == 150
-    assert s.stage("read").items == f.stage("collate").items == 150
+    assert s.op("assemble").items == f.op("collate").items == 150
     assert s.data_stall_fraction > 0.8
     assert f.data_stall_fraction < 0.3
     assert 0.5 < s.wait_seconds / (150 * 0.004) < 2.0  # charged about 4 ms per batch, not 1/8
@@ -305,11 +305,11 @@ def test_sampled_collate_split_and_exact_items() -> None:
     loader = DataLoader(TensorDS(203), batch_size=10)
     list(loader)
     s = loader.stats()
-    assert s.stage("collate").items == s.stage("read").items == 203
+    assert s.op("collate").items == s.op("assemble").items == 203
     per_item = nbytes(next(iter(DataLoader(TensorDS(1), batch_size=1))))
-    assert s.stage("collate").bytes == pytest.approx(203 * per_item, rel=0.01)
+    assert s.op("collate").bytes == pytest.approx(203 * per_item, rel=0.01)
     # Timed (a sampled estimate, so not compared with other clocks: that would test timing).
-    assert s.stage("collate").seconds > 0
+    assert s.op("collate").seconds > 0
     custom = DataLoader(TensorDS(10), batch_sampler=[[0, 1, 2], [3], [4, 5, 6, 7, 8, 9]])
     list(custom)
-    assert custom.stats().stage("collate").items == 10
+    assert custom.stats().op("collate").items == 10

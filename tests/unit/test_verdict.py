@@ -1,8 +1,8 @@
 """The verdict names the right bottleneck, with the right numbers and advice.
 
-Synthetic stage measurements, one scenario per bottleneck class: storage, disk,
+Synthetic op measurements, one scenario per bottleneck class: storage, disk,
 CPU, link, GPU decode and compute (the model). Each starts from a balanced,
-fast machine and slows exactly one stage down.
+fast machine and slows exactly one op down.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ KB, MB, GB = 1e3, 1e6, 1e9
 
 
 def fast(**changes: object) -> Inputs:
-    """A machine where nothing is slow: every stage well above 10,000 img/s."""
+    """A machine where nothing is slow: every op well above 10,000 img/s."""
     base = Inputs(
         sample_bytes=110 * KB,
         sample_bytes_source="test",
@@ -105,7 +105,7 @@ def test_shaped_link_rates_give_different_verdicts():
 
     assert at_100m.cold.bottleneck == "storage" and at_100m.cold.samples_per_s == pytest.approx(126, rel=0.01)
     assert at_1g.cold.bottleneck == "cpu" and at_1g.cold.samples_per_s == pytest.approx(600)
-    assert at_100m.stage("storage").samples_per_s * 9 < at_1g.stage("storage").samples_per_s
+    assert at_100m.op("storage").samples_per_s * 9 < at_1g.op("storage").samples_per_s
 
 
 # -- disk ---------------------------------------------------------------------------
@@ -144,8 +144,8 @@ def test_cpu_bound_without_a_gpu_says_so():
 
     assert v.bottleneck == "cpu"
     assert "no usable GPU" in why_of(v, "pipeline placement")
-    assert v.stage("link").samples_per_s is None
-    assert v.stage("link").detail == "not measured: no CUDA device"
+    assert v.op("link").samples_per_s is None
+    assert v.op("link").detail == "not measured: no CUDA device"
     assert any("not measured, so not considered: GPU link" in n for n in v.notes)
 
 
@@ -170,11 +170,11 @@ def test_link_bound_on_uint8_suggests_jpeg_and_on_jpeg_a_faster_link():
     assert settings_of(on_uint8)["link payload"] == "jpeg"
 
     on_jpeg = make_verdict(fast(h2d_bps=0.5 * GB, decode_on="gpu"))
-    assert on_jpeg.bottleneck == "link" and on_jpeg.stage("link").label == "GPU link (JPEG)"
+    assert on_jpeg.bottleneck == "link" and on_jpeg.op("link").label == "GPU link (JPEG)"
     assert on_jpeg.warm.samples_per_s == pytest.approx(0.5e9 / 110e3)
     assert settings_of(on_jpeg)["GPU link"].startswith("a faster link")
     # With decode on the GPU the CPU decode row is listed but not on the path.
-    assert on_jpeg.stage("cpu_decode").in_path is False
+    assert on_jpeg.op("cpu_decode").in_path is False
 
 
 # -- GPU decode and the model ----------------------------------------------------------
@@ -187,11 +187,11 @@ def test_gpu_decode_limits_when_decoding_on_the_gpu():
     assert settings_of(v)["decode split"].startswith("decode part of each batch")
 
 
-def test_model_slower_than_every_data_stage_is_compute_bound():
+def test_model_slower_than_every_data_op_is_compute_bound():
     v = make_verdict(fast(model_img_s=3000))
 
     assert v.bottleneck == "compute" and v.warm.limit == "model" and v.cold.limit == "model"
-    # Slowest data stage: CPU decode at 2,000 img/s x 16 cores (the link gives 41,521).
+    # Slowest data op: CPU decode at 2,000 img/s x 16 cores (the link gives 41,521).
     assert "(CPU JPEG decode) delivers 32,000 (10.7x headroom)" in v.headline
     assert settings_of(v)["data pipeline"] == "no change needed"
     assert "prefetch_to_device" not in settings_of(v)
@@ -227,8 +227,8 @@ def test_nothing_measured_still_gives_a_verdict():
     v = make_verdict(Inputs(sample_bytes=100e3))
 
     assert v.bottleneck is None and v.cold.limit is None
-    assert v.headline == "no stage on this path was measured"
-    assert all(s.samples_per_s is None for s in v.stages)
+    assert v.headline == "no op on this path was measured"
+    assert all(s.samples_per_s is None for s in v.ops)
 
 
 def test_verdict_round_trips_through_its_dict_and_renders():
@@ -237,7 +237,7 @@ def test_verdict_round_trips_through_its_dict_and_renders():
 
     assert again == v
     text = "\n".join(v.lines())
-    assert text.splitlines()[0].split() == ["stage", "max", "samples/s", "measured", "epochs"]
+    assert text.splitlines()[0].split() == ["op", "max", "samples/s", "measured", "epochs"]
     assert "verdict: link-bound" in text and "change:" in text
     assert "- link payload: uint8." in text
 
@@ -248,10 +248,10 @@ def test_data_that_is_not_decoded_never_has_a_decode_bottleneck():
     slow_cpu = fast(cpu_decode_per_core=50, cpu_cores=2, decode_on="none")
     v = make_verdict(slow_cpu)
     assert v.bottleneck != "cpu" and "JPEG" not in v.headline
-    assert not v.stage("cpu_decode").in_path and not v.stage("gpu_decode").in_path
+    assert not v.op("cpu_decode").in_path and not v.op("gpu_decode").in_path
     assert not any("JPEG" in a.value + a.why or a.setting == "pipeline placement" for a in v.advice)
     # What crosses the link is the sample as stored, not decoded pixels.
-    link = make_verdict(dataclasses.replace(slow_cpu, h2d_bps=0.5 * GB)).stage("link")
+    link = make_verdict(dataclasses.replace(slow_cpu, h2d_bps=0.5 * GB)).op("link")
     assert link.label == "GPU link (samples as stored)"
     assert link.samples_per_s == pytest.approx(0.5 * GB / (110 * KB))
     assert make_verdict(dataclasses.replace(slow_cpu, decode_on="cpu")).bottleneck == "cpu"
