@@ -21,9 +21,11 @@ from typing import Any
 import torch
 
 from fastload._torch_surface import surfaced
+from fastload._worker_stats import fetches_of
 from fastload.readahead import ReadAhead, finalizing_close
 from fastload.stats import (
     _ACTIVE,
+    LoaderStats,
     StatsCollector,
     _enter_loop,
     _leave_loop,
@@ -381,6 +383,20 @@ class _LiveLoaderIter(_LoaderIter):
         batch = _LoaderIter.__next__(self)
         self._report()  # type: ignore[misc]
         return batch
+
+
+def loader_stats(collector: StatsCollector, dataset: Any, live: _LoaderIter | None, read_threads: int) -> LoaderStats:
+    """A loader's stats now: its records (``live``'s flushed first) and what is in flight.
+
+    Batches in flight are measured, not configured: the read_batch pool's pending
+    batches, or the index batches torch's workers hold (its ``_tasks_outstanding``).
+    """
+    batches = 0
+    if live is not None:
+        live.flush()
+        keep = live._keep
+        batches = keep.in_flight if isinstance(keep, ReadAhead) else int(getattr(keep, "_tasks_outstanding", 0))
+    return collector.snapshot(read_threads, batches, fetches_of(dataset))
 
 
 def new_iter(kind: type[_LoaderIter], torch_iter: object, *args: Any) -> _LoaderIter:

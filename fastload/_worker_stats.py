@@ -36,14 +36,21 @@ from fastload._worker_pack import BufferRef, SharedBuffers, activate, pack, pick
 from fastload.resume import WorkerStates, worker_changes
 from fastload.stats import StatsCollector, default_collector, nbytes
 
-__all__ = ["Delta", "Unwrap", "WorkerBatch", "WorkerCollate"]
+__all__ = ["Delta", "Unwrap", "WorkerBatch", "WorkerCollate", "fetches_of"]
 
 #: ``((op, items, bytes, seconds), ...), ((counter, n), ...), limits``: recorded since
-#: the worker's previous batch (None: nothing). ``limits`` is ``(process, {host: state})``:
-#: the worker's host limits (:func:`fastload.hostlimit.settled`) when they changed since
-#: the worker's previous batch, else None. Each worker process has its own limits
-#: (a host's cap holds per process), so the parent reports them per process.
-Limits = tuple[str, dict[str, dict[str, Any]]] | None
+#: the worker's previous batch (None: nothing). ``limits`` is ``(process, {host: state},
+#: fetches)``: the worker's host limits (:func:`fastload.hostlimit.settled`) and its
+#: dataset's fetches in flight (:func:`fetches_of`) when either changed since the
+#: worker's previous batch, else None. Each worker process has its own limits (a host's
+#: cap holds per process) and its own Fetcher, so the parent reports them per process.
+Limits = tuple[str, dict[str, dict[str, Any]], dict[str, int] | None] | None
+
+
+def fetches_of(dataset: Any) -> dict[str, int] | None:
+    """``dataset``'s fetches in flight (``Fetcher.in_flight()``); None for a dataset without a fastload cache."""
+    fetcher = getattr(getattr(dataset, "reader", None), "fetcher", None)
+    return None if fetcher is None else fetcher.in_flight()  # type: ignore[no-any-return]
 Delta = tuple[tuple[tuple[str, int, int, float], ...], tuple[tuple[str, int], ...], Limits] | None
 
 
@@ -109,7 +116,7 @@ class WorkerCollate:
         # Other threads' totals at the previous batch (they may be writing: diffed, not
         # detached). Per worker process: each gets its own copy, by fork or pickle.
         self._seen: tuple[dict[str, list[Any]], dict[str, int]] = ({}, {})
-        self._limits: dict[str, dict[str, Any]] = {}  # the host limits last shipped
+        self._limits: tuple[Any, ...] = ({}, None)  # the host limits and fetches in flight last shipped
 
     def __call__(self, data: Any) -> WorkerBatch:
         t0 = perf_counter()
@@ -149,13 +156,15 @@ class WorkerCollate:
         return tuple(ds), tuple(dc), self._limits_delta()
 
     def _limits_delta(self) -> Limits:
-        """This worker's host limits, when they changed since its previous batch (a few small dicts)."""
-        limits = hostlimit.settled()  # this process's own: reset in each forked worker
-        if limits == self._limits:
-            return None
-        self._limits = limits
+        """This worker's host limits and fetches in flight, when they changed since its
+        previous batch (a few small dicts)."""
         info = get_worker_info()
-        return f"worker {0 if info is None else info.id}", limits
+        limits = hostlimit.settled()  # this process's own: reset in each forked worker
+        fetches = fetches_of(None if info is None else info.dataset)
+        if (limits, fetches) == self._limits:
+            return None
+        self._limits = (limits, fetches)
+        return f"worker {0 if info is None else info.id}", limits, fetches
 
 
 class Unwrap:

@@ -108,6 +108,13 @@ class Fetcher:
             self._lock, self._flights, self._pid = threading.Lock(), {}, os.getpid()
         return self._flights
 
+    def in_flight(self) -> dict[str, int]:
+        """Fetches in flight now: ``ahead`` (started before their read asked) and ``fetching`` (loader.stats())."""
+        with self._lock:
+            table = self._table()
+            ahead = sum(1 for f in table.values() if f.ahead)
+            return {"ahead": ahead, "fetching": len(table) - ahead}
+
     @property
     def ahead_bytes(self) -> int:
         """Bytes fetched ahead per object: its first block, at most AHEAD_ITEM_BYTES."""

@@ -36,7 +36,7 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
@@ -501,6 +501,37 @@ def settled() -> dict[str, dict[str, Any]]:
     with _LIMITS_LOCK:
         limits = list(_LIMITS.values())
     return {lim.host: lim.as_dict() for lim in limits if lim.host != "file://"}
+
+
+def combine_limits(per_process: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Host -> its limits over several processes (``process -> host -> HostLimit.as_dict()``).
+
+    Each process has its own limit and cap for a host (fastload.hostlimit), so the host
+    may see the sum of their limits at once: ``limit`` and ``cuts`` are summed, ``peak``
+    is the largest of one process, ``cap`` is the (per-process) cap, and ``processes``
+    keeps each process's own.
+
+    >>> c = combine_limits({"main": {"h": {"limit": 4, "cap": 8, "peak": 4, "cuts": 0, "last_cut": ""}},
+    ...                     "worker 0": {"h": {"limit": 2, "cap": 8, "peak": 6, "cuts": 1, "last_cut": "503"}}})
+    >>> {k: c["h"][k] for k in ("limit", "cap", "peak", "cuts", "last_cut")}
+    {'limit': 6, 'cap': 8, 'peak': 6, 'cuts': 1, 'last_cut': '503'}
+    """
+    hosts: dict[str, dict[str, Mapping[str, Any]]] = {}
+    for process, limits in per_process.items():
+        for host, state in limits.items():
+            hosts.setdefault(host, {})[process] = state
+    out = {}
+    for host, procs in hosts.items():
+        states = list(procs.values())
+        out[host] = {
+            "limit": sum(int(s["limit"]) for s in states),
+            "cap": max(int(s["cap"]) for s in states),
+            "peak": max(int(s["peak"]) for s in states),
+            "cuts": sum(int(s["cuts"]) for s in states),
+            "last_cut": next((s["last_cut"] for s in reversed(states) if s.get("last_cut")), ""),
+            "processes": {p: dict(s) for p, s in procs.items()},
+        }
+    return out
 
 
 def _reset_after_fork() -> None:

@@ -35,6 +35,7 @@ from fastload._loader_iter import (
     _Progress,
     _TimedCollate,
     _TimedNext,
+    loader_stats,
     new_iter,
 )
 from fastload._torch_compat import accelerator_available
@@ -567,9 +568,8 @@ class DataLoader(tud.DataLoader[T_co]):
         loader's own counters may lag by up to ``TICK_S`` (0.05 s) of batches.
         """
         live = self._fl_live() if self._fl_live is not None else None
-        if live is not None:
-            live.flush()
-        return self._fl_collector.snapshot()
+        threads = (self.read_threads or DEFAULT_READ_THREADS) if self._read_fn() is not None else 0
+        return loader_stats(self._fl_collector, self.dataset, live, threads)
 
     def reset_stats(self) -> None:
         """Forget the counters recorded so far."""

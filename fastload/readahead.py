@@ -100,6 +100,16 @@ class ReadAhead(Iterator[Any]):
     def __iter__(self) -> ReadAhead:
         return self
 
+    @property
+    def threads(self) -> int:
+        """The pool's size: the most chunks read at once."""
+        return self._threads
+
+    @property
+    def in_flight(self) -> int:
+        """Index batches submitted to the pool and not yet returned by ``next()`` (loader.stats())."""
+        return len(self._pending)
+
     def _task(self, chunk: list[Any]) -> Sequence[Any]:
         col = self._collector
         if col is None:

@@ -53,13 +53,14 @@ from fastload import hostlimit
 
 __all__ = [
     "OPS",
+    "WARM_HIT_RATE",
     "LoaderStats",
     "OpStats",
     "StatsCollector",
-    "combine_limits",
     "current_collector",
     "default_collector",
     "nbytes",
+    "regime",
     "use_collector",
 ]
 
@@ -96,6 +97,25 @@ class OpStats:
 
 _ZERO = OpStats()
 
+#: A pass (an epoch, say) is warm from this cache hit rate up, else cold (:func:`regime`).
+WARM_HIT_RATE = 0.5
+
+
+def regime(hit_rate: float | None, fresh: bool | None = None) -> str | None:
+    """``"cold"`` or ``"warm"``: the one definition (``loader.stats()``, bench, diagnose's verdict).
+
+    A pass is cold when fewer than WARM_HIT_RATE of its reads were cache hits (most of
+    its bytes were fetched from the remote), else warm. With no read counted
+    (``hit_rate`` None) a pass over a ``fresh`` (empty) cache is cold, any other warm;
+    None when that is not known either.
+
+    >>> regime(0.2), regime(0.5), regime(None, fresh=True), regime(None)
+    ('cold', 'warm', 'cold', None)
+    """
+    if hit_rate is None:
+        return None if fresh is None else ("cold" if fresh else "warm")
+    return "cold" if hit_rate < WARM_HIT_RATE else "warm"
+
 
 @dataclass(frozen=True)
 class LoaderStats:
@@ -116,7 +136,15 @@ class LoaderStats:
             processes), ``cap`` (``max_requests``: a cap *per process*), ``peak`` (the most
             in flight at once in one process), ``cuts`` (congestion signals, summed),
             ``last_cut``, and ``processes``: ``{"main" | "worker N": {limit, cap, peak,
-            cuts, last_cut}}``, each process's own (:func:`combine_limits`).
+            cuts, last_cut}}``, each process's own (:func:`fastload.hostlimit.combine_limits`).
+        read_threads: The read_batch pool's threads (0: samples are read in the calling
+            thread or in worker processes).
+        batches_in_flight: Index batches handed to reading and not yet returned, when
+            the snapshot was taken: the read_batch pool's, or those torch's workers hold.
+        fetches_in_flight: ``ahead`` (fetches started before their read asked) and
+            ``fetching`` (asked for by a read) at that moment, summed over the processes,
+            and ``processes``: each one's own (a worker's as of its latest batch);
+            empty for a dataset without a fastload cache.
     """
 
     ops: Mapping[str, OpStats] = field(default_factory=dict)
@@ -125,6 +153,9 @@ class LoaderStats:
     wait_seconds: float = 0.0
     wall_seconds: float = 0.0
     concurrency: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    read_threads: int = 0
+    batches_in_flight: int = 0
+    fetches_in_flight: Mapping[str, Any] = field(default_factory=dict)
 
     def op(self, name: str) -> OpStats:
         """Return the stats of op ``name`` (all zero if it never recorded)."""
@@ -144,6 +175,11 @@ class LoaderStats:
         total = hits + self.counters.get("cache_miss", 0)
         return hits / total if total else None
 
+    @property
+    def regime(self) -> str | None:
+        """``"cold"`` or ``"warm"`` by :attr:`cache_hit_rate` (:func:`regime`); None when nothing was read."""
+        return regime(self.cache_hit_rate)
+
     def as_dict(self) -> dict[str, Any]:
         """Return plain data for JSON output."""
         return {
@@ -152,6 +188,10 @@ class LoaderStats:
             "wall_seconds": self.wall_seconds,
             "data_stall_fraction": self.data_stall_fraction,
             "cache_hit_rate": self.cache_hit_rate,
+            "regime": self.regime,
+            "read_threads": self.read_threads,
+            "batches_in_flight": self.batches_in_flight,
+            "fetches_in_flight": dict(self.fetches_in_flight),
             "counters": dict(self.counters),
             "concurrency": {host: dict(v) for host, v in self.concurrency.items()},
             "ops": {
@@ -195,7 +235,7 @@ class LoaderStats:
         )
         rate = self.cache_hit_rate
         if rate is not None:
-            lines.append(f"cache hit rate {rate:.1%}")
+            lines.append(f"cache hit rate {rate:.1%}: {self.regime}")
         for name in sorted(self.counters):
             lines.append(f"{name}: {self.counters[name]}")
         for host, c in sorted(self.concurrency.items()):
@@ -206,6 +246,9 @@ class LoaderStats:
                 where = f" over {len(procs)} processes ({each})"
             lines.append(f"requests in flight to {host}: settled at {c['limit']}{where} "
                          f"(cap {c['cap']} per process, peak {c['peak']}, cuts {c['cuts']})")
+        f = self.fetches_in_flight
+        fetches = f"; fetches in flight {f['ahead']} ahead, {f['fetching']} fetching" if f else ""
+        lines.append(f"read threads {self.read_threads}; batches in flight {self.batches_in_flight}{fetches}")
         return "\n".join(lines)
 
 
@@ -259,8 +302,10 @@ class StatsCollector:
         # Shards of finished threads are folded in here so the list stays short
         # when thread pools come and go each epoch.
         self._retired = _Shard(None)
-        # Worker processes' host limits, as each last shipped them ("worker N" -> host -> state).
+        # Worker processes' host limits and fetches in flight, as each last shipped them
+        # ("worker N" -> host -> state; "worker N" -> Fetcher.in_flight()).
         self._limits: dict[str, dict[str, dict[str, Any]]] = {}
+        self._fetches: dict[str, dict[str, int]] = {}
 
     def _shard(self) -> _Shard:
         try:
@@ -327,8 +372,9 @@ class StatsCollector:
         shard.wait += wait_seconds
         shard.wall += wall_seconds
 
-    def set_limits(self, process: str, limits: dict[str, dict[str, Any]]) -> None:
-        """Record another process's host limits (a DataLoader worker's, fastload._worker_stats).
+    def set_limits(self, process: str, limits: dict[str, dict[str, Any]], fetches: dict[str, int] | None = None) -> None:
+        """Record another process's host limits and fetches in flight (a DataLoader worker's,
+        fastload._worker_stats).
 
         State, not a count: the latest replaces the previous, and :meth:`reset` keeps it,
         as it keeps this process's own limits.
@@ -336,6 +382,8 @@ class StatsCollector:
         if self.enabled:
             with self._lock:
                 self._limits[process] = limits
+                if fetches is not None:
+                    self._fetches[process] = fetches
 
     def _merged(self, skip: _Shard | None = None) -> _Shard:
         total = _Shard(None)
@@ -354,8 +402,13 @@ class StatsCollector:
                     shard.merge_into(total)
         return total
 
-    def snapshot(self) -> LoaderStats:
-        """Merge every thread's shard into an immutable :class:`LoaderStats`."""
+    def snapshot(self, read_threads: int = 0, batches_in_flight: int = 0,
+                 fetches: dict[str, int] | None = None) -> LoaderStats:
+        """Merge every thread's shard into an immutable :class:`LoaderStats`.
+
+        The loader passes what is in flight now in this process (``fetches``: its
+        dataset's ``Fetcher.in_flight()``); workers' fetches come from :meth:`set_limits`.
+        """
         total = self._merged()
         ops = {n: OpStats(int(r[0]), int(r[1]), float(r[2])) for n, r in total.ops.items()}
         return LoaderStats(
@@ -366,12 +419,23 @@ class StatsCollector:
             wall_seconds=total.wall,
             # Process-wide, like the limits themselves; a disabled collector reports nothing.
             concurrency=MappingProxyType(self._concurrency() if self.enabled else {}),
+            read_threads=read_threads,
+            batches_in_flight=batches_in_flight,
+            fetches_in_flight=MappingProxyType(self._in_flight(fetches) if self.enabled else {}),
         )
+
+    def _in_flight(self, mine: dict[str, int] | None) -> dict[str, Any]:
+        with self._lock:
+            procs = ({} if mine is None else {"main": mine}) | self._fetches
+        if not procs:
+            return {}
+        return {"ahead": sum(p["ahead"] for p in procs.values()),
+                "fetching": sum(p["fetching"] for p in procs.values()), "processes": procs}
 
     def _concurrency(self) -> dict[str, dict[str, Any]]:
         with self._lock:
             workers = dict(self._limits)
-        return combine_limits({"main": hostlimit.settled(), **workers})
+        return hostlimit.combine_limits({"main": hostlimit.settled(), **workers})
 
     def _take_mine(self) -> tuple[dict[str, list[Any]], dict[str, int], _Shard]:
         """Detach the calling thread's records: ``({op: [items, bytes, seconds]}, {counter: n})``.
@@ -400,37 +464,6 @@ class StatsCollector:
             self._local = threading.local()
             self._shards = []
             self._retired = _Shard(None)
-
-
-def combine_limits(per_process: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Host -> its limits over several processes (``process -> host -> HostLimit.as_dict()``).
-
-    Each process has its own limit and cap for a host (fastload.hostlimit), so the host
-    may see the sum of their limits at once: ``limit`` and ``cuts`` are summed, ``peak``
-    is the largest of one process, ``cap`` is the (per-process) cap, and ``processes``
-    keeps each process's own.
-
-    >>> c = combine_limits({"main": {"h": {"limit": 4, "cap": 8, "peak": 4, "cuts": 0, "last_cut": ""}},
-    ...                     "worker 0": {"h": {"limit": 2, "cap": 8, "peak": 6, "cuts": 1, "last_cut": "503"}}})
-    >>> {k: c["h"][k] for k in ("limit", "cap", "peak", "cuts", "last_cut")}
-    {'limit': 6, 'cap': 8, 'peak': 6, 'cuts': 1, 'last_cut': '503'}
-    """
-    hosts: dict[str, dict[str, Mapping[str, Any]]] = {}
-    for process, limits in per_process.items():
-        for host, state in limits.items():
-            hosts.setdefault(host, {})[process] = state
-    out = {}
-    for host, procs in hosts.items():
-        states = list(procs.values())
-        out[host] = {
-            "limit": sum(int(s["limit"]) for s in states),
-            "cap": max(int(s["cap"]) for s in states),
-            "peak": max(int(s["peak"]) for s in states),
-            "cuts": sum(int(s["cuts"]) for s in states),
-            "last_cut": next((s["last_cut"] for s in reversed(states) if s.get("last_cut")), ""),
-            "processes": {p: dict(s) for p, s in procs.items()},
-        }
-    return out
 
 
 def nbytes(obj: Any) -> int:

@@ -38,7 +38,7 @@ from typing import Any
 
 from fastload.config import Settings, format_size
 from fastload.diagnose._util import fmt_rate, optional
-from fastload.stats import StatsCollector, current_collector, use_collector
+from fastload.stats import StatsCollector, current_collector, regime, use_collector
 
 __all__ = ["BenchOptions", "DecodeJpeg", "render_bench", "run_bench"]
 
@@ -239,7 +239,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             runs.append({
                 "loader": "fastload", "epoch": epoch,
                 # No cache counters at all (nothing read through the cache): the fresh cache decides.
-                "regime": "cold" if (hits < 0.5 if hits is not None else epoch == 1) else "warm",
+                "regime": regime(hits, fresh=epoch == 1),
                 "cache_hit_rate": hits, "ops": ops, "limit": _limit(ops),
                 "loader_stats": stats.as_dict(), "table": str(stats), **run,
             })
@@ -257,7 +257,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
                     run = _epoch(tloader, opts)
                 stats = tcol.snapshot()
                 ops = _op_rows(stats, 1) if opts.num_workers == 0 else {}
-                runs.append({"loader": "torch", "epoch": epoch, "regime": "cold" if epoch == 1 else "warm",
+                runs.append({"loader": "torch", "epoch": epoch, "regime": regime(stats.cache_hit_rate, fresh=epoch == 1),
                              "cache_hit_rate": stats.cache_hit_rate, "ops": ops, "limit": _limit(ops),
                              **run})
     consumer = opts.batch_size * 1000.0 / opts.step_ms if opts.step_ms > 0 else None

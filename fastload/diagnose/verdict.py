@@ -24,8 +24,10 @@ What crosses the GPU link depends on where decoding happens: decoded images
 (``fp32``/``fp16``/``uint8`` at ``image_size`` squared, 3 channels) when the CPU
 decodes, the JPEG itself when the GPU does.
 
-The slowest op in a regime (epoch 1 = *cold*, epochs 2+ = *warm*) is its
-limit. The headline is the warm regime, unless every epoch streams from storage.
+The slowest op in a regime is its limit. A regime is cold or warm by its cache
+hit rate (:func:`fastload.stats.regime`, the one definition): epoch 1 is cold (from
+storage) unless the URL is mostly cached already, epochs 2+ are warm (from the
+cache) unless every epoch streams. The headline is the warm regime, unless every epoch streams from storage.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fastload import stats
 from fastload.config import Settings, format_size
 from fastload.diagnose._util import fmt_bps, fmt_rate
 
@@ -468,8 +471,8 @@ def make_verdict(x: Inputs) -> Verdict:
             if all(a.setting != b.setting for b in advice):
                 advice.append(a)
     notes = _notes(x, ops, head_s, head_regime)
-    if not streams and cold_s is not None and cold_s.name == "storage" and x.cached_fraction == 1.0:
-        notes.append("this URL is already fully cached, so epoch 1 is warm too")
+    if not streams and cold_s is not None and cold_s.name == "storage" and stats.regime(x.cached_fraction) == "warm":
+        notes.append(f"this URL is already {x.cached_fraction:.0%} cached, so epoch 1 is warm too")
     headline = head.sentence
     return Verdict(
         sample_bytes=float(x.sample_bytes),
