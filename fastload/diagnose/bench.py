@@ -8,9 +8,10 @@ iterates ``--epochs`` epochs with a simulated training step of ``--step-ms``
 
 Per epoch it reports samples/s, the data-stall fraction (the share of the loop's
 wall time spent waiting in ``next()``), the cache hit rate, peak RSS, and the
-per-op table of ``loader.stats()``. Epoch 1 is *cold*: unless ``--cache-dir``
-is given, the cache is a fresh temporary folder, removed afterwards, so epoch 1
-fetches everything and later epochs read the cache. ``--compare`` runs torch's
+per-op table of ``loader.stats()``. Each epoch's regime is
+:func:`fastload.stats.regime` of its cache hit rate. Unless ``--cache-dir`` is
+given, the cache is a fresh temporary folder, removed afterwards, so epoch 1
+fetches everything (cold) and later epochs read the cache (warm). ``--compare`` runs torch's
 own DataLoader over the same files (through its own fresh cache) the same way;
 its dataset's ops (fetch, cache_read, decode) are recorded too, one thread.
 
