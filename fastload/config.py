@@ -138,6 +138,11 @@ class Settings:
         verify_threads: Threads re-checking cached entries (``fastload cache --verify``).
         local_threads: Threads reading a store without an event loop (local files, NFS)
             at once, where fsspec cannot overlap the reads itself.
+        stage_threads: Staging tasks at once, each completing and fetching a chunk of
+            ``stage.CHUNK`` items together; the requests in flight are bounded by the
+            host limit, not here. Every thread pool's size is one of these fields or,
+            for the DataLoader's and the pipelines' CPU threads, a default below
+            (:func:`default_read_threads`, :func:`default_decode_threads`).
         retries: Attempts per remote request (1 = no retry).
         backoff_s: First retry delay; doubles per attempt, with full jitter.
         backoff_max_s: Cap on a single retry delay.
@@ -163,6 +168,7 @@ class Settings:
     head_threads: int = 64
     verify_threads: int = 8
     local_threads: int = 16
+    stage_threads: int = 4
     retries: int = 5
     backoff_s: float = 0.2
     backoff_max_s: float = 10.0
@@ -188,7 +194,7 @@ class Settings:
         if workers is not None and not isinstance(workers, _Echo):
             deprecated("workers", "max_requests")
             object.__setattr__(self, "max_requests", workers)
-        for name in ("max_requests", "head_threads", "verify_threads", "local_threads"):
+        for name in ("max_requests", "head_threads", "verify_threads", "local_threads", "stage_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
         if self.retries < 1:
@@ -302,9 +308,18 @@ def default_read_threads() -> int:
     threads and 937/s with 2, a warm one at ~11,000/s and ~20,000/s
     (docs/loader.md).
     """
+    return max(2, min(8, usable_cpus()))
+
+
+def default_decode_threads() -> int:
+    """The pipelines' default ``threads`` (CPU decode, LZ4 decode): the usable cores."""
+    return usable_cpus()
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
-        cpus = os.cpu_count() or 2
-    return max(2, min(8, cpus))
+        return max(1, os.cpu_count() or 1)
 

@@ -407,7 +407,6 @@ class _Stop:
 
 
 CHUNK = 32  # items one staging task completes and fetches together: their requests overlap
-CHUNK_THREADS = 4  # tasks at once; the requests in flight are bounded by the host limit, not here
 BATCH_BYTES = 64 * 1024**2  # blocks one fetch call holds in memory, at most
 
 
@@ -467,7 +466,7 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
         for _ in indices:
             progress.item_done()
 
-    pool = ThreadPoolExecutor(CHUNK_THREADS)
+    pool = ThreadPoolExecutor(reader.settings.stage_threads)
     tasks: list[Future[None]] = []
     try:
         with progress.bar:

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from fastload.config import Settings
 from fastload.diagnose._util import median, ok, percentile, skipped
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ def _sizes(fs: Any, objects: list[tuple[str, int | None]], budget: StorageBudget
     if all(size is not None for _, size in objects):
         return [(p, int(s)) for p, s in objects if s is not None], "listing"
     picked = _spread(objects, budget.head_requests)
-    with ThreadPoolExecutor(min(16, len(picked))) as pool:
+    with ThreadPoolExecutor(min(Settings.head_threads, len(picked))) as pool:  # as the loader completes a listing
         infos = list(pool.map(lambda o: fs.info(o[0]), picked))
     sized = [(p, int(i["size"])) for (p, _), i in zip(picked, infos) if i.get("size") is not None]
     return sized, f"HEAD of {len(picked)} objects"

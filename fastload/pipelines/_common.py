@@ -5,7 +5,6 @@ Nothing here imports DALI; :mod:`fastload.pipelines._registry` does, on first us
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,14 +68,6 @@ def resolve_backend(backend: str, *, prefer_dali: bool) -> str:
 def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
-
-
-def default_threads() -> int:
-    """CPU threads for decoding: the cores this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS, Windows
-        return max(1, os.cpu_count() or 1)
 
 
 def derive_seed(seed: int | None) -> int:

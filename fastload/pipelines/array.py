@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from fastload import codec
-from fastload.config import format_size
+from fastload.config import default_decode_threads, format_size
 from fastload.dataset import ArrayDataset
 from fastload.errors import CodecError, ConfigError
 from fastload.pipelines import _common, _dali
@@ -208,7 +208,7 @@ class ArrayPipeline:
         self.device = _common.resolve_device(device)
         self.placement = "gpu" if self.device.type == "cuda" else "cpu"
         self.backend = _common.resolve_backend(backend, prefer_dali=self.placement == "gpu")
-        self.threads = int(threads) if threads is not None else _common.default_threads()
+        self.threads = int(threads) if threads is not None else default_decode_threads()
         if self.threads < 1:
             raise ConfigError(f"threads={threads} must be >= 1")
         self.key, self.label_key = key, label_key

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastload.config import default_decode_threads
 from fastload.errors import ConfigError
 from fastload.pipelines import _common, _dali, _torch
 from fastload.stats import current_collector
@@ -120,7 +121,7 @@ class ImageClassification:
         self.placement = "gpu" if self.device.type == "cuda" else "cpu"
         self.backend = _common.resolve_backend(backend, prefer_dali=True)
         self.seed = _common.derive_seed(seed)
-        self.threads = int(threads) if threads is not None else _common.default_threads()
+        self.threads = int(threads) if threads is not None else default_decode_threads()
         if self.threads < 1:
             raise ConfigError(f"threads={threads} must be >= 1")
         self.image_key, self.label_key = image_key, label_key

@@ -35,7 +35,7 @@ def published(load_script: Callable[[str], Any]) -> Callable[[Path], int]:
 class _Held(http.server.SimpleHTTPRequestHandler):
     """Answers the first ``served`` file GETs; holds every later one until ``release`` is set."""
 
-    served = 160  # more than the first 4 staging chunks of 32 (stage.CHUNK, CHUNK_THREADS): some get cached
+    served = 160  # more than the first 4 staging chunks of 32 (stage.CHUNK, Settings.stage_threads): some get cached
     release: threading.Event
     lock: threading.Lock
     counts: dict[str, int]  # "answered": file GETs let through; "held": waiting now

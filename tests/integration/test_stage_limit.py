@@ -15,7 +15,8 @@ import pytest
 
 from fastload import _servers, curl
 from fastload.cli import build_parser, main
-from fastload.stage import CHUNK, CHUNK_THREADS
+from fastload.config import Settings
+from fastload.stage import CHUNK
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +51,7 @@ def test_a_sizeless_listing_stops_once_the_sizes_learned_pass_the_limit(
     # A staging task learns its chunk's sizes with a GET per object, then adds them up: the
     # chunks that fit the limit, then at most one chunk per task in flight when it is passed.
     fit = -(-(10**6) // (CHUNK * SIZE))
-    assert gets <= (fit + CHUNK_THREADS) * CHUNK < N, gets
+    assert gets <= (fit + Settings.stage_threads) * CHUNK < N, gets
     assert _requests(http_folder, "HEAD") == 0
 
 

@@ -8,13 +8,14 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import fastload
 from fastload.cache import Cache, keys
 from fastload.config import Settings
-from fastload.errors import CacheLimitError, RemoteChangedError
+from fastload.errors import CacheLimitError, ConfigError, RemoteChangedError
 from fastload.reader import Reader
 
 
@@ -31,6 +32,27 @@ def make_files(root: Path, n: int = 8, size: int = 50_000) -> dict[str, bytes]:
 @pytest.fixture()
 def settings(tmp_path: Path) -> Settings:
     return Settings(cache_dir=tmp_path / "cache", cache_limit_bytes=10**9, block_bytes=64 * 1024, chunk_bytes=16 * 1024, max_requests=4, retries=2, backoff_s=0.01)
+
+
+def test_staging_runs_stage_threads_tasks_at_once(tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    import concurrent.futures
+    import importlib
+
+    stage_mod = importlib.import_module("fastload.stage")  # the module; fastload.stage is the function
+
+    sizes: list[int | None] = []
+
+    class Recorded(concurrent.futures.ThreadPoolExecutor):
+        def __init__(self, max_workers: int | None = None, *args: Any, **kwargs: Any) -> None:
+            sizes.append(max_workers)
+            super().__init__(max_workers, *args, **kwargs)
+
+    monkeypatch.setattr(stage_mod, "ThreadPoolExecutor", Recorded)
+    make_files(tmp_path / "remote")
+    fastload.stage(str(tmp_path / "remote"), settings=settings.replace(stage_threads=3), progress=False)
+    assert sizes[0] == 3  # the staging pool: its size is a Settings field, not a constant
+    with pytest.raises(ConfigError, match="stage_threads=0"):
+        settings.replace(stage_threads=0)
 
 
 def test_staged_reads_survive_the_remote_disappearing(tmp_path: Path, settings: Settings) -> None:
