@@ -229,7 +229,7 @@ class DataLoader(tud.DataLoader[T_co]):
                 raise ConfigError(f"device={str(device)!r}: only 'cuda' and 'cpu' are supported")
             if pin_memory:
                 warnings.warn(
-                    "pin_memory=True is redundant with device=: fastload stages batches "
+                    "pin_memory=True is redundant with device=: fastload copies batches "
                     "through its own reused pinned slots; pin_memory=True pins each batch "
                     "again (a per-batch allocation)",
                     stacklevel=2,

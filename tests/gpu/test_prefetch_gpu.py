@@ -178,7 +178,7 @@ def test_next_copy_runs_while_the_step_still_computes_at_depth_0() -> None:
     it = pf.iterate(batches, depth=0)
     first = next(it)
     torch.cuda._sleep(2_000_000_000)  # step N: about a second of GPU time on the consumer stream
-    second = next(it)  # stages and copies batch N+1
+    second = next(it)  # pins and copies batch N+1
     copy_done = pf._ring[(pf._next_slot - 1) % pf.slots].done
     consumer = torch.cuda.current_stream()
     while not copy_done.query() and not consumer.query():
