@@ -389,13 +389,17 @@ def loader_stats(collector: StatsCollector, dataset: Any, live: _LoaderIter | No
     """A loader's stats now: its records (``live``'s flushed first) and what is in flight.
 
     Batches in flight are measured, not configured: the read_batch pool's pending
-    batches, or the index batches torch's workers hold (its ``_tasks_outstanding``).
+    batches, or the index batches torch sent its workers and has not yet handed out
+    (``_send_idx - _rcvd_idx``: those still in a worker and those waiting their turn).
     """
     batches = 0
     if live is not None:
         live.flush()
         keep = live._keep
-        batches = keep.in_flight if isinstance(keep, ReadAhead) else int(getattr(keep, "_tasks_outstanding", 0))
+        if isinstance(keep, ReadAhead):
+            batches = keep.in_flight
+        elif hasattr(keep, "_send_idx"):  # torch's multi-process iterator
+            batches = int(keep._send_idx) - int(keep._rcvd_idx)
     return collector.snapshot(read_threads, batches, fetches_of(dataset))
 
 

@@ -140,7 +140,7 @@ class LoaderStats:
         read_threads: The read_batch pool's threads (0: samples are read in the calling
             thread or in worker processes).
         batches_in_flight: Index batches handed to reading and not yet returned, when
-            the snapshot was taken: the read_batch pool's, or those torch's workers hold.
+            the snapshot was taken: the read_batch pool's, or those torch sent its workers.
         fetches_in_flight: ``ahead`` (fetches started before their read asked) and
             ``fetching`` (asked for by a read) at that moment, summed over the processes,
             and ``processes``: each one's own (a worker's as of its latest batch);
