@@ -104,7 +104,7 @@ def test_misses_of_one_batch_are_fetched_concurrently(tmp_path: Path, settings: 
     items = [RemoteItem(f"file://{tmp_path}/{i}.bin", 1000, "v1") for i in range(8)]
     lock, active, peak = threading.Lock(), [0], [0]
 
-    def slow_read(url: str, start: int = 0, end: int | None = None, *, expect: int | None = None, listed: object = None) -> bytes:
+    def slow_fetch(url: str, start: int = 0, end: int | None = None, *, expect: int | None = None, listed: object = None) -> bytes:
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
@@ -113,7 +113,7 @@ def test_misses_of_one_batch_are_fetched_concurrently(tmp_path: Path, settings: 
             active[0] -= 1
         return url[-5].encode() * 1000
 
-    reader.source(items[0].url).read = slow_read  # type: ignore[method-assign]
+    reader.source(items[0].url).fetch = slow_fetch  # type: ignore[method-assign]
     out = bytearray(8000)
     reader.read_into([(item, 0, 1000, 1000 * k) for k, item in enumerate(items)], out)
     assert bytes(out) == b"".join(str(k).encode() * 1000 for k in range(8))
