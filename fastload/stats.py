@@ -561,3 +561,11 @@ def _reset_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def record_cache(hit: bool, items: int, nbytes: int, t0: float) -> None:
+    """Count ``items`` blocks read from the cache (``hit``, stats stage ``cache_read``) or fetched
+    on a miss (stats stage ``fetch``) since ``t0``, in the running loader's collector (else the process default)."""
+    collector = current_collector()
+    collector.add("cache_read" if hit else "fetch", items=items, bytes=nbytes, seconds=time.perf_counter() - t0)
+    collector.count("cache_hit" if hit else "cache_miss", items)
