@@ -49,7 +49,7 @@ def _objects(n: int) -> list[tuple[str, tuple[Any, ...], str, tuple[Any, ...]]]:
         url = f"http://127.0.0.1:8080/train/class{i % 100}/img{i}.jpg"
         rec = ("packs/123-abcdef.pack", 110_000, 112_000, "lz4", 0x1234567890ABCDEF, url, 0, 0xFEDCBA0987654321,
                i * 4096, 1.7e9)  # fmt: skip
-        out.append((keys.entry(key), rec, keys.pin(url), (112_000, '"etag-%d"' % i)))
+        out.append((keys.entry(key), rec, keys.pin(url), (112_000, f'"etag-{i}"')))
     return out
 
 
