@@ -1,13 +1,16 @@
-"""The SQLite index's concurrency plumbing: forks, threads, write queues and the evict lock.
+"""The cache's index (one SQLite table) and its concurrency: forks, threads, write queues, the evict lock.
 
-The index is a diskcache (SQLite, WAL) shared by the threads of one process and by
-many processes. What makes that safe lives here, and nothing else of the cache's:
+The index is one SQLite table (``idx``: key TEXT PRIMARY KEY, value) in WAL mode,
+shared by the threads of one process and by many processes; a table of its own, not
+a library's, because a library's public API cost 3 to 5 times as much per object on
+the cold path (benchmarks/cache/results/index_cost.md). What makes sharing safe
+lives here, and nothing else of the cache's:
 
 * :class:`ForkGate` (:data:`FORK_GATE`): every index call holds it; ``fork()`` waits
   for the calls in flight, so a child never inherits SQLite's lock state mid-write.
 * :func:`write_lock`: one lock per cache folder per process around index writes, so
   a process's threads queue in Python, not in SQLite's sleeping busy handler.
-* :class:`GatedIndex`: the diskcache index with both of the above applied to every
+* :class:`GatedIndex`: the index, read-write, with both of the above applied to every
   call, and each thread's connection closed when that thread ends
   (:class:`ConnectionCloser`).
 * :class:`FileLock`: an ``flock`` with a bounded wait, taken while evicting or
@@ -41,7 +44,7 @@ class ForkGate:
     SQLite keeps its lock bookkeeping in process memory. A child forked while a
     thread of its parent was inside an index write inherits "this process holds
     the write lock" with no thread left to release it, so every write in the
-    child is SQLITE_BUSY until diskcache's 60 s timeout: a DataLoader worker
+    child is SQLITE_BUSY until the 60 s busy timeout: a DataLoader worker
     forked while an abandoned epoch's read-ahead threads were still caching hung
     for 60 s and died (tests/reliability/test_hostile_input.py, corrupt JPEG).
     ``os.register_at_fork`` makes the forking thread wait (``WAIT_S`` at most, then
