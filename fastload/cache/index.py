@@ -328,33 +328,38 @@ class GatedIndex(IndexReads):
                     con.execute("ROLLBACK")
                 raise
 
-    # -- writes: each a transaction of its own, or a step of the caller's --------------
+    # -- writes: each a statement of its own (SQLite makes one statement atomic), or a
+    # step of the caller's transaction --------------------------------------------------
+
+    def _one(self, sql: str, params: Sequence[Any]) -> tuple[list[Any], int]:
+        """Run one write statement; its rows (RETURNING) and how many rows it changed."""
+        con = self._con()
+        if getattr(self._thread, "depth", 0):
+            cur = con.execute(sql, params)
+            return cur.fetchall(), cur.rowcount
+        with self.writing(), FORK_GATE.shared():
+            cur = con.execute(sql, params)
+            return cur.fetchall(), cur.rowcount
 
     def set(self, key: str, value: Any) -> None:
-        with self._txn():
-            self._con().execute(_SET, (key, encode(value)))
+        self._one(_SET, (key, encode(value)))
 
     def add(self, key: str, value: Any) -> bool:
         """Store ``value`` unless ``key`` is present; whether it was stored."""
-        with self._txn():
-            return self._con().execute(_ADD, (key, encode(value))).rowcount == 1
+        return self._one(_ADD, (key, encode(value)))[1] == 1
 
     def delete(self, key: str) -> bool:
-        with self._txn():
-            return self._con().execute(f"DELETE FROM {TABLE} WHERE key = ?", (key,)).rowcount == 1
+        return self._one(f"DELETE FROM {TABLE} WHERE key = ?", (key,))[1] == 1
 
     def pop(self, key: str, default: Any = None) -> Any:
-        with self._txn():
-            rows = self._con().execute(f"DELETE FROM {TABLE} WHERE key = ? RETURNING value", (key,)).fetchall()
+        rows = self._one(f"DELETE FROM {TABLE} WHERE key = ? RETURNING value", (key,))[0]
         return decode(rows[0][0]) if rows else default
 
     def incr(self, key: str, delta: int = 1, default: int = 0) -> int:
         """Add ``delta`` to the int at ``key`` (``default`` when absent); the new value."""
-        with self._txn():
-            row = self._con().execute(
-                f"INSERT INTO {TABLE}(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = value + ?"
-                " RETURNING value", (key, default + delta, delta)).fetchall()  # fmt: skip
-        return int(row[0][0])
+        rows = self._one(f"INSERT INTO {TABLE}(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = value + ?"
+                         " RETURNING value", (key, default + delta, delta))[0]  # fmt: skip
+        return int(rows[0][0])
 
     def set_many(self, items: Mapping[str, Any]) -> None:
         """Set each key to its value, in one statement."""
@@ -383,8 +388,7 @@ class GatedIndex(IndexReads):
 
     def clear(self) -> int:
         """Delete every record; how many there were."""
-        with self._txn():
-            return self._con().execute(f"DELETE FROM {TABLE}").rowcount
+        return self._one(f"DELETE FROM {TABLE}", ())[1]
 
     def checkpoint(self) -> None:
         """Give the write-ahead log back to the disk (checkpoint and truncate it)."""
