@@ -1,7 +1,7 @@
 """The cache's keys: the key of a cached block, and the index's key namespaces.
 
 This module is the one owner of the index's key names; every other module builds
-and parses them through it. The index (diskcache, SQLite) holds str keys, each in
+and parses them through it. The index (one SQLite table, index.py) holds str keys, each in
 one namespace named by a short prefix (str keys, not tuples: a tuple costs a
 pickle per lookup):
 

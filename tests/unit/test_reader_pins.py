@@ -16,7 +16,7 @@ def _pin_writes(reader: Reader, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The pin rows the index is asked to set from now on (one by one or batched)."""
     index = reader.cache.index
     written: list[str] = []
-    real_set, real_many = index._inner.set, index.set_many
+    real_set, real_many = index.set, index.set_many
 
     def one(key: str, value: object, *args: object, **kwargs: object) -> object:
         written.extend([key] if keys.of(keys.PIN, key) is not None else [])
@@ -26,7 +26,7 @@ def _pin_writes(reader: Reader, monkeypatch: pytest.MonkeyPatch) -> list[str]:
         written.extend(k for k in rows if keys.of(keys.PIN, k) is not None)
         real_many(rows)
 
-    monkeypatch.setattr(index._inner, "set", one)
+    monkeypatch.setattr(index, "set", one)
     monkeypatch.setattr(index, "set_many", many)
     return written
 
