@@ -142,7 +142,7 @@ def dataset_summaries(settings: Settings) -> dict[str, Any]:
     from fastload.source import RemoteItem
 
     reader = Reader(settings)
-    manifests = reader.manifests()
+    manifests = reader.identity.manifests()
     entries = list(reader.cache.entries())
     stored_of = {e.key: e.stored for e in entries}
     sizes = _block_sizes(settings, manifests, entries)
@@ -235,7 +235,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
         _emit(args, {"cleared": "all"}, f"cleared {reader.settings.cache_dir}")
         return EXIT_OK
     root = reader.canonical(args.url).rstrip("/")
-    mine = [m for m in reader.manifests() if m["root"] == root]
+    mine = [m for m in reader.identity.manifests() if m["root"] == root]
     if not mine:
         raise ConfigError(f"no staged dataset {root!r} in {reader.settings.cache_dir}; `fastload info` lists them")
     # Its objects' entries of every block size and version: dropping only the keys of this

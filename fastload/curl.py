@@ -211,8 +211,7 @@ def pump() -> None:
             hosts[hid].limit.account(results)
         for key, (stop, pendings) in list(state.stoppable.items()):
             if stop.is_set():
-                for p in list(pendings):
-                    p.transfer.cancel()
+                _cancel(list(pendings))
                 del state.stoppable[key]
             elif not pendings:
                 del state.stoppable[key]
@@ -312,6 +311,27 @@ def settle(futures: Sequence[Any], stop: threading.Event, timeout_s: float) -> N
     deadline = time.monotonic() + timeout_s
     while pending and not stop.is_set() and (left := deadline - time.monotonic()) > 0:
         pending = wait(pending, min(STOP_POLL_S, left))
+    if stop.is_set():
+        end_stopped(stop)
+
+
+def end_stopped(stop: threading.Event) -> None:
+    """Cancel every GET started under ``stop``, now, running or queued for a permit.
+
+    The pump ends them too, but only when it next comes by: meanwhile a finished GET's
+    permit passed in C to a queued one, which went out after the stop
+    (tests/integration/test_fetch.py::test_a_stop_starts_no_fetch_ahead_and_ends_the_wait_for_one).
+    """
+    entry = _STATE.stoppable.get(id(stop))
+    if entry is not None and entry[0] is stop:
+        _cancel(list(entry[1]))
+
+
+def _cancel(pendings: list[Pending]) -> None:
+    """Cancel ``pendings``, the queued before the running: a running GET's permit passes in C to
+    the next queued one the moment it ends, which would then go out."""
+    for p in sorted(pendings, key=lambda p: p.started()):
+        p.transfer.cancel()
 
 
 def _failed(code: int, status: int, message: str, url: str) -> None:

@@ -35,7 +35,7 @@ from fastload._worker_pack import Span, read_buffer
 from fastload.cache import cannot_write, keys
 from fastload.config import Settings
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
-from fastload.lookahead import announce
+from fastload.fetch import announce
 from fastload.reader import Reader
 from fastload.source import RemoteItem
 
@@ -79,7 +79,7 @@ class _CachedDataset(torch.utils.data.Dataset):
         if not self.items:  # a listing raises EmptyDatasetError itself; this is a manifest recorded empty
             raise EmptyDatasetError(f"{self._root}: the recorded listing holds no items; fix: refresh=True to list it again")
         self._manifest_due = any(i.size < 0 for i in self.items)
-        self.items = self.reader.pinned(self.items)
+        self.items = self.reader.identity.pinned(self.items)
         self._unsized = sum(1 for i in self.items if i.size < 0)
         self._save_if_sized()
         self.reader.warn_if_oversized([i for i in self.items if i.size >= 0])
@@ -102,7 +102,7 @@ class _CachedDataset(torch.utils.data.Dataset):
         """
         items = [self.items[i] for i in indices]
         if self._unsized and any(i.size < 0 for i in items):
-            items = self.reader.pinned(items)
+            items = self.reader.identity.pinned(items)
             self._adopt(indices, items)
         return items
 
@@ -120,7 +120,7 @@ class _CachedDataset(torch.utils.data.Dataset):
         if self._unsized == 0 and self._manifest_due:
             self._manifest_due = False
             try:
-                self.reader.save_manifest(self._root, self.pattern, self.items)
+                self.reader.identity.save_manifest(self._root, self.pattern, self.items)
             except sqlite3.OperationalError as err:
                 if not cannot_write(err):  # a full or read-only disk only costs the next dataset a listing
                     raise
@@ -151,7 +151,7 @@ class _CachedDataset(torch.utils.data.Dataset):
         # torch's fetcher (in DataLoader workers, or torch's own loader) asks for a
         # whole batch through this hook: one batched read, misses fetched together.
         # In a fastload.DataLoader worker the batch may carry batches this worker reads
-        # later (fastload.lookahead.Announced): their fetches start first, on this
+        # later (fastload.fetch.Announced): their fetches start first, on this
         # worker's event loop, so the link stays busy across batches.
         fetch_ahead = getattr(self, "fetch_ahead", None)
         if fetch_ahead is not None:
@@ -223,7 +223,7 @@ class FileDataset(_CachedDataset):
             self._pinned([k for k, i in enumerate(self.items) if i.size < 0])
         if self._unsized:
             todo = [k for k, i in enumerate(self.items) if i.size < 0]
-            src = self.reader.source(self.items[todo[0]].url)
+            src = self.reader.sources.of(self.items[todo[0]].url)
             self._adopt(todo, src.complete_all([self.items[k] for k in todo]))
         return [i.size for i in self.items]
 
@@ -269,7 +269,7 @@ class FileDataset(_CachedDataset):
         data: list[bytes] = []
         rest = []
         for k, item in enumerate(items):
-            got = fresh.get(self.reader.key(item, 0)) if fresh else None
+            got = fresh.get(self.reader.identity.key(item, 0)) if fresh else None
             if got is None or len(got) != item.size:
                 got = b""
                 rest.append(k)

@@ -12,7 +12,7 @@ The loader wires the pipeline's parts together and holds none of their logic:
 
 * index order, sharding and resume: :mod:`fastload.sampler`
 * parallel reads for datasets with ``read_batch``: :mod:`fastload.readahead`
-* index batches announced ahead (``fetch_ahead``), here or to workers: :mod:`fastload.lookahead`
+* index batches announced ahead (``fetch_ahead``), here or to workers: :mod:`fastload.fetch.ahead`
 * host-to-device transfer: :mod:`fastload.prefetch`
 * counters: :mod:`fastload.stats`
 """
@@ -45,7 +45,7 @@ from fastload._worker_stats import Unwrap, WorkerCollate
 from fastload.config import default_read_threads
 from fastload.dataset import _CachedDataset
 from fastload.errors import ConfigError
-from fastload.lookahead import AheadSampler, Lookahead, depth_for
+from fastload.fetch import AheadSampler, Announcer, depth_for
 from fastload.prefetch import DevicePrefetcher
 from fastload.readahead import ReadAhead
 from fastload.resume import WorkerInit, WorkerStates, resumed_iterator
@@ -155,9 +155,9 @@ class DataLoader(tud.DataLoader[T_co]):
     original traceback. With ``num_workers > 0`` the hook is not used: workers call
     ``__getitem__``/``__getitems__`` as in torch. A dataset with
     ``fetch_ahead(indices)`` is announced index batches about
-    :data:`~fastload.lookahead.LOOKAHEAD_ITEMS` samples ahead of each reading
+    :data:`~fastload.fetch.AHEAD_ITEMS` samples ahead of each reading
     process: this one, or (``in_order=True``) the worker that will read them,
-    carried by an earlier index batch of that worker (:mod:`fastload.lookahead`).
+    carried by an earlier index batch of that worker (:mod:`fastload.fetch.ahead`).
 
     Resuming. A :meth:`state_dict` taken after ``k`` batches makes a new loader built
     with the same arguments yield batches ``k+1...``; the skipped samples are not read,
@@ -325,7 +325,7 @@ class DataLoader(tud.DataLoader[T_co]):
         # torch's class as captured at import: after `torch.utils.data.DataLoader =
         # fastload.DataLoader` (patch_torch), the module attribute is this class.
         # With workers that fetch ahead, torch's multi-process iterator draws from an
-        # AheadSampler around it (fastload.lookahead): the resume skip stays inside.
+        # AheadSampler around it (fastload.fetch.ahead): the resume skip stays inside.
         if isinstance(self.dataset, tud.IterableDataset):
             return TORCH_DATALOADER._index_sampler.fget(self)  # type: ignore[attr-defined]
         wrapper = self._resumable()
@@ -488,7 +488,7 @@ class DataLoader(tud.DataLoader[T_co]):
         batches: Iterator[Any] = state._sampler_iter
         hint = getattr(self.dataset, "fetch_ahead", None)
         if callable(hint) and self._auto_collation:
-            batches = Lookahead(batches, depth_for(self.batch_size), hint=hint)
+            batches = Announcer(batches, depth_for(self.batch_size), hint=hint)
         state._sampler_iter = batches
         ahead_iter = ReadAhead(
             batches,

@@ -169,7 +169,7 @@ def stage(
     # inside the fetch workers, so HEADs overlap with transfers.
     part = nodes is not None or node_rank is not None
     root = reader.manifest_root(url)
-    snapshot = reader.recorded(root, pattern) if isinstance(url, str) and not refresh else None
+    snapshot = reader.identity.recorded(root, pattern) if isinstance(url, str) and not refresh else None
     if snapshot is not None and part and any(i.size < 0 for i in snapshot):
         snapshot = None  # a node's part is split by bytes: the listing is completed below
     # A node's part is split by bytes, so it needs every size first (as the sampler does).
@@ -201,7 +201,7 @@ def stage(
     report.fits = report.remote_bytes <= limit
     if dry_run:
         report.dry_run = True
-        report.blocks = sum(len(reader.blocks(i)) for i in items)
+        report.blocks = sum(len(reader.identity.blocks(i)) for i in items)
         report.stored_bytes = _stored(reader, items)
         report.seconds = time.perf_counter() - t0
         return report
@@ -223,10 +223,10 @@ def stage(
                        limit=limit if sizeless else None)
     if writable:
         if not part:  # a part's listing was recorded whole when it was listed
-            reader.save_manifest(root, pattern, items)
+            reader.identity.save_manifest(root, pattern, items)
         reader.cache.index.delete(marker)
     report.remote_bytes = sum(i.size for i in items)
-    report.blocks = sum(len(reader.blocks(i)) for i in items)
+    report.blocks = sum(len(reader.identity.blocks(i)) for i in items)
     if verify:
         bad = _verify(reader, items, settings.verify_threads, _show(progress))
         report.verified_entries, report.bad_entries = report.blocks, len(bad)
@@ -239,7 +239,7 @@ def stage(
     # read-only mount too (docs/cache.md, "Full and read-only disks").
     reader.cache.compact()
     report.seconds = time.perf_counter() - t0
-    host = reader.source(items[0].url if items else root).host_limit
+    host = reader.sources.of(items[0].url if items else root).host_limit
     report.concurrency = host.as_dict() if host is not None else {}
     return report
 
@@ -300,7 +300,7 @@ def _show(progress: bool | None) -> bool:
 
 def _all_cached(reader: Reader, items: list[RemoteItem]) -> bool:
     """Whether every block of every (sized) item is in the cache."""
-    keys_ = [reader.key(item, b) for item in items for b in reader.blocks(item)]
+    keys_ = [reader.identity.key(item, b) for item in items for b in reader.identity.blocks(item)]
     return all(e is not None for e in reader.cache.entries_for(keys_))
 
 
@@ -309,8 +309,8 @@ def _stored(reader: Reader, items: list[RemoteItem]) -> int:
     for item in items:
         if item.size < 0:
             continue
-        for block in reader.blocks(item):
-            entry = reader.cache.entry(reader.key(item, block))
+        for block in reader.identity.blocks(item):
+            entry = reader.cache.entry(reader.identity.key(item, block))
             total += entry.stored if entry else 0
     return total
 
@@ -447,15 +447,15 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
         todo: list[tuple[RemoteItem, int]] = []
         for i, item in zip(indices, done):
             completed[i] = item
-            todo += [(item, b) for b in reader.blocks(item)]
-        entries = reader.cache.entries_for([reader.key(item, b) for item, b in todo])
+            todo += [(item, b) for b in reader.identity.blocks(item)]
+        entries = reader.cache.entries_for([reader.identity.key(item, b) for item, b in todo])
         missing = []
         for (item, block), entry in zip(todo, entries):
-            key = reader.key(item, block)
+            key = reader.identity.key(item, block)
             if key in fresh:
                 progress.fetched(len(fresh[key]))
             elif entry is not None:
-                start, end = reader.block_span(item, block)
+                start, end = reader.identity.span(item, block)
                 progress.skipped(end - start)
             else:
                 missing.append((item, block))
@@ -489,7 +489,7 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
 
 
 def _fetch_blocks(reader: Reader, todo: list[tuple[RemoteItem, int]], report: StageReport, show: bool, label: str) -> None:
-    progress = _Progress(report, sum(e - s for s, e in (reader.block_span(i, b) for i, b in todo)), len(todo), show, label)
+    progress = _Progress(report, sum(e - s for s, e in (reader.identity.span(i, b) for i, b in todo)), len(todo), show, label)
     per_call = max(1, BATCH_BYTES // reader.settings.block_bytes)
     with progress.bar:
         for k in range(0, len(todo), per_call):
@@ -499,10 +499,10 @@ def _fetch_blocks(reader: Reader, todo: list[tuple[RemoteItem, int]], report: St
 
 def _verify(reader: Reader, items: list[RemoteItem], threads: int, show: bool) -> list[tuple[RemoteItem, int]]:
     """Read back every entry (size + header + checksum); return the ones that failed or are missing."""
-    tasks = [(item, b) for item in items for b in reader.blocks(item)]
+    tasks = [(item, b) for item in items for b in reader.identity.blocks(item)]
 
     def ok(task: tuple[RemoteItem, int]) -> bool:
-        return reader.cache.get(reader.key(*task)) is not None
+        return reader.cache.get(reader.identity.key(*task)) is not None
 
     with ThreadPoolExecutor(threads) as pool:
         results = list(tqdm(pool.map(ok, tasks), total=len(tasks), desc="verifying", disable=not show, file=sys.stderr))

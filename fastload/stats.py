@@ -373,11 +373,9 @@ class StatsCollector:
         shard.wall += wall_seconds
 
     def set_limits(self, process: str, limits: dict[str, dict[str, Any]], fetches: dict[str, int] | None = None) -> None:
-        """Record another process's host limits and fetches in flight (a DataLoader worker's,
-        fastload._worker_stats).
+        """Record a DataLoader worker's host limits and fetches in flight (fastload._worker_stats).
 
-        State, not a count: the latest replaces the previous, and :meth:`reset` keeps it,
-        as it keeps this process's own limits.
+        State, not a count: the latest replaces the previous; :meth:`reset` keeps it, as its own.
         """
         if self.enabled:
             with self._lock:
@@ -402,8 +400,7 @@ class StatsCollector:
                     shard.merge_into(total)
         return total
 
-    def snapshot(self, read_threads: int = 0, batches_in_flight: int = 0,
-                 fetches: dict[str, int] | None = None) -> LoaderStats:
+    def snapshot(self, read_threads: int = 0, batches_in_flight: int = 0, fetches: dict[str, int] | None = None) -> LoaderStats:
         """Merge every thread's shard into an immutable :class:`LoaderStats`.
 
         The loader passes what is in flight now in this process (``fetches``: its
@@ -427,10 +424,8 @@ class StatsCollector:
     def _in_flight(self, mine: dict[str, int] | None) -> dict[str, Any]:
         with self._lock:
             procs = ({} if mine is None else {"main": mine}) | self._fetches
-        if not procs:
-            return {}
-        return {"ahead": sum(p["ahead"] for p in procs.values()),
-                "fetching": sum(p["fetching"] for p in procs.values()), "processes": procs}
+        return {"ahead": sum(p["ahead"] for p in procs.values()), "fetching": sum(p["fetching"] for p in procs.values()),
+                "processes": procs} if procs else {}
 
     def _concurrency(self) -> dict[str, dict[str, Any]]:
         with self._lock:
@@ -594,3 +589,11 @@ def _reset_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def record_cache(hit: bool, items: int, nbytes: int, t0: float) -> None:
+    """Count ``items`` blocks read from the cache (``hit``, op ``cache_read``) or fetched
+    on a miss (op ``fetch``) since ``t0``, in the running loader's collector (else the process default)."""
+    collector = current_collector()
+    collector.add("cache_read" if hit else "fetch", items=items, bytes=nbytes, seconds=time.perf_counter() - t0)
+    collector.count("cache_hit" if hit else "cache_miss", items)

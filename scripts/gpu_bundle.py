@@ -1,7 +1,7 @@
 """``make gpu-bundle``: the wheels ``make gpu-check`` needs on a GPU machine with no package registry.
 
 A lent CUDA machine has python3 with a CUDA torch and torchvision, and no
-registry to install from; ``import fastload`` needs lz4 and diskcache, which it
+registry to install from; ``import fastload`` needs lz4 and xxhash, which it
 lacks. This script downloads, here, the wheels of every runtime dependency of
 ``import fastload`` (``[project].dependencies`` in pyproject.toml) and of
 ``scripts/gpu_check.py`` (pytest and pytest-timeout, from the ``test`` extra),

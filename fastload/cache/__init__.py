@@ -1,4 +1,4 @@
-"""The local cache: payload files on disk, indexed by diskcache.
+"""The local cache: payload files on disk, indexed by one SQLite table.
 
 The package splits the cache along its jobs; :class:`Cache` combines them::
 
@@ -9,12 +9,15 @@ The package splits the cache along its jobs; :class:`Cache` combines them::
     writes.py   reserve, write and publish
     packs.py    pack files: small payloads appended per writing process, holes punched
     repair.py   eviction, dead reservations, check, clear, the byte counter
-    index.py    SQLite concurrency plumbing: fork gate, write locks, connections, flock
+    index.py    the index (one SQLite table) and its concurrency: fork gate, write locks, connections, flock
+    migrate.py  an index of the old format (before issue 25) read once into the new one
     disk.py     the disk: room less the reserve, full vs read-only, the read-only index
 
 Layout under ``Settings.cache_dir`` (created with mode 0700)::
 
-    index/          diskcache (SQLite, WAL): entry records, byte counter, manifests
+    index/fastload.db  the index, SQLite (WAL), one table ``idx`` (key TEXT PRIMARY KEY,
+                    value: an int or float as itself, else pickled): entry records, byte
+                    counter, pins, manifests (namespaces: keys.py)
     data/ab/<key>-<nonce>.flp   payload files (codec.py format), one per payload larger
                                 than Settings.pack_max_bytes
     data/ab/<pid>-<nonce>.part  payload writes in progress

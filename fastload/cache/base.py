@@ -8,8 +8,6 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-import diskcache
-
 from fastload.cache.disk import KIND_WORDS, ReadOnlyIndex, file_in_path, unwritable_kind, user_name
 from fastload.cache.entry import Entry
 from fastload.cache.index import FileLock, GatedIndex
@@ -108,9 +106,7 @@ class CacheBase:
             pages = max(16, min(1000, st.f_blocks * st.f_frsize // 100 // 4096))
         except OSError:
             pages = 1000
-        self._diskcache = diskcache.Cache(str(self.root / "index"), eviction_policy="none", size_limit=2**62, timeout=60,
-                                          sqlite_wal_autocheckpoint=pages, sqlite_journal_size_limit=pages * 4096)
-        self.index = GatedIndex(self._diskcache)
+        self.index = GatedIndex(self.root / "index", wal_pages=pages)
         self.unwritable = None
 
     def _reopen_writable(self) -> bool:

@@ -8,11 +8,12 @@ filled a smaller disk to 100% (issue 14).
 read-only mount (EROFS) is :func:`cannot_write`; callers then serve what is cached
 and stream the rest.
 
-**The index opened for reading only.** diskcache opens its SQLite file read-write and writes its settings on every
-open, so on a full disk (or a ``mount -o ro``) ``fastload info`` and training
-failed before reading a byte (issue 14). :class:`ReadOnlyIndex` reads the same
-table through SQLite's read-only modes and decodes values with diskcache's own
-``Disk``, so every lookup the read path makes works; every write raises
+**The index opened for reading only.** Opening the index read-write creates its
+table (and SQLite its -shm file), so on a full disk (or a ``mount -o ro``)
+``fastload info`` and training once failed before reading a byte (issue 14).
+:class:`ReadOnlyIndex` reads the same table through SQLite's read-only modes, with
+the same look-ups (:class:`~fastload.cache.index.IndexReads`), so every lookup the
+read path makes works; every write raises
 :class:`IndexUnwritable`, which callers treat as "cannot store" (reads served,
 new data streams), as they treat a full disk.
 
@@ -27,12 +28,12 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import diskcache
+from fastload.cache.index import INDEX_FILE, TABLE, IndexReads
 
 # The default disk reserve (Settings.disk_reserve_bytes None): this fraction of the
 # cache's disk, at most RESERVE_MAX_BYTES, stays free however high the limit.
@@ -40,7 +41,6 @@ RESERVE_FRACTION = 0.05
 RESERVE_MAX_BYTES = 1000**3
 KIND_WORDS = {"read-only": "the file system is read-only", "full": "the disk is full"}
 _log = logging.getLogger("fastload")
-_IN_CHUNK = 500  # keys per SELECT ... IN (...), below SQLite's oldest variable limit (999)
 
 
 def reserve_bytes(path: Path, setting: int | None) -> int:
@@ -101,7 +101,7 @@ def cannot_write(err: BaseException) -> bool:
 def unwritable_kind(err: BaseException, root: Path) -> str | None:
     """"read-only", "full", or None when ``err`` is not about the disk refusing writes.
 
-    A read-only mount fails diskcache's open as "unable to open database file", which
+    A read-only mount fails the index's open as "unable to open database file", which
     names neither cause, so the mount flag decides first.
     """
     if read_only_fs(root) or (cannot_write(err) and not disk_full(err)):
@@ -153,21 +153,20 @@ def read_only_fs(path: Path) -> bool:
         return False
 
 
-class ReadOnlyIndex:
-    """diskcache's index table, read through SQLite without writing anything.
+class ReadOnlyIndex(IndexReads):
+    """The cache's index table, read through SQLite without writing anything.
 
     Args:
-        directory: diskcache's folder (``<cache>/index``).
+        directory: The index's folder (``<cache>/index``).
         reason: Why it is read-only, for messages ("the file system is read-only", ...).
     """
 
     def __init__(self, directory: Path, reason: str) -> None:
         self.directory = directory
         self.reason = reason
-        self._db = directory / "cache.db"
+        self._db = directory / INDEX_FILE
         if not self._db.exists():
             raise FileNotFoundError(f"no cache index at {self._db}")
-        self._disk = diskcache.Disk(str(directory))
         self._local = threading.local()
         self._pid = os.getpid()
         self._uri = self._pick_uri()
@@ -180,7 +179,7 @@ class ReadOnlyIndex:
             try:
                 con = sqlite3.connect(uri, uri=True, check_same_thread=False)
                 try:
-                    con.execute("SELECT 1 FROM Cache LIMIT 1").fetchall()
+                    con.execute(f"SELECT 1 FROM {TABLE} LIMIT 1").fetchall()
                 finally:
                     con.close()
                 wal = Path(f"{self._db}-wal")
@@ -200,42 +199,6 @@ class ReadOnlyIndex:
             con = self._local.con = sqlite3.connect(self._uri, uri=True, check_same_thread=False)
         return con
 
-    def _fetch(self, mode: int, filename: str | None, value: Any) -> Any:
-        return self._disk.fetch(mode, filename, value, False)
-
-    # -- reads (what Cache, Reader and the datasets ask of the index) ------------
-
-    def get(self, key: str, default: Any = None) -> Any:
-        row = self._con().execute("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1", (key,)).fetchone()
-        if row is None:
-            return default
-        try:
-            return self._fetch(*row)
-        except OSError:  # a value file deleted since the query, as diskcache's get treats it
-            return default
-
-    def get_many(self, keys: Sequence[str]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for i in range(0, len(keys), _IN_CHUNK):
-            part = list(keys[i : i + _IN_CHUNK])
-            marks = ",".join("?" * len(part))
-            for key, mode, filename, value in self._con().execute(
-                f"SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND key IN ({marks})", part
-            ).fetchall():
-                try:
-                    out[key] = self._fetch(mode, filename, value)
-                except OSError:
-                    pass  # deleted since the query
-        return out
-
-    def iterkeys(self, reverse: bool = False) -> Iterator[Any]:
-        order = "DESC" if reverse else "ASC"
-        rows = self._con().execute(f"SELECT key, raw FROM Cache ORDER BY rowid {order}").fetchall()
-        return iter([key if raw else self._disk.get(key, raw) for key, raw in rows])
-
-    def bind_thread(self) -> None:
-        pass  # connections are per thread already, and hold no write state
-
     def close(self) -> None:
         con = getattr(self._local, "con", None)
         if con is not None:
@@ -247,9 +210,9 @@ class ReadOnlyIndex:
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise IndexUnwritable(f"the cache index at {self.directory} is open read-only: {self.reason}")
 
-    set = add = set_many = add_many = delete = pop = incr = clear = _refuse
+    set = add = set_many = add_many = delete = pop = incr = clear = checkpoint = _refuse
 
     @contextmanager
-    def transact(self, retry: bool = False) -> Iterator[None]:
+    def transact(self) -> Iterator[None]:
         self._refuse()
         yield  # pragma: no cover - never reached

@@ -1,13 +1,16 @@
-"""The SQLite index's concurrency plumbing: forks, threads, write queues and the evict lock.
+"""The cache's index (one SQLite table) and its concurrency: forks, threads, write queues, the evict lock.
 
-The index is a diskcache (SQLite, WAL) shared by the threads of one process and by
-many processes. What makes that safe lives here, and nothing else of the cache's:
+The index is one SQLite table (``idx``: key TEXT PRIMARY KEY, value) in WAL mode,
+shared by the threads of one process and by many processes; a table of its own, not
+a library's, because a library's public API cost 3 to 5 times as much per object on
+the cold path (benchmarks/cache/results/index_cost.md). What makes sharing safe
+lives here, and nothing else of the cache's:
 
 * :class:`ForkGate` (:data:`FORK_GATE`): every index call holds it; ``fork()`` waits
   for the calls in flight, so a child never inherits SQLite's lock state mid-write.
 * :func:`write_lock`: one lock per cache folder per process around index writes, so
   a process's threads queue in Python, not in SQLite's sleeping busy handler.
-* :class:`GatedIndex`: the diskcache index with both of the above applied to every
+* :class:`GatedIndex`: the index, read-write, with both of the above applied to every
   call, and each thread's connection closed when that thread ends
   (:class:`ConnectionCloser`).
 * :class:`FileLock`: an ``flock`` with a bounded wait, taken while evicting or
@@ -16,19 +19,20 @@ many processes. What makes that safe lives here, and nothing else of the cache's
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import logging
 import os
+import pickle
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-import diskcache
-
+from fastload.cache import migrate
 from fastload.errors import CacheError
 
 _log = logging.getLogger("fastload")
@@ -40,7 +44,7 @@ class ForkGate:
     SQLite keeps its lock bookkeeping in process memory. A child forked while a
     thread of its parent was inside an index write inherits "this process holds
     the write lock" with no thread left to release it, so every write in the
-    child is SQLITE_BUSY until diskcache's 60 s timeout: a DataLoader worker
+    child is SQLITE_BUSY until the 60 s busy timeout: a DataLoader worker
     forked while an abandoned epoch's read-ahead threads were still caching hung
     for 60 s and died (tests/reliability/test_hostile_input.py, corrupt JPEG).
     ``os.register_at_fork`` makes the forking thread wait (``WAIT_S`` at most, then
@@ -158,169 +162,247 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_write_locks)
 
 
-class GatedIndex:
-    """The diskcache index: every call, whole transaction, connection open and close
-    inside :data:`FORK_GATE`; each thread's connection closed when the thread ends;
-    writes under the process's write lock of this cache."""
+# The index's one table. Keys are str; a value is stored as itself when it is an int or a
+# float (so the byte counter adds up in SQL), pickled otherwise (records, pins, manifests).
+INDEX_FILE = "fastload.db"  # under <cache>/index/
+TABLE = "idx"
+_IN_CHUNK = 500  # keys per SELECT ... IN (...): below SQLite's oldest variable limit (999)
+_SCHEMA = 1  # PRAGMA user_version once the table exists and an old index was migrated
+_GET = f"SELECT value FROM {TABLE} WHERE key = ?"
+_SET = f"INSERT INTO {TABLE}(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value"
+_ADD = f"INSERT OR IGNORE INTO {TABLE}(key, value) VALUES (?, ?)"
 
-    def __init__(self, inner: diskcache.Cache) -> None:
-        self._inner = inner
+
+def encode(value: Any) -> Any:
+    """A value as its column: ints and floats as themselves, anything else pickled."""
+    if type(value) in (int, float):
+        return value
+    return pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
+
+
+def decode(column: Any) -> Any:
+    return pickle.loads(column) if isinstance(column, bytes) else column
+
+
+class IndexReads:
+    """The look-ups, on a connection per thread (:meth:`_con`) inside :data:`FORK_GATE`."""
+
+    def _con(self) -> sqlite3.Connection:
+        raise NotImplementedError
+
+    def get(self, key: str, default: Any = None) -> Any:
+        con = self._con()
+        FORK_GATE.enter()
+        try:
+            row = con.execute(_GET, (key,)).fetchone()
+        finally:
+            FORK_GATE.leave()
+        return default if row is None else decode(row[0])
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, Any]:
+        """The values of those ``keys`` that are present, in one query per ``_IN_CHUNK`` keys."""
+        con, rows = self._con(), []
+        with FORK_GATE.shared():
+            for i in range(0, len(keys), _IN_CHUNK):
+                part = list(keys[i : i + _IN_CHUNK])
+                marks = ",".join("?" * len(part))
+                rows += con.execute(f"SELECT key, value FROM {TABLE} WHERE key IN ({marks})", part).fetchall()
+        return {k: decode(v) for k, v in rows}
+
+    def iterkeys(self, reverse: bool = False) -> Iterator[str]:
+        """Every key, oldest first (newest first with ``reverse``); read whole inside the gate."""
+        con = self._con()
+        with FORK_GATE.shared():
+            rows = con.execute(f"SELECT key FROM {TABLE} ORDER BY rowid {'DESC' if reverse else 'ASC'}").fetchall()
+        return iter([k for (k,) in rows])
+
+
+class GatedIndex(IndexReads):
+    """The cache's index, opened read-write: one SQLite table (WAL) under ``directory``.
+
+    Every call, whole transaction, connection open and close runs inside
+    :data:`FORK_GATE`; each thread has its own connection, closed when the thread
+    ends; writes hold the process's write lock of this cache. An index of the old
+    format (before issue 25) is migrated on the first open (:mod:`fastload.cache.migrate`).
+
+    Args:
+        directory: The index's folder (``<cache>/index``).
+        wal_pages: Checkpoint the write-ahead log at this many pages, and truncate it to them.
+    """
+
+    def __init__(self, directory: Path, wal_pages: int = 1000) -> None:
+        self.directory = directory
+        self.path = directory / INDEX_FILE
+        self._wal_pages = wal_pages
         self._thread = threading.local()
-        self._root = Path(inner.directory).parent.resolve()
+        self._root = directory.parent.resolve()
         write_lock(self._root)  # registered, so a forked child gets its own
+        directory.mkdir(mode=0o700, exist_ok=True)
+        self._prepare()
 
-    def bind_thread(self) -> None:
-        # diskcache opens one SQLite connection per thread and keeps it in a reference
-        # cycle, so a thread that exits leaves its connection (2 fds and its page
-        # cache) until a full gc: the loader reads from a fresh thread pool each epoch,
-        # +8 fds and ~1 MB RSS per epoch (tests/reliability/test_soak.py). A closer in
-        # our own thread-local dies with the thread and closes that connection.
-        if getattr(self._thread, "closer", None) is None:
-            with FORK_GATE.shared():  # opening runs PRAGMAs
-                con = getattr(self._inner, "_con", None)  # diskcache's per-thread connection
-            self._thread.closer = ConnectionCloser(con) if isinstance(con, sqlite3.Connection) else False
+    def _connect(self) -> sqlite3.Connection:
+        # Autocommit (isolation_level None): transact() opens BEGIN IMMEDIATE itself. The
+        # busy timeout covers other processes; this process's threads queue on writing().
+        con = sqlite3.connect(str(self.path), timeout=60, isolation_level=None, check_same_thread=False)
+        try:  # per connection; the file's own settings are made once, in _prepare (they write)
+            for pragma in ("synchronous = NORMAL", f"wal_autocheckpoint = {self._wal_pages}",
+                           f"journal_size_limit = {self._wal_pages * 4096}"):
+                con.execute(f"PRAGMA {pragma}").fetchall()
+        except BaseException:
+            con.close()
+            raise
+        return con
+
+    def _con(self) -> sqlite3.Connection:
+        # A thread's connection lives in a closer in our thread-local, which dies with the
+        # thread and closes it: the loader reads from a fresh thread pool each epoch, and
+        # connections left to the gc cost +8 fds and ~1 MB RSS per epoch
+        # (tests/reliability/test_soak.py). A forked child opens its own.
+        closer = getattr(self._thread, "closer", None)
+        if closer is None or closer.pid != os.getpid():
+            with FORK_GATE.shared():
+                closer = self._thread.closer = ConnectionCloser(self._connect())
+        return closer.con
+
+    def _prepare(self) -> None:
+        """Create the table, migrating an old index into it once (every process that opens
+        the index checks; the first to take the write lock does it)."""
+        con = self._con()
+        with self.writing(), FORK_GATE.shared():
+            if con.execute("PRAGMA user_version").fetchone()[0] < _SCHEMA:
+                # Outside a transaction: auto_vacuum (deleted records' pages go back to the
+                # disk) takes only before the first table; WAL lets readers run beside a writer.
+                con.execute("PRAGMA auto_vacuum = FULL").fetchall()
+                con.execute("PRAGMA journal_mode = WAL").fetchall()
+                con.execute("BEGIN IMMEDIATE")
+                try:
+                    if con.execute("PRAGMA user_version").fetchone()[0] < _SCHEMA:
+                        con.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (key TEXT PRIMARY KEY NOT NULL, value)")
+                        rows = migrate.old_rows(self.directory)
+                        con.executemany(_ADD, [(k, encode(v)) for k, v in rows])
+                        con.execute(f"PRAGMA user_version = {_SCHEMA}")
+                        if rows:
+                            _log.info("cache index %s: %d records migrated from the old index", self.path, len(rows))
+                    con.execute("COMMIT")
+                except BaseException:
+                    if con.in_transaction:
+                        con.execute("ROLLBACK")
+                    raise
+            migrate.remove_old(self.directory)
 
     def writing(self) -> threading.RLock:
         """This process's write lock of the cache (a forked child gets a fresh one)."""
         return _WRITE_LOCKS[self._root]
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if not callable(attr):
-            return attr
-        return _gated_call(self, attr)
+    def transact(self) -> AbstractContextManager[None]:
+        """One write transaction (``BEGIN IMMEDIATE``); nested calls join the outer one."""
+        return self._txn()
 
     @contextmanager
-    def transact(self, retry: bool = False) -> Iterator[None]:
-        self.bind_thread()
-        with self.writing(), FORK_GATE.shared(), self._inner.transact(retry):
-            yield
+    def _txn(self) -> Iterator[None]:
+        con = self._con()
+        local = self._thread
+        depth = getattr(local, "depth", 0)
+        if depth:
+            local.depth = depth + 1
+            try:
+                yield
+            finally:
+                local.depth = depth
+            return
+        with self.writing(), FORK_GATE.shared():
+            con.execute("BEGIN IMMEDIATE")
+            local.depth = 1
+            try:
+                yield
+            except BaseException:
+                local.depth = 0
+                if con.in_transaction:  # SQLite rolls back by itself after some errors (a full disk)
+                    con.execute("ROLLBACK")
+                raise
+            local.depth = 0
+            try:
+                con.execute("COMMIT")
+            except BaseException:
+                if con.in_transaction:
+                    con.execute("ROLLBACK")
+                raise
 
-    def get_many(self, keys: Sequence[str]) -> dict[str, Any]:
-        """The values of many str keys that are present, in one query per ``_IN_CHUNK`` keys.
+    # -- writes: each a statement of its own (SQLite makes one statement atomic), or a
+    # step of the caller's transaction --------------------------------------------------
 
-        Reads diskcache's own table and decodes with its own ``Disk.fetch``, as
-        ``diskcache.Cache.get`` does for str keys (no expiry, no statistics here).
-        """
-        self.bind_thread()
-        inner, out = self._inner, {}
-        with FORK_GATE.shared():
-            for i in range(0, len(keys), _IN_CHUNK):
-                part = list(keys[i : i + _IN_CHUNK])
-                marks = ",".join("?" * len(part))
-                rows = inner._sql(f"SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND key IN ({marks})", part)
-                for key, mode, filename, value in rows.fetchall():
-                    try:
-                        out[key] = inner._disk.fetch(mode, filename, value, False)
-                    except OSError:
-                        pass  # deleted since the query, as diskcache's get treats it
-        return out
+    def _one(self, sql: str, params: Sequence[Any]) -> tuple[list[Any], int]:
+        """Run one write statement; its rows (RETURNING) and how many rows it changed."""
+        con = self._con()
+        if getattr(self._thread, "depth", 0):
+            cur = con.execute(sql, params)
+            return cur.fetchall(), cur.rowcount
+        with self.writing(), FORK_GATE.shared():
+            cur = con.execute(sql, params)
+            return cur.fetchall(), cur.rowcount
 
-    # Batched writes. diskcache's add and set run 3 statements each (look up, write, and a
-    # cull of expired keys, which fastload never sets): 6 per published object, 0.07 ms of
-    # a cold object's ~0.1 ms cache write (benchmarks/peers/results/profile.md, round 5).
-    # These write diskcache's own table with its own Disk encoding in one statement per
-    # batch, inside :meth:`transact` (whose transaction makes look-up and write one step).
+    def set(self, key: str, value: Any) -> None:
+        self._one(_SET, (key, encode(value)))
 
-    def add_many(self, items: Sequence[tuple[str, Any]]) -> set[str]:
-        """Add each ``(key, value)`` whose str key is absent (diskcache's ``add``, batched); the keys added."""
-        inner = self._inner
-        taken = self._present([k for k, _ in items])
-        added: set[str] = set()
-        rows = []
-        now = time.time()
-        for key, value in items:
-            if key in taken or key in added:
-                continue
-            size, mode, filename, db_value = inner._disk.store(value, False, key=key)
-            rows.append((key, now, now, size, mode, filename, db_value))
-            added.add(key)
-        if rows:
-            inner._con.executemany(_INSERT, rows)
-        return added
+    def add(self, key: str, value: Any) -> bool:
+        """Store ``value`` unless ``key`` is present; whether it was stored."""
+        return self._one(_ADD, (key, encode(value)))[1] == 1
+
+    def delete(self, key: str) -> bool:
+        return self._one(f"DELETE FROM {TABLE} WHERE key = ?", (key,))[1] == 1
+
+    def pop(self, key: str, default: Any = None) -> Any:
+        rows = self._one(f"DELETE FROM {TABLE} WHERE key = ? RETURNING value", (key,))[0]
+        return decode(rows[0][0]) if rows else default
+
+    def incr(self, key: str, delta: int = 1, default: int = 0) -> int:
+        """Add ``delta`` to the int at ``key`` (``default`` when absent); the new value."""
+        rows = self._one(f"INSERT INTO {TABLE}(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = value + ?"
+                         " RETURNING value", (key, default + delta, delta))[0]  # fmt: skip
+        return int(rows[0][0])
 
     def set_many(self, items: Mapping[str, Any]) -> None:
-        """Set each str key to its value (diskcache's ``set``, batched), for values stored in the index itself."""
-        inner = self._inner
-        rows = []
-        now = time.time()
-        for key, value in items.items():
-            size, mode, filename, db_value = inner._disk.store(value, False, key=key)
-            if filename is not None:  # a value too large for the index: diskcache's own set files it
-                inner._disk.remove(filename)
-                inner.set(key, value)
-                continue
-            rows.append((key, now, now, size, mode, filename, db_value))
-        if self._present([r[0] for r in rows], with_file=True):  # an old value in a file: diskcache removes it
-            for key, value in items.items():
-                inner.set(key, value)
-            return
-        if rows:
-            inner._con.executemany(_UPSERT, rows)
+        """Set each key to its value, in one statement."""
+        with self._txn():
+            self._con().executemany(_SET, [(k, encode(v)) for k, v in items.items()])
 
-    def _present(self, keys: Sequence[str], with_file: bool = False) -> set[str]:
-        """Which of ``keys`` (str) are in the table (only those whose value is a file, with ``with_file``)."""
-        out: set[str] = set()
-        extra = " AND filename IS NOT NULL" if with_file else ""
+    def add_many(self, items: Sequence[tuple[str, Any]]) -> builtins.set[str]:
+        """Add each ``(key, value)`` whose key is absent (first wins within ``items`` too); the keys added."""
+        with self._txn():
+            taken = self._present([k for k, _ in items])
+            added: dict[str, Any] = {}
+            for key, value in items:
+                if key not in taken and key not in added:
+                    added[key] = encode(value)
+            if added:
+                self._con().executemany(_ADD, added.items())
+        return builtins.set(added)
+
+    def _present(self, keys: Sequence[str]) -> builtins.set[str]:
+        con, out = self._con(), builtins.set[str]()
         for i in range(0, len(keys), _IN_CHUNK):
             part = list(keys[i : i + _IN_CHUNK])
             marks = ",".join("?" * len(part))
-            out.update(k for (k,) in self._inner._sql(f"SELECT key FROM Cache WHERE raw = 1 AND key IN ({marks}){extra}", part))
+            out.update(k for (k,) in con.execute(f"SELECT key FROM {TABLE} WHERE key IN ({marks})", part))
         return out
 
+    def clear(self) -> int:
+        """Delete every record; how many there were."""
+        return self._one(f"DELETE FROM {TABLE}", ())[1]
+
+    def checkpoint(self) -> None:
+        """Give the write-ahead log back to the disk (checkpoint and truncate it)."""
+        con = self._con()
+        with self.writing(), FORK_GATE.shared():
+            con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
     def close(self) -> None:
-        with FORK_GATE.shared():  # no bind_thread: it would open a connection to close it
-            self._inner.close()
-
-    def iterkeys(self, reverse: bool = False) -> Iterator[Any]:
-        # Materialised inside the gate: a generator would read outside it.
-        self.bind_thread()
-        with FORK_GATE.shared():
-            return iter(list(self._inner.iterkeys(reverse)))
-
-
-_IN_CHUNK = 500  # keys per SELECT ... IN (...): below SQLite's oldest variable limit (999)
-_COLUMNS = "key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, filename, value"
-_INSERT = f"INSERT INTO Cache({_COLUMNS}) VALUES (?, 1, ?, NULL, ?, 0, NULL, ?, ?, ?, ?)"
-_UPSERT = (_INSERT + " ON CONFLICT(key, raw) DO UPDATE SET store_time = excluded.store_time, expire_time = NULL,"
-           " access_time = excluded.access_time, tag = NULL, size = excluded.size, mode = excluded.mode,"
-           " filename = excluded.filename, value = excluded.value")
-
-
-def _gated_call(index: GatedIndex, fn: Any) -> Any:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        index.bind_thread()
-        FORK_GATE.enter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            FORK_GATE.leave()
-
-    return call
-
-
-def _gated_method(name: str, write: bool) -> Any:
-    # The hot calls as plain methods: __getattr__ builds a closure per access.
-    def method(self: GatedIndex, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self._thread, "closer", None) is None:
-            self.bind_thread()
-        lock = self.writing() if write else None
-        if lock is not None:
-            lock.acquire()
-        FORK_GATE.enter()
-        try:
-            return getattr(self._inner, name)(*args, **kwargs)
-        finally:
-            FORK_GATE.leave()
-            if lock is not None:
-                lock.release()
-
-    method.__name__ = name
-    return method
-
-
-for _name in ("get", "set", "add", "delete", "pop", "incr"):
-    setattr(GatedIndex, _name, _gated_method(_name, write=_name != "get"))
+        """Close this thread's connection (a later call opens a new one)."""
+        closer = getattr(self._thread, "closer", None)
+        self._thread.closer = None
+        if closer is not None and closer.pid == os.getpid():
+            with FORK_GATE.shared():
+                closer.con.close()
 
 
 class ConnectionCloser:

@@ -1,7 +1,7 @@
 """The cache's keys: the key of a cached block, and the index's key namespaces.
 
 This module is the one owner of the index's key names; every other module builds
-and parses them through it. The index (diskcache, SQLite) holds str keys, each in
+and parses them through it. The index (one SQLite table, index.py) holds str keys, each in
 one namespace named by a short prefix (str keys, not tuples: a tuple costs a
 pickle per lookup):
 
@@ -13,8 +13,8 @@ key                        value                                      written by
                            until its first read (its file's mtime     per ``ATIME_
                            stands in)                                 RESOLUTION_S``
 ``r:<pid>:<nonce>``        bytes reserved by a write in flight        the cache's reserve
-``u:<url>``                a pin: (size, version) of a remote object  Reader.pin
-``m:<root>\\x1f<pattern>``  a manifest: {"created", "items",          Reader.save_manifest
+``u:<url>``                a pin: (size, version) of a remote object  Identity.pin
+``m:<root>\\x1f<pattern>``  a manifest: {"created", "items",          Identity.save_manifest
                            "block_bytes"} (absent: recorded before)
 ``p:m:<root>\\x1f<pat.>``   staging of that manifest under way (time)  stage.py
 ``x:<url>\\x1f<size>\\x1f<ver>``  a tar shard's member index             TarDataset

@@ -21,7 +21,7 @@ from fastload.cache import keys, packs
 from fastload.cache.base import IN_FLIGHT, CacheBase
 from fastload.cache.disk import cannot_write, disk_full
 from fastload.cache.entry import Entry, location
-from fastload.cache.index import FORK_GATE, GatedIndex
+from fastload.cache.index import GatedIndex
 from fastload.config import format_size
 from fastload.errors import CacheFullError
 
@@ -197,8 +197,7 @@ class CacheRepair(CacheBase):
         """
         if isinstance(self.index, GatedIndex):  # not the read-only index
             try:
-                with FORK_GATE.shared(), self.index.writing():
-                    self._diskcache._sql("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+                self.index.checkpoint()
             except sqlite3.Error as err:
                 _log.info("cache index not compacted: %s", err)
 

@@ -184,7 +184,7 @@ def _dataset(opts: BenchOptions, url: str, cache_dir: Path) -> Any:
 
 def _avg_size(ds: Any) -> float:
     # Items an HTTP listing left sizeless are pinned by the epochs' reads (any process).
-    sizes = [i.size for i in ds.reader.pinned(ds.items) if i.size >= 0]
+    sizes = [i.size for i in ds.reader.identity.pinned(ds.items) if i.size >= 0]
     return sum(sizes) / len(sizes) if sizes else 0.0
 
 
@@ -193,7 +193,7 @@ def _wants_decode(opts: BenchOptions, ds: Any) -> bool:
         return opts.decode == "cpu"
     item = ds.items[0]
     # Straight from the source, not through the cache: epoch 1 must stay cold.
-    head = ds.reader.source(item.url).fetch(item.url, 0, 16 if item.size < 0 else min(item.size, 16))
+    head = ds.reader.sources.of(item.url).fetch(item.url, 0, 16 if item.size < 0 else min(item.size, 16))
     return head[:3] == b"\xff\xd8\xff"
 
 

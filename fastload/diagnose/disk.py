@@ -149,7 +149,7 @@ def cache_state(settings: Settings, url: str | None = None, storage_options: dic
     try:
         cache = reader.cache
         entries = sum(1 for k in cache.index.iterkeys() if keys.of(keys.ENTRY, k) is not None)
-        manifests = reader.manifests()
+        manifests = reader.identity.manifests()
         fraction = None
         url_items = None
         if url:
@@ -162,7 +162,7 @@ def cache_state(settings: Settings, url: str | None = None, storage_options: dic
             if items:
                 step = max(1, len(items) // max_items)
                 picked = items[::step]
-                cached = sum(all(cache.contains(reader.key(i, b)) for b in reader.blocks(i)) for i in picked)
+                cached = sum(all(cache.contains(reader.identity.key(i, b)) for b in reader.identity.blocks(i)) for i in picked)
                 fraction = cached / len(picked)
             else:
                 fraction = 0.0

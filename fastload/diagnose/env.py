@@ -26,7 +26,7 @@ __all__ = ["environment", "gpu_sanity", "warnings_for"]
 # Distribution names worth reporting; protocol backends first.
 PACKAGES = (
     "fastload", "fsspec", "s3fs", "gcsfs", "adlfs", "aiohttp", "requests", "lz4", "xxhash",
-    "diskcache", "numpy", "torch", "torchvision", "pillow", "pillow-simd", "nvidia-ml-py",
+    "numpy", "torch", "torchvision", "pillow", "pillow-simd", "nvidia-ml-py",
     "matplotlib", "tqdm",
 )  # fmt: skip
 _DALI_DIST = re.compile(r"^nvidia[-_]dali[-_](?:nightly[-_])?cuda(\d+)$", re.IGNORECASE)

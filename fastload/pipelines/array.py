@@ -88,11 +88,11 @@ def read_payload(reader: Reader, item: RemoteItem) -> bytes:
             f"({format_size(reader.settings.block_bytes)}); compressed shipping needs one block per "
             "sample: raise FASTLOAD_BLOCK_SIZE, or use ArrayDataset (decoded on the host)"
         )
-    key = reader.key(item, 0)
+    key = reader.identity.key(item, 0)
     t0 = time.perf_counter()
     payload = cache.read_payload(key)  # checked as Cache.get checks it; a bad one is dropped
     if payload is not None:
-        reader.record("cache_read", 1, len(payload), t0)
+        reader.record_hits(1, len(payload), t0)
         return payload
     data = reader.fetcher.fetch([(item, 0)])[0]  # a miss (counted there): fetched and stored
     # The payload as stored (its codec's choice), not counted again; none when streaming.

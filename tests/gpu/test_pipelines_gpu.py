@@ -128,7 +128,7 @@ def test_corrupt_chunk_of_an_entry_without_stored_checksum_never_reaches_inflate
     ds = CompressedArrayDataset(str(tmp_path / "arrs"), settings=settings)
     [ds[i] for i in range(len(ds))]  # cached
     cache = ds.reader.cache
-    key = ds.reader.key(ds.items[1], 0)
+    key = ds.reader.identity.key(ds.items[1], 0)
     entry = cache.entry(key)
     assert entry is not None and entry.codec == codec.LZ4
     cache.index.set(keys.entry(key), record(dataclasses.replace(entry, stored_checksum=None)))  # as written before stored checksums

@@ -23,6 +23,7 @@ import fastload
 from fastload.cli import main
 from fastload.config import Settings
 from fastload.errors import StoppedError
+from fastload.identity import Identity
 from fastload.reader import Reader
 from fastload.samples import make_image_folder
 from fastload.source import RemoteItem
@@ -190,7 +191,7 @@ def test_a_stop_starts_no_fetch_ahead_and_ends_the_wait_for_one(tmp_path: Path) 
         thread.join(timeout=20)  # the server still holds its answer
         assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], StoppedError), errors
         server.release.set()
-        limit = reader.source(items[0].url).host_limit
+        limit = reader.sources.of(items[0].url).host_limit
         assert limit is not None
         _until(lambda: limit.in_flight == 0 and not limit._waiters, "slots were not given back")
         assert server.gets == 1  # none of the queued fetches ahead went out once stopped
@@ -255,8 +256,8 @@ def test_a_server_without_range_support_streams_a_large_object_into_the_cache(
         f.seek(40 * mb)
         assert block == f.read(mb)
         f.seek(0)
-        for b in reader.blocks(item):  # every block was stored from that one answer
-            assert reader.cache.get(reader.key(item, b)) == f.read(mb), b
+        for b in reader.identity.blocks(item):  # every block was stored from that one answer
+            assert reader.cache.get(reader.identity.key(item, b)) == f.read(mb), b
     assert gets["/big/huge.bin"] == 2
 
 
@@ -330,13 +331,13 @@ def test_a_read_of_items_fetched_ahead_looks_up_their_pins_once(
     server = nginx_server(tmp_path / "www")
     ds = fastload.FileDataset(server.url + "/train/", pattern="**/*.jpg", settings=Settings(cache_dir=tmp_path / "cache"))
     looked: list[str] = []
-    real = Reader.pinned
+    real = Identity.pinned
 
-    def pinned(self: Reader, items: list[RemoteItem]) -> list[RemoteItem]:
+    def pinned(self: Identity, items: list[RemoteItem]) -> list[RemoteItem]:
         looked.extend(i.url for i in items)
         return real(self, items)
 
-    monkeypatch.setattr(Reader, "pinned", pinned)
+    monkeypatch.setattr(Identity, "pinned", pinned)
     batch = list(range(len(ds)))
     ds.fetch_ahead(batch)
     samples = ds.read_batch(batch)

@@ -2,7 +2,7 @@
 
 The bundle is built for real (pip downloads from the registry, for this Python
 and platform), and the check runs on a bare interpreter: a fresh venv with pip
-and nothing else, no torch, no lz4, no diskcache. Skipped, with the reason, when
+and nothing else, no torch, no lz4, no xxhash. Skipped, with the reason, when
 the registry cannot be reached.
 """
 
@@ -61,7 +61,7 @@ def test_bundle_holds_what_fastload_and_the_check_need_under_64_mib(
     total = sum(w.stat().st_size for w in wheels)
     assert 0 < total < 64 * 2**20, f"{total / 2**20:.1f} MiB"
     names = {w.name.split("-", 1)[0].lower().replace("_", "-") for w in wheels}
-    assert {"lz4", "diskcache", "xxhash", "fsspec", "tqdm", "aiohttp", "numpy", "pytest", "pytest-timeout"} <= names
+    assert {"lz4", "xxhash", "fsspec", "tqdm", "aiohttp", "numpy", "pytest", "pytest-timeout"} <= names
     manifest = json.loads((bundle / "bundle.json").read_text())
     assert manifest["bytes"] == total and manifest["wheels"] == [w.name for w in wheels]
     assert manifest["requirements"] == script.requirements()
@@ -84,7 +84,7 @@ def test_check_runs_on_a_bare_python_with_the_bundle_and_says_there_is_no_gpu(
     report = json.loads(out.read_text())
     assert report["status"] == "no_gpu" and "torch does not import" in report["reason"]
     assert report["wheels"]["status"] == "ok" and report["wheels"]["already_here"] == []
-    assert {"lz4", "diskcache", "pytest"} <= set(report["wheels"]["installed"])
+    assert {"lz4", "xxhash", "pytest"} <= set(report["wheels"]["installed"])
     assert report["fastload"]["imports"] is True and report["fastload"]["from"] == str(ROOT / "fastload")
 
 

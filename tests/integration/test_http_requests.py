@@ -113,12 +113,12 @@ def test_misses_of_one_batch_are_fetched_concurrently(tmp_path: Path, settings: 
             active[0] -= 1
         return url[-5].encode() * 1000
 
-    reader.source(items[0].url).fetch = slow_fetch  # type: ignore[method-assign]
+    reader.sources.of(items[0].url).fetch = slow_fetch  # type: ignore[method-assign]
     out = bytearray(8000)
     reader.read_into([(item, 0, 1000, 1000 * k) for k, item in enumerate(items)], out)
     assert bytes(out) == b"".join(str(k).encode() * 1000 for k in range(8))
     assert peak[0] > 1  # overlapped, not one after another
-    assert reader.cache.get(reader.key(items[3], 0)) == b"3" * 1000  # stored by the batch
+    assert reader.cache.get(reader.identity.key(items[3], 0)) == b"3" * 1000  # stored by the batch
 
 
 def test_http_misses_of_one_batch_go_out_together_on_the_event_loop(
@@ -145,7 +145,7 @@ def test_http_misses_of_one_batch_go_out_together_on_the_event_loop(
     assert bytes(out) == b"".join(files[r] for r in rels)
     assert calls == [len(items)]  # one batch of requests, no thread per request
     assert _requests(server, "GET") == len(items) and _requests(server, "HEAD") == heads
-    assert all(reader.cache.contains(reader.key(i, 0)) for i in items)  # cached by one put_many
+    assert all(reader.cache.contains(reader.identity.key(i, 0)) for i in items)  # cached by one put_many
 
 
 def test_file_dataset_over_http_sends_one_get_per_object_and_no_head(
@@ -171,7 +171,7 @@ def test_file_dataset_over_http_sends_one_get_per_object_and_no_head(
     assert {s["url"][len(root):]: s["data"] for b in fastload.DataLoader(again, batch_size=4, collate_fn=lambda b: b) for s in b} == files
 
 
-def test_lookahead_fetches_ahead_without_fetching_twice(
+def test_announced_batches_are_fetched_ahead_without_fetching_twice(
     tmp_path: Path, nginx_server: Callable, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     files = _tree(tmp_path / "www", n=24)

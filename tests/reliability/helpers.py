@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fastload.cache import keys
+from fastload.cache.index import INDEX_FILE, TABLE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,13 +69,13 @@ def payload_bytes(cache_dir: Path) -> int:
 
 def count_published(cache_dir: Path) -> int:
     """Entries published in the index (read-only; 0 before the index exists)."""
-    db = cache_dir / "index" / "cache.db"
+    db = cache_dir / "index" / INDEX_FILE
     if not db.exists():
         return 0
     try:
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
         try:
-            return int(con.execute(f"SELECT count(*) FROM Cache WHERE key LIKE '{keys.ENTRY}%'").fetchone()[0])
+            return int(con.execute(f"SELECT count(*) FROM {TABLE} WHERE key LIKE '{keys.ENTRY}%'").fetchone()[0])
         finally:
             con.close()
     except sqlite3.OperationalError:  # the writer is creating the index right now

@@ -16,6 +16,7 @@ from helpers import make_noise_files, payload_files
 import fastload
 from fastload.cache import Cache, Entry, keys
 from fastload.cache.disk import reserve_bytes
+from fastload.cache.index import INDEX_FILE, TABLE, decode
 from fastload.cli import main as cli_main
 from fastload.config import Settings
 from fastload.errors import CacheFullError
@@ -108,18 +109,15 @@ def test_full_disk_streams_training_and_fails_staging_clearly(
 
 
 def _entries(settings: Settings) -> list[Entry]:
-    """Index records, read with sqlite3 directly (diskcache's open writes, and the disk is full)."""
-    import pickle
+    """Index records, read with sqlite3 directly (read-only: the disk is full)."""
     import sqlite3
 
-    con = sqlite3.connect(f"file:{settings.cache_dir / 'index' / 'cache.db'}?mode=ro", uri=True)
+    con = sqlite3.connect(f"file:{settings.cache_dir / 'index' / INDEX_FILE}?mode=ro", uri=True)
     try:
-        rows = con.execute(f"SELECT key, value FROM Cache WHERE key LIKE '{keys.ENTRY}%'").fetchall()
+        rows = con.execute(f"SELECT key, value FROM {TABLE} WHERE key LIKE '{keys.ENTRY}%'").fetchall()
     finally:
         con.close()
-    # Our own index, written by this test's process: diskcache pickles its values.
-    return [Entry.from_record(k[len(keys.ENTRY) :], tuple(pickle.loads(v)) if isinstance(v, bytes) else tuple(v))
-            for k, v in rows]
+    return [Entry.from_record(k[len(keys.ENTRY) :], tuple(decode(v))) for k, v in rows]
 
 
 def _cli(cache_dir: Path, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -297,7 +295,7 @@ def test_a_disk_filled_by_another_program_does_not_lock_the_cache(
     staged = _cli(cache_dir, "cache", url, "--no-progress")
     assert staged.returncode == 0, staged.stderr
     _fill(disk)
-    assert not (cache_dir / "index" / "cache.db-shm").exists()  # nobody holds the index open
+    assert not (cache_dir / "index" / f"{INDEX_FILE}-shm").exists()  # nobody holds the index open
 
     info = _cli(cache_dir, "info", "--json")
     assert info.returncode == 0, info.stderr

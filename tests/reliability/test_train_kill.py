@@ -95,7 +95,7 @@ def test_sigkilled_training_leaves_a_cache_the_next_run_reuses(
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(fd)
-        cache.index.set("probe", 1, retry=False)
+        cache.index.set("probe", 1)
         new_shm = shm_names() - shm_before
         assert not [n for n in new_shm if "fastload" in n], new_shm
         # Temp files can only be the killed run's (the second run finished its

@@ -81,7 +81,7 @@ def test_remote_dying_or_stalling_under_the_loader_is_a_clear_error(
     variant: str, tmp_path: Path, nginx_server: Callable[..., Any], record: Callable[..., None], fast_worker_shutdown: None
 ) -> None:
     trials = FAULTS["source-dies"].trials_full if variant == "full" else FAULTS["source-dies"].trials_short
-    # More objects than the loader fetches ahead (fastload.fetch.AHEAD_ITEMS): with 300, libcurl's
+    # More objects than the loader fetches ahead (fastload.fetch.AHEAD_FLIGHTS): with 300, libcurl's
     # GETs had fetched every one by the second batch, and the kill met an epoch with nothing left to fetch.
     make_files(tmp_path / "www", 1500, 4000)
     rows = []

@@ -99,7 +99,7 @@ class AnnouncingDS(TensorDS):
     """A dataset that can fetch ahead: sample i -> ``(TensorDS sample, announced)``.
 
     ``announced`` is 1 when the index batch holding i was announced to this process
-    (``fetch_ahead``, through :func:`fastload.lookahead.announce`, as fastload's
+    (``fetch_ahead``, through :func:`fastload.fetch.announce`, as fastload's
     datasets do) before its read, else 0. Each announcement is used up by one read.
     """
 
@@ -111,7 +111,7 @@ class AnnouncingDS(TensorDS):
         self.announced.append(tuple(indices))
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
-        from fastload.lookahead import announce
+        from fastload.fetch import announce
 
         announce(indices, self.fetch_ahead)
         key = tuple(indices)

@@ -116,7 +116,7 @@ def test_limit_below_one_item_is_a_clear_error(tmp_path: Path) -> None:
 def test_remote_names_never_become_local_paths(tmp_path: Path, settings: Settings, pack_max: int) -> None:
     cache = Cache(settings.replace(pack_max_bytes=pack_max))
     for url in ["../../etc/passwd", "/abs/path", "a\x00b", "x" * 5000, "s3://b/../../../root"]:
-        cache.put(Reader(settings).key(fastload.RemoteItem(url, 3, ""), 0), b"abc", url=url)
+        cache.put(Reader(settings).identity.key(fastload.RemoteItem(url, 3, ""), 0), b"abc", url=url)
     for path in cache.root.rglob("*"):
         assert path.resolve().is_relative_to(cache.root.resolve())
     names = [p.name for p in cache.data_dir.glob("*/*.flp")] if not pack_max else [e.path for e in cache.entries()]

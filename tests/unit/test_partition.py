@@ -160,7 +160,7 @@ def test_stage_fetches_exactly_one_nodes_part_and_logs_moves(tmp_path: Path, cap
         for rank in (2 * node, 2 * node + 1):
             reads |= {ds.items[i].url for i in ShardedSampler(ds, 4, rank, partition="node", nodes=2, node_rank=node).indices()}
         reader = Reader(settings)
-        cached = {i.url for i in ds.items if all(reader.cache.entry(reader.key(i, b)) for b in reader.blocks(i))}
+        cached = {i.url for i in ds.items if all(reader.cache.entry(reader.identity.key(i, b)) for b in reader.identity.blocks(i))}
         assert cached == reads  # what the node reads is staged, and nothing else
         assert report.items == len(reads) and report.node == f"{node}/2"
     # Rerun the node-0 cache as one of three nodes: the move is logged, in bytes.

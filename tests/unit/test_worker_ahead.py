@@ -3,7 +3,7 @@
 Real worker processes of torch's multi-process iterator; the dataset
 (``AnnouncingDS``) says per sample whether its batch was announced to the same
 process before the read. Announcing must never change which samples come, in
-what order, nor any RNG draw (fastload/lookahead.py).
+what order, nor any RNG draw (fastload/fetch/ahead.py).
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import torch
 import torch.utils.data as tud
 from _loader_helpers import AnnouncingDS, TensorDS, assert_same
 
-import fastload.lookahead as lookahead
 from fastload import DataLoader
-from fastload.lookahead import AheadSampler
+from fastload.fetch import AheadSampler, depth_for
 from fastload.sampler import ResumableSampler
 
 TIMEOUT_S = 60  # a batch that never comes fails the test instead of hanging it
@@ -119,7 +118,7 @@ def test_a_wrong_guess_of_the_worker_still_yields_the_right_batches(monkeypatch:
 def test_no_announcing_where_a_worker_cannot_be_guessed_or_nothing_fetches_ahead() -> None:
     ahead = DataLoader(AnnouncingDS(), batch_size=2, num_workers=2)
     assert isinstance(ahead._index_sampler, AheadSampler)
-    assert ahead._index_sampler.depth == lookahead.depth_for(2, 2) and len(ahead._index_sampler) == len(ahead)
+    assert ahead._index_sampler.depth == depth_for(2, 2) and len(ahead._index_sampler) == len(ahead)
     for loader in (
         DataLoader(AnnouncingDS(), batch_size=2, num_workers=2, in_order=False),  # any worker with room
         DataLoader(TensorDS(), batch_size=2, num_workers=2),  # no fetch_ahead

@@ -1,9 +1,9 @@
-"""Index batches announced to the dataset before they are read.
+"""Fetch ahead: index batches announced to the dataset before they are read.
 
 The read-batch path reads ``read_ahead`` batches ahead on ``read_threads``
 threads. Over a link with 20 ms to first byte that bounds the requests in
 flight by threads x chunk size, not by what the link could carry: 2 threads kept
-64 GETs in flight on the 1gbit+20ms link of benchmarks/peers. :class:`Lookahead`
+64 GETs in flight on the 1gbit+20ms link of benchmarks/peers. :class:`Announcer`
 draws index batches further ahead of the readers and *announces* each one, once,
 to the dataset's ``fetch_ahead(indices)`` (see :meth:`fastload.fetch.Fetcher.ahead`),
 whose requests run on fsspec's event loop without a thread each.
@@ -18,7 +18,8 @@ it carries to ``fetch_ahead`` (:func:`announce`) before it reads its own. A wron
 guess of the worker costs a duplicate fetch, never a wrong sample: announcements
 are advice, and every read goes through the read path.
 
-How far ahead has one home: :data:`LOOKAHEAD_ITEMS` and :func:`depth_for`.
+How far ahead has one home: :data:`AHEAD_ITEMS` (and :func:`depth_for`, which turns
+it into batches); the Fetcher's bound on fetches ahead in flight is derived from it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _log = logging.getLogger("fastload")
 
 #: Samples announced ahead of the batches being read, per reading process (about 4
 #: batches of 64): the loader's process with num_workers=0, else each worker.
-LOOKAHEAD_ITEMS = 256
+AHEAD_ITEMS = 256
 
 Hint = Callable[[list[int]], Any]
 
@@ -69,7 +70,7 @@ def announce(indices: Any, hint: Hint) -> None:
         _hint(hint, batch)
 
 
-class Lookahead:
+class Announcer:
     """Yields ``batches`` in order, drawing ``depth`` batches ahead; announces each batch once, when drawn.
 
     Args:
@@ -91,7 +92,7 @@ class Lookahead:
     def __init__(self, batches: Iterator[Any], depth: int, *, hint: Hint | None = None, workers: int = 0) -> None:
         if (hint is None) == (workers < 1):
             raise ConfigError(
-                f"Lookahead(hint={hint!r}, workers={workers}): announce through hint= (this process) "
+                f"Announcer(hint={hint!r}, workers={workers}): announce through hint= (this process) "
                 "or to workers= (>= 1 worker processes); pass exactly one"
             )
         self._batches = batches
@@ -105,7 +106,7 @@ class Lookahead:
         self._position = 0  # batches drawn so far this epoch
         self._done = False
 
-    def __iter__(self) -> Lookahead:
+    def __iter__(self) -> Announcer:
         return self
 
     def __next__(self) -> Any:
@@ -153,8 +154,8 @@ class AheadSampler:
         self.depth = depth
         self.workers = workers
 
-    def __iter__(self) -> Lookahead:
-        return Lookahead(iter(self.inner), self.depth, workers=self.workers)
+    def __iter__(self) -> Announcer:
+        return Announcer(iter(self.inner), self.depth, workers=self.workers)
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
@@ -163,7 +164,7 @@ class AheadSampler:
 def depth_for(batch_size: int | None, workers: int = 0) -> int:
     """Batches to draw ahead for ``batch_size`` samples per batch, read by ``workers`` processes (0: this one).
 
-    Each reading process gets about LOOKAHEAD_ITEMS samples announced beyond the
+    Each reading process gets about AHEAD_ITEMS samples announced beyond the
     batch it reads: its own Fetcher and host limit bound what goes out at once.
     """
-    return max(1, LOOKAHEAD_ITEMS // max(1, batch_size or 1)) * max(1, workers)
+    return max(1, AHEAD_ITEMS // max(1, batch_size or 1)) * max(1, workers)

@@ -1,4 +1,4 @@
-"""Lookahead: index batches announced to the dataset before the readers reach them."""
+"""Announcer (fastload.fetch.ahead): index batches announced to the dataset before the readers reach them."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import pickle
 import pytest
 
 from fastload.errors import ConfigError
-from fastload.lookahead import LOOKAHEAD_ITEMS, Announced, Lookahead, announce, depth_for
+from fastload.fetch import AHEAD_ITEMS, Announced, Announcer, announce, depth_for
 
 
 def test_batches_pass_unchanged_and_each_is_announced_once_depth_ahead() -> None:
     batches = [[0, 1], [2, 3], [4, 5], [6, 7], [8]]
     hinted: list[list[int]] = []
-    it = Lookahead(iter(batches), 2, hint=hinted.append)
+    it = Announcer(iter(batches), 2, hint=hinted.append)
     first = next(it)
     assert first == [0, 1] and hinted == batches[:3]  # the one returned and 2 beyond it
     rest = list(it)
@@ -27,13 +27,13 @@ def test_a_failing_hint_never_ends_the_epoch(caplog: pytest.LogCaptureFixture) -
         raise OSError("remote down")
 
     with caplog.at_level(logging.DEBUG, logger="fastload"):
-        assert list(Lookahead(iter([[1], [2]]), 1, hint=boom)) == [[1], [2]]
+        assert list(Announcer(iter([[1], [2]]), 1, hint=boom)) == [[1], [2]]
     assert "remote down" in caplog.text
 
 
-def test_depth_covers_about_lookahead_items() -> None:
-    assert depth_for(64) == LOOKAHEAD_ITEMS // 64
-    assert depth_for(10_000) == 1 and depth_for(None) == LOOKAHEAD_ITEMS
+def test_depth_covers_about_ahead_items() -> None:
+    assert depth_for(64) == AHEAD_ITEMS // 64
+    assert depth_for(10_000) == 1 and depth_for(None) == AHEAD_ITEMS
 
 
 def _carried(batch: list[int]) -> list[list[int]]:
@@ -42,7 +42,7 @@ def _carried(batch: list[int]) -> list[list[int]]:
 
 def test_with_workers_each_batch_rides_to_its_worker_once_on_that_workers_earliest_batch() -> None:
     batches = [[k] for k in range(10)]
-    out = list(Lookahead(iter(batches), 4, workers=2))
+    out = list(Announcer(iter(batches), 4, workers=2))
     assert out == batches  # the same batches, in order, equal to plain lists
     # Worker w reads batches w, w+2, ...: its first carries itself and the batches of
     # the same worker up to depth 4 beyond it; each later one the batch 4 beyond it.
@@ -66,15 +66,15 @@ def test_announced_batches_pickle_with_what_they_carry() -> None:
 
 def test_batches_that_are_not_plain_lists_pass_unchanged() -> None:
     batches = [(0, 1), (2, 3), (4, 5)]
-    assert list(Lookahead(iter(batches), 2, workers=1)) == batches
-    assert all(type(b) is tuple for b in Lookahead(iter(batches), 2, workers=1))
+    assert list(Announcer(iter(batches), 2, workers=1)) == batches
+    assert all(type(b) is tuple for b in Announcer(iter(batches), 2, workers=1))
 
 
 def test_announcing_needs_one_way() -> None:
     with pytest.raises(ConfigError, match="pass exactly one"):
-        Lookahead(iter([]), 1)
+        Announcer(iter([]), 1)
     with pytest.raises(ConfigError, match="pass exactly one"):
-        Lookahead(iter([]), 1, hint=print, workers=2)
+        Announcer(iter([]), 1, hint=print, workers=2)
 
 
 def test_depth_scales_with_the_processes_that_read() -> None:

@@ -1,14 +1,7 @@
-"""The fetch stage: the only code on the read path that asks a Source for bytes.
+"""The Fetcher: the only code on the read path that asks a Source for bytes.
 
-Words, one meaning each across fastload:
-
-* **fetch**: remote to memory and the cache (this module, :class:`Fetcher`);
-* **read**: cache to a buffer (:class:`~fastload.cache.Cache`, :class:`~fastload.reader.Reader`);
-* **ahead**: a fetch started before its read asked for it (:meth:`Fetcher.ahead`,
-  fed by the DataLoader's announced index batches through ``dataset.fetch_ahead``);
-* **prefetch**: only the device copy (:class:`~fastload.prefetch.DevicePrefetcher`).
-
-One :class:`Fetcher` per :class:`~fastload.reader.Reader`. It holds the one table
+One :class:`Fetcher` per :class:`~fastload.reader.Reader`, made with the Reader's
+parts (its Sources, Cache and Identity), never the Reader itself. It holds the one table
 of fetches in flight, keyed by (URL, block): a block is fetched once however many
 threads (or fetches ahead) want it, and a sizeless item is completed once (key
 (URL, COMPLETING)) however many threads complete it at once. Its callers are the
@@ -26,40 +19,29 @@ Sizeless items (an HTTP listing) are completed here too, in one of two ways
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, cast
 
 from fastload import curl
 from fastload.cache import Cache
 from fastload.config import Settings
 from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError, StoppedError
+from fastload.fetch.ahead import AHEAD_ITEMS
+from fastload.identity import Identity
 from fastload.source import RemoteItem, Source
+from fastload.source.sources import Sources
+from fastload.stats import record_cache
 
+_log = logging.getLogger("fastload")
 
-class Reader(Protocol):
-    """What a Fetcher uses of its :class:`~fastload.reader.Reader` (described here, not imported:
-    reader.py imports this module, and layers point one way)."""
-
-    settings: Settings
-    cache: Cache
-    stop: threading.Event
-
-    def source(self, url: str) -> Source: ...
-    def pins_of(self, items: list[RemoteItem]) -> dict[str, tuple[int, str]]: ...
-    def pinned(self, items: list[RemoteItem]) -> list[RemoteItem]: ...
-    def blocks(self, item: RemoteItem) -> range: ...
-    def block_span(self, item: RemoteItem, block: int) -> tuple[int, int]: ...
-    def key(self, item: RemoteItem, block: int) -> str: ...
-    def read_block(self, item: RemoteItem, block: int) -> bytes: ...
-    def warn_streaming(self, why: str) -> None: ...
-    def record(self, stage: str, items: int, nbytes: int, t0: float) -> None: ...
-
-AHEAD_ITEMS = 512  # first blocks fetched ahead per Fetcher, at most (memory bound)
+# First blocks fetched ahead per Fetcher, at most (memory bound): the announced depth
+# (AHEAD_ITEMS), and as many again for the batches drawn while those are still being read.
+AHEAD_FLIGHTS = 2 * AHEAD_ITEMS
 AHEAD_ITEM_BYTES = 1 << 20  # larger objects are not fetched ahead: their transfer, not latency, dominates
 STREAM_BATCH_BYTES = 2 << 20  # blocks of a streamed whole object stored together (memory bound: _fetch_whole)
 
@@ -85,40 +67,34 @@ class _Flight:
 
 
 class Fetcher:
-    """Fetches blocks for one Reader: one table in flight, stores them, returns their bytes."""
+    """Fetches blocks from ``sources`` into ``cache``: one table in flight, stores them, returns their bytes.
 
-    def __init__(self, reader: Reader) -> None:
-        # Weak: a Reader that owns its Fetcher is then freed (its cache's files closed) as
-        # soon as it is dropped, not at the next cycle collection; a cache left open kept
-        # `mount -o remount,ro` failing (tests/reliability/test_disk_full.py).
-        self._reader = weakref.ref(reader)
+    It holds no reference to its Reader (the Reader owns it), so a dropped Reader is
+    freed, its cache's files closed, at once: a cache left open kept
+    `mount -o remount,ro` failing (tests/reliability/test_disk_full.py).
+    """
+
+    def __init__(self, settings: Settings, cache: Cache, identity: Identity, sources: Sources) -> None:
+        self.settings = settings
+        self.cache = cache
+        self.identity = identity
+        self.sources = sources
+        self.stop = sources.stop
+        self.misses = 0  # blocks fetched here (each a cache miss)
+        self._warned_streaming = False
         self._lock = threading.Lock()
         self._flights: dict[tuple[str, int], _Flight] = {}
         self._pid = os.getpid()
-
-    @property
-    def reader(self) -> Reader:
-        reader = self._reader()
-        if reader is None:
-            raise ReferenceError("the Reader of this Fetcher is gone")
-        return reader
 
     def _table(self) -> dict[tuple[str, int], _Flight]:
         if self._pid != os.getpid():  # a forked child: the parent's futures never finish here
             self._lock, self._flights, self._pid = threading.Lock(), {}, os.getpid()
         return self._flights
 
-    def in_flight(self) -> dict[str, int]:
-        """Fetches in flight now: ``ahead`` (started before their read asked) and ``fetching`` (loader.stats())."""
-        with self._lock:
-            table = self._table()
-            ahead = sum(1 for f in table.values() if f.ahead)
-            return {"ahead": ahead, "fetching": len(table) - ahead}
-
     @property
     def ahead_bytes(self) -> int:
         """Bytes fetched ahead per object: its first block, at most AHEAD_ITEM_BYTES."""
-        return min(self.reader.settings.block_bytes, AHEAD_ITEM_BYTES)
+        return min(self.settings.block_bytes, AHEAD_ITEM_BYTES)
 
     # -- ahead ----------------------------------------------------------------------
 
@@ -127,27 +103,27 @@ class Fetcher:
 
         Advisory: a read that finds its item's fetch under way takes it instead of
         requesting again. Only objects of at most ``AHEAD_ITEM_BYTES`` (or of unknown
-        size) are fetched ahead, at most ``AHEAD_ITEMS`` at a time, so memory stays bounded.
+        size) are fetched ahead, at most ``AHEAD_FLIGHTS`` at a time, so memory stays bounded.
         """
-        reader, limit = self.reader, self.ahead_bytes
-        if reader.stop.is_set():
+        limit = self.ahead_bytes
+        if self.stop.is_set():
             return 0  # stopping: no request starts (staging's Ctrl-C)
         with self._lock:
             table = self._table()
-            room = AHEAD_ITEMS - sum(1 for f in table.values() if f.ahead)
+            room = AHEAD_FLIGHTS - sum(1 for f in table.values() if f.ahead)
             # Not one being completed either: that GET brings its first block.
             todo = [i for i in items if (i.url, 0) not in table and (i.url, COMPLETING) not in table
                     and i.size <= limit][: max(0, room)]
-        known = reader.cache.known
-        todo = [i for i in todo if i.size < 0 or reader.key(i, 0) not in known]  # cached here already
+        known, key = self.cache.known, self.identity.key
+        todo = [i for i in todo if i.size < 0 or key(i, 0) not in known]  # cached here already
         sized = [i for i in todo if i.size >= 0]
         if sized:  # cached by another process: nothing to fetch either
-            entries = reader.cache.entries_for([reader.key(i, 0) for i in sized])
+            entries = self.cache.entries_for([key(i, 0) for i in sized])
             cached = {i.url for i, e in zip(sized, entries) if e is not None}
             todo = [i for i in todo if i.url not in cached]
         groups: dict[int, tuple[Source, list[RemoteItem]]] = {}  # one call per Source: one wake-up of its loop
         for item in todo:
-            src = reader.source(item.url)
+            src = self.sources.of(item.url)
             groups.setdefault(id(src), (src, []))[1].append(item)
         started = 0
         for src, group in groups.values():
@@ -199,7 +175,6 @@ class Fetcher:
                 (staging), instead of serving it uncached (training streams).
             gate: Runs each cache write (staging's Ctrl-C stop refuses new ones).
         """
-        reader = self.reader
         todo = [k for k, item in enumerate(items) if item.size < 0]
         out = list(items)
         if not todo:
@@ -212,13 +187,13 @@ class Fetcher:
                 table = self._table()
                 flying = {k for k in todo if (f := table.get((items[k].url, 0))) is not None and f.ahead and f.item.size < 0}
             looked = [k for k in todo if k not in flying]
-            for k, item in zip(looked, reader.pinned([items[k] for k in looked])):
+            for k, item in zip(looked, self.identity.pinned([items[k] for k in looked])):
                 if item.size >= 0 and heads == "pinned":
                     checks.append(k)
                 else:
                     out[k] = item
         if checks:
-            for k, item in zip(checks, reader.source(items[checks[0]].url).complete_all([items[k] for k in checks])):
+            for k, item in zip(checks, self.sources.of(items[checks[0]].url).complete_all([items[k] for k in checks])):
                 out[k] = item
         rest = [k for k in todo if out[k].size < 0]
         if not rest:
@@ -242,19 +217,19 @@ class Fetcher:
             self._land([((items[k].url, COMPLETING), None) for k in rest], err)
             raise
         self._land([((items[k].url, COMPLETING), pair) for k, pair in zip(rest, got)], None)
-        reader.record("fetch", len(got), sum(len(d) for _, d in got), t0)
+        self._count_misses(len(got), sum(len(d) for _, d in got), t0)
         # The pins land in the transaction that publishes the blocks (one transaction, not
         # two: 7% of a cold epoch's CPU), so no cached block is ever left without its pin,
         # which would be cached but not found again (tests/reliability/test_train_kill.py).
-        self._store([((item, 0), data) for item, data in got], strict, gate, pins=reader.pins_of([i for i, _ in got]))
+        self._store([((item, 0), data) for item, data in got], strict, gate, pins=self.identity.pins_of([i for i, _ in got]))
         fresh = {}
         for k, (item, data) in zip(rest, got):
             out[k] = item
-            fresh[reader.key(item, 0)] = data
+            fresh[self.identity.key(item, 0)] = data
         for k, future in waits.items():
             item, data = future.result(timeout=self._wait_s())  # the completing thread's error, if it failed
             out[k] = item
-            fresh[reader.key(item, 0)] = data
+            fresh[self.identity.key(item, 0)] = data
         return out, fresh
 
     def _settle(self, futures: list[Future[Any]]) -> None:
@@ -264,16 +239,16 @@ class Fetcher:
         Waiting on each in turn woke the read thread once per object as its answer came
         in, a thread switch and a GIL handoff each; this wakes it once per chunk.
         """
-        curl.settle(futures, self.reader.stop, 2 * self.reader.settings.request_timeout_s)  # as Source.finish_first
+        curl.settle(futures, self.stop, 2 * self.settings.request_timeout_s)  # as Source.finish_first
 
     def _wait_s(self) -> float:
         """How long a thread waits for another's fetch: its request's timeout, retries and backoff."""
-        settings = self.reader.settings
+        settings = self.settings
         return settings.request_timeout_s * settings.retries + settings.backoff_max_s
 
     def _first_blocks(self, items: list[RemoteItem]) -> list[tuple[RemoteItem, bytes]]:
         """Source.fetch_first of each, from fetches started ahead where there are some."""
-        bb = self.reader.settings.block_bytes
+        bb = self.settings.block_bytes
         out: list[tuple[RemoteItem, bytes] | None] = [None] * len(items)
         rest = []
         taken: dict[int, Future[Any]] = {}
@@ -286,13 +261,13 @@ class Fetcher:
         self._settle(list(taken.values()))
         for k, future in taken.items():
             item = items[k]
-            src = self.reader.source(item.url)
+            src = self.sources.of(item.url)
             done, data = src.finish_first(item, self.ahead_bytes, future)
             if len(data) != min(bb, done.size):  # larger than fetched ahead: its whole first block
                 done, data = src.fetch_first(done, bb)
             out[k] = (done, data)
         if rest:
-            got = self.reader.source(items[rest[0]].url).fetch_first_many([items[k] for k in rest], bb)
+            got = self.sources.of(items[rest[0]].url).fetch_first_many([items[k] for k in rest], bb)
             for k, pair in zip(rest, got):
                 out[k] = pair
         return [pair for pair in out if pair is not None]
@@ -313,11 +288,10 @@ class Fetcher:
         Raises:
             RemoteChangedError: The remote's object is gone or changed size since it was listed.
         """
-        reader = self.reader
         mine: list[int] = []
         ahead: dict[int, Future[Any]] = {}
         waits: dict[int, Future[Any]] = {}
-        known = reader.cache.known
+        known = self.cache.known
         with self._lock:
             table = self._table()
             for k, (item, block) in enumerate(blocks):
@@ -337,8 +311,8 @@ class Fetcher:
         out: list[bytes | None] = [None] * len(blocks)
         try:
             # Stored by this process since the caller missed: read it, do not fetch again.
-            for k in [k for k in mine if k not in ahead and reader.key(*blocks[k]) in known]:
-                out[k] = reader.cache.get(reader.key(*blocks[k]))
+            for k in [k for k in mine if k not in ahead and self.identity.key(*blocks[k]) in known]:
+                out[k] = self.cache.get(self.identity.key(*blocks[k]))
             self._fetch_mine(blocks, [k for k in mine if out[k] is None], ahead, out, strict, gate)
         except BaseException as err:
             self._land([((blocks[k][0].url, blocks[k][1]), out[k]) for k in mine], err)
@@ -346,7 +320,7 @@ class Fetcher:
         self._land([((blocks[k][0].url, blocks[k][1]), out[k]) for k in mine], None)
         for k, future in waits.items():
             out[k] = future.result(timeout=self._wait_s())  # the fetching thread's error, if it failed
-        return [d if d is not None else reader.read_block(*blocks[k]) for k, d in enumerate(out)]
+        return cast("list[bytes]", out)  # every block was this caller's (fetched above) or waited for
 
     def _land(self, flights: Sequence[tuple[tuple[str, int], Any]], err: BaseException | None) -> None:
         """Resolve this caller's flights (table key, result or None): the result for the threads
@@ -369,21 +343,20 @@ class Fetcher:
                     out: list[bytes | None], strict: bool, gate: Gate | None) -> None:
         if not mine:
             return
-        reader = self.reader
         t0 = time.perf_counter()
-        spans = {k: reader.block_span(*blocks[k]) for k in mine}
+        spans = {k: self.identity.span(*blocks[k]) for k in mine}
         fetched: dict[int, bytes | Exception] = {}
         streamed: set[int] = set()
         self._settle(list(ahead.values()))
         for k, future in ahead.items():
             item = blocks[k][0]
             try:
-                fetched[k] = reader.source(item.url).finish_first(item, self.ahead_bytes, future)[1]
+                fetched[k] = self.sources.of(item.url).finish_first(item, self.ahead_bytes, future)[1]
             except Exception as err:
                 fetched[k] = err
         rest = [k for k in mine if k not in fetched]
         if rest:
-            src = reader.source(blocks[rest[0]][0].url)
+            src = self.sources.of(blocks[rest[0]][0].url)
             by_item: dict[RemoteItem, list[int]] = {}
             for k in rest:
                 by_item.setdefault(blocks[k][0], []).append(k)
@@ -437,10 +410,10 @@ class Fetcher:
                 # object is fetched once (tests/integration/test_hostlimit_server.py); from
                 # now on this host's objects are streamed (_fetch_whole).
                 whole, out[k] = data, data[start:end]
-                reader.source(item.url).note_ranges(item.url, False)
+                self.sources.of(item.url).note_ranges(item.url, False)
                 if (item, block) not in seen:
-                    stored += [((item, b), whole[x:y]) for b in reader.blocks(item) for x, y in [reader.block_span(item, b)]]
-                    seen.update((item, b) for b in reader.blocks(item))
+                    stored += [((item, b), whole[x:y]) for b in self.identity.blocks(item) for x, y in [self.identity.span(item, b)]]
+                    seen.update((item, b) for b in self.identity.blocks(item))
                 continue
             elif len(data) != end - start:
                 raise RemoteChangedError(
@@ -449,7 +422,7 @@ class Fetcher:
                 )
             out[k] = data
             stored.append(((item, block), data))
-        reader.record("fetch", len(mine), sum(len(out[k] or b"") for k in mine), t0)
+        self._count_misses(len(mine), sum(len(out[k] or b"") for k in mine), t0)
         self._store(stored, strict, gate)
 
     def _fetch_whole(self, item: RemoteItem, wanted: set[int], strict: bool, gate: Gate | None,
@@ -466,12 +439,11 @@ class Fetcher:
         ``probe``: the host's Range support is not known yet; the GET asks for that block
         alone (Source.fetch_whole), so a 206 returns just it.
         """
-        reader = self.reader
         claimed: set[int] = set()
         if probe is None:  # a probe may bring one block only: it claims none
             with self._lock:
                 table = self._table()
-                claimed = {b for b in reader.blocks(item) if b not in wanted and (item.url, b) not in table}
+                claimed = {b for b in self.identity.blocks(item) if b not in wanted and (item.url, b) not in table}
                 for b in claimed:
                     table[(item.url, b)] = _Flight(item, Future(), False)
         got: dict[int, bytes] = {}
@@ -479,9 +451,9 @@ class Fetcher:
         batch: list[tuple[Block, bytes]] = []
         held = [0]  # bytes in batch
         landed: set[int] = set()  # claimed blocks whose waiters have their bytes
-        known = reader.cache.known
-        todo = list(reader.blocks(item))  # a rerun after Ctrl-C stores only the blocks it lacks
-        cached = {b for b, e in zip(todo, reader.cache.entries_for([reader.key(item, b) for b in todo])) if e is not None}
+        known = self.cache.known
+        todo = list(self.identity.blocks(item))  # a rerun after Ctrl-C stores only the blocks it lacks
+        cached = {b for b, e in zip(todo, self.cache.entries_for([self.identity.key(item, b) for b in todo])) if e is not None}
 
         def land(pairs: list[tuple[int, bytes]]) -> None:
             pairs = [(b, data) for b, data in pairs if b in claimed]
@@ -500,7 +472,7 @@ class Fetcher:
             seen.add(block)
             if block in wanted:
                 got[block] = data
-            if block in cached or reader.key(item, block) in known:
+            if block in cached or self.identity.key(item, block) in known:
                 land([(block, data)])
                 return
             batch.append(((item, block), data))
@@ -509,7 +481,7 @@ class Fetcher:
                 flush()
 
         try:
-            reader.source(item.url).fetch_whole(item, reader.settings.block_bytes, sink, probe)
+            self.sources.of(item.url).fetch_whole(item, self.settings.block_bytes, sink, probe)
             flush()
         except BaseException as err:
             self._land([((item.url, b), None) for b in claimed - landed], err)
@@ -519,16 +491,33 @@ class Fetcher:
     def _store(self, fetched: list[tuple[Block, bytes]], strict: bool, gate: Gate | None,
                pins: dict[str, Any] | None = None) -> None:
         """Cache fetched blocks in one batch; a cache that cannot hold them streams (or, strict, raises)."""
-        reader = self.reader
-        batch = [(reader.key(item, block), data, item.url, block) for (item, block), data in fetched]
+        batch = [(self.identity.key(item, block), data, item.url, block) for (item, block), data in fetched]
         if not batch:
             return
         try:
-            (gate or _now)(lambda: reader.cache.put_many(batch, rows=pins))
+            (gate or _now)(lambda: self.cache.put_many(batch, rows=pins))
         except CacheLimitError:
             raise
         except CacheFullError as err:
             if strict:  # staging exists to cache: a full disk ends it (tests/reliability/test_disk_full.py)
                 raise
             what = f"{batch[0][2]} ({err}); serving it" if len(batch) == 1 else f"{batch[0][2]} and {len(batch) - 1} more ({err}); serving them"
-            reader.warn_streaming(f"cache cannot store {what} without caching")
+            self.warn_streaming(f"cache cannot store {what} without caching")
+
+    def _count_misses(self, items: int, nbytes: int, t0: float) -> None:
+        self.misses += items
+        record_cache(False, items, nbytes, t0)
+
+    def warn_streaming(self, why: str) -> None:
+        """Warn once that this Fetcher serves data its cache cannot hold."""
+        if not self._warned_streaming:
+            self._warned_streaming = True
+            _log.warning("fastload is streaming: %s", why)
+
+    def in_flight(self) -> dict[str, int]:
+        """Fetches in flight now: ``ahead`` (first blocks fetched ahead, not yet taken by a read)
+        and ``fetching`` (blocks and completions a read is waiting for)."""
+        with self._lock:
+            flights = list(self._table().values())
+        ahead = sum(1 for f in flights if f.ahead)
+        return {"ahead": ahead, "fetching": len(flights) - ahead}

@@ -1,0 +1,50 @@
+"""The fetch stage: remote to memory and the cache, the only read-path caller of a Source.
+
+A cold training read, stage by stage, with each stage's concurrency beside it
+(num_workers=0 and a dataset with ``read_batch``; with worker processes each worker
+runs the read side, from ``read_batch`` down, on its own)::
+
+    sampler                          consumer thread: index order, sharding, resume (sampler.py)
+      |  index batches
+    Announcer (ahead.py)             consumer thread: draws AHEAD_ITEMS samples ahead per
+      |        \\                     reading process, announces each batch once
+      |         `-> Fetcher.ahead    no thread: first blocks requested on the Source's road,
+      |                              at most 2 x AHEAD_ITEMS in flight per Fetcher
+    ReadAhead (readahead.py)         read_threads threads (CPUs, 2 to 8), read_ahead batches
+      |  read_batch(chunk)           beyond the one returned
+    Reader.read_into (reader.py)     in that read thread
+      |-- hit:  Cache.read_into      in that read thread (C, off the GIL)
+      `-- miss: Fetcher.fetch        in that read thread: one table of fetches in flight
+            |                        (each block fetched once), one put_many per call
+          Source (source/)           requests held to HostLimit slots (hostlimit.py):
+            |                        <= Settings.max_requests per host, adaptive under it
+          road: libcurl's engine     its C thread + one pump thread per process (curl.py);
+                or fsspec's loop     or fsspec's event loop thread (source/aio.py)
+    decode + collate                 read thread (CPU decode) / DALI's threads; collate in
+      |                              the consumer thread
+    DevicePrefetcher (prefetch.py)   pinned host slots, ``depth`` device copies ahead on
+                                     a CUDA stream (the only "prefetch")
+
+Modules:
+
+* :mod:`~fastload.fetch.fetcher`: :class:`Fetcher`, the table of fetches in flight, the
+  completion of sizeless items, stores and returns what it fetched;
+* :mod:`~fastload.fetch.ahead`: :data:`AHEAD_ITEMS` (the one fetch-ahead depth) and the
+  announcement of index batches, here or to worker processes.
+
+The Fetcher is made from a Reader's parts (Sources, Cache, Identity) and never
+calls back into the Reader: layers point one way (reader -> fetch -> identity, source, cache).
+"""
+
+from fastload.fetch.ahead import (
+           AHEAD_ITEMS,
+           AheadSampler,
+           Announced,
+           Announcer,
+           announce,
+           depth_for,
+)
+from fastload.fetch.fetcher import AHEAD_FLIGHTS, COMPLETING, Fetcher
+
+__all__ = ["AHEAD_FLIGHTS", "AHEAD_ITEMS", "COMPLETING", "AheadSampler", "Announced", "Announcer", "Fetcher",
+           "announce", "depth_for"]

@@ -1,0 +1,200 @@
+"""Block identity: what a cached block of a remote object is called, and what pins it.
+
+Shared by the fetch stage (:mod:`fastload.fetch`, which stores blocks) and the
+:class:`~fastload.reader.Reader` (which reads them), so neither asks the other:
+
+* **keys**: an object version's block -> its cache key (:meth:`Identity.key`);
+* **blocks and spans**: the blocks an object has and the bytes each covers
+  (``Settings.block_bytes``; an object smaller than a block is one block);
+* **pins**: an object's recorded size and version (index rows ``u:<url>``), so a
+  read needs no request to learn them;
+* **manifests**: a recorded listing (index rows ``m:<root>...``): a listed dataset
+  reads with its remote unreachable, and ``refresh=True`` re-lists.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from fastload.cache import Cache, entry_key, keys
+from fastload.config import Settings, format_size
+from fastload.source import RemoteItem, glob_to_regex, nothing_matched
+
+_log = logging.getLogger("fastload")
+
+KEYS_MAX = 1 << 20  # cache keys (and pins) remembered per Identity: bounded memory
+
+
+class Identity:
+    """The keys, spans, pins and manifests of one cache under one block size."""
+
+    def __init__(self, settings: Settings, cache: Cache) -> None:
+        self.block_bytes = settings.block_bytes
+        self.cache = cache
+        self._keys: dict[tuple[RemoteItem, int], str] = {}
+        # Pins read or written here (url -> size, version): a warm fastload.open asks the
+        # index once per URL, as a dataset lists once. Another process's --refresh is seen by new readers.
+        self._pins: dict[str, tuple[int, str]] = {}
+        self._warned_blocks = False  # _note_block_size, once
+
+    # -- blocks -----------------------------------------------------------------
+
+    def blocks(self, item: RemoteItem) -> range:
+        """Block indices of ``item`` (at least one, even for an empty object)."""
+        return range(max(1, -(-item.size // self.block_bytes)))
+
+    def span(self, item: RemoteItem, block: int) -> tuple[int, int]:
+        """The byte range [start, end) that block ``block`` of ``item`` covers."""
+        start = block * self.block_bytes
+        return start, min(item.size, start + self.block_bytes)
+
+    def key(self, item: RemoteItem, block: int) -> str:
+        """The cache key of block ``block`` of ``item`` (this version of it)."""
+        # Remembered: a sha256 per block per read was a tenth of a warm epoch's time.
+        key = self._keys.get((item, block))
+        if key is None:
+            if len(self._keys) >= KEYS_MAX:
+                self._keys.clear()
+            key = self._keys[(item, block)] = entry_key(item.url, item.size, item.version, block, self.block_bytes)
+        return key
+
+    # -- pins -------------------------------------------------------------------
+
+    def pin_of(self, url: str) -> RemoteItem | None:
+        """``url`` (canonical) as recorded by its pin; None when it has none."""
+        pinned = self._pins.get(url)
+        if pinned is None:
+            pinned = self.cache.index.get(keys.pin(url))
+            if pinned is None:
+                return None
+            self._remember({url: pinned})
+        return RemoteItem(url, int(pinned[0]), str(pinned[1]))
+
+    def _remember(self, pins: Mapping[str, tuple[int, str]]) -> None:
+        if len(self._pins) + len(pins) > KEYS_MAX:
+            self._pins.clear()  # bounded memory; the index still has every pin
+        self._pins.update(pins)
+
+    def pins_of(self, items: builtins.list[RemoteItem]) -> dict[str, tuple[int, str]]:
+        """The index rows that pin ``items`` (for :meth:`pin`, or a publishing transaction);
+        :meth:`pin_of` answers with them from now on."""
+        self._remember({item.url: (item.size, item.version) for item in items})
+        return {keys.pin(item.url): (item.size, item.version) for item in items}
+
+    def pin(self, items: builtins.list[RemoteItem]) -> None:
+        """Record each item's size and version, so a read needs no request to learn them.
+
+        Pins already recorded with these values are not written again: a dataset
+        completed by its reads has pinned every item with its first block, and its
+        manifest is saved by the read of the last batch, at the end of the cold
+        epoch: rewriting its 3,000 pins cost ~40 ms there one by one, ~17 ms
+        batched; finding them takes one query per 500, ~8 ms in all
+        (tests/unit/test_reader_pins.py).
+        """
+        index = self.cache.index
+        pins = self.pins_of(items)
+        recorded = index.get_many(builtins.list(pins))
+        with index.transact():
+            index.set_many({name: value for name, value in pins.items() if recorded.get(name) != value})
+
+    def pinned(self, items: builtins.list[RemoteItem]) -> builtins.list[RemoteItem]:
+        """``items``, those without a size filled in from their pins where pinned (one index query)."""
+        need = [keys.pin(i.url) for i in items if i.size < 0]
+        if not need:
+            return items
+        pins = self.cache.index.get_many(need)
+        out = []
+        for item in items:
+            pin = pins.get(keys.pin(item.url)) if item.size < 0 else None
+            out.append(item if pin is None else RemoteItem(item.url, int(pin[0]), str(pin[1])))
+        return out
+
+    # -- manifests --------------------------------------------------------------
+
+    def save_manifest(self, root: str, pattern: str | None, items: builtins.list[RemoteItem]) -> None:
+        """Record a listing and pin each item's fingerprint."""
+        index = self.cache.index
+        with index.transact():
+            index.set(keys.manifest(root, pattern), {"created": time.time(), "items": [i.to_json() for i in items],
+                                                     "block_bytes": self.block_bytes})
+            self.pin(items)
+
+    def manifest(self, root: str, pattern: str | None) -> builtins.list[RemoteItem] | None:
+        """The items of the listing recorded for exactly ``root`` and ``pattern``; None when there is none."""
+        manifest = self.cache.index.get(keys.manifest(root, pattern))
+        if manifest is None:
+            return None
+        items = [RemoteItem.from_json(r) for r in manifest["items"]]
+        self._note_block_size(manifest, items)
+        return items
+
+    def recorded(self, root: str, pattern: str | None) -> builtins.list[RemoteItem] | None:
+        """``root``'s items matching ``pattern`` from a recorded listing (its own, or a whole-folder
+        one of it or of a folder above it); None when none is recorded. ``root``: a canonical URL."""
+        items = self.manifest(root, pattern)
+        return items if items is not None else self._covered(root, pattern)
+
+    def _note_block_size(self, manifest: dict[str, Any], items: builtins.list[RemoteItem]) -> None:
+        """Say once when a listing was recorded under another block size: its objects larger
+        than a block are cached per block size, so this reader fetches them again."""
+        staged, bb = manifest.get("block_bytes"), self.block_bytes
+        if self._warned_blocks or staged is None or staged == bb:
+            return
+        larger = [i for i in items if i.size > min(staged, bb)]
+        # Those already cached under this block size too (an earlier run's) are not fetched again.
+        found = self.cache.entries_for([self.key(i, 0) for i in larger]) if larger else []
+        again = [i for i, e in zip(larger, found) if e is None]
+        if again:
+            self._warned_blocks = True
+            _log.warning(
+                "%d of the %d objects listed here (%s) were cached in blocks of %s and are read in blocks of %s: "
+                "those larger than a block are fetched again and stored a second time (smaller ones are shared); "
+                "fix: read with the block size they were staged with (FASTLOAD_BLOCK_SIZE=%s, Settings(block_bytes=)), "
+                "or `fastload clear` the dataset and stage it with --block-size %s",
+                len(again), len(items), format_size(sum(i.size for i in again)), format_size(staged),
+                format_size(bb), staged, bb,
+            )
+
+    def _covered(self, root: str, pattern: str | None) -> builtins.list[RemoteItem] | None:
+        """``root``'s items matching ``pattern`` from a recorded whole-folder listing of it or of
+        a folder above it; None when no such listing holds anything under ``root``."""
+        regex = glob_to_regex(pattern) if pattern else None
+        scheme, sep, path = root.partition("://")
+        parts = (path if sep else scheme).split("/")
+        for depth in range(len(parts), 0, -1):
+            above = "/".join(parts[:depth])
+            manifest = self.cache.index.get(keys.manifest(f"{scheme}://{above}" if sep else above, None))
+            if manifest is None:
+                continue
+            rels: dict[str, RemoteItem] = {}
+            for row in manifest["items"]:
+                item = RemoteItem.from_json(row)
+                if item.url == root:  # the root is one object: itself, whatever the pattern (as Source.list)
+                    return [item]
+                if item.url.startswith(root + "/"):
+                    rels[item.url[len(root) + 1 :]] = item
+            if not rels:
+                continue
+            items = [item for rel, item in sorted(rels.items()) if regex is None or regex.match(rel)]
+            self._note_block_size(manifest, items)
+            if not items:
+                folders = len({rel.rpartition("/")[0] for rel in rels} - {""})
+                raise nothing_matched(root, pattern, folders, builtins.list(rels))
+            return items
+        return None
+
+    def manifests(self) -> builtins.list[dict[str, Any]]:
+        """Every recorded manifest: root, pattern, created, items."""
+        out = []
+        index = self.cache.index
+        for k in list(index.iterkeys()):
+            if keys.of(keys.MANIFEST, k) is not None:
+                rec = index.get(k)
+                if rec is not None:
+                    root, pattern = keys.manifest_parts(k)
+                    out.append({"root": root, "pattern": pattern, **rec})
+        return out
