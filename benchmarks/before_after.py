@@ -14,7 +14,8 @@ same settings for both:
   run, warm samples/s (median of the warm epochs), CPU ms per object cold and warm.
   The JPEGs are generated once (``fastload.samples`` of the first tree that runs) and
   hard-linked into every run, so both trees read the same bytes and no run spends its
-  ~50 s making them; the rest of the tree's script runs unchanged.
+  ~1-2 min making them (``--data-dir`` keeps them for the next invocation, reused as
+  they are); the rest of the tree's script runs unchanged.
 * **ordinary**: ``benchmarks/ordinary_server/bench.py --servers http.server``
   (``fastload cache`` from ``python -m http.server``: listen backlog 5, no Range,
   200 Mbit link): fastload's share of the link's own 20 MB GET, and its MB/s.
@@ -32,8 +33,13 @@ also on an error, Ctrl-C or SIGTERM.
 
 Usage::
 
-    .venv/bin/python benchmarks/before_after.py --before <ref> [--after HEAD] --out /tmp/ba.json
+    .venv/bin/python benchmarks/before_after.py --before <ref> [--after HEAD] --out /tmp/ba.json \
+        [--data-dir /tmp/fastload-before-after-data]
     # fewer figures, faster: --rounds 2 --skip reliability; one part only: --skip peers,ordinary
+
+On the shared 2-core VM the defaults take ~10 min: making the 3,000 JPEGs ~2.5 min
+(none with a filled ``--data-dir``), 3 rounds x 2 trees of peers + ordinary ~11-20 s
+each (~2 min), the reliability suite ~2.5 min per tree.
 
 Only committed trees are compared: ``--after HEAD`` is the last commit, not the working
 tree. Needs root for the shaped links; without it the child benchmarks fall back to
@@ -70,6 +76,8 @@ BETTER = {
     "ordinary.fastload_link_fraction": HIGHER, "ordinary.fastload_mb_per_s": HIGHER,
     "reliability.passed": HIGHER, "reliability.failed": LOWER, "reliability.wall_s": LOWER,
 }
+# Counts, not measurements: any change the wrong way is worse, with no spread to forgive it.
+EXACT = {"reliability.passed", "reliability.failed"}
 
 # Runs a tree's peers bench.py with make_image_folder / make_uint8_arrays answered from a
 # shared folder of hard links: the data is identical for both trees and made once.
@@ -77,6 +85,7 @@ _PEERS_DRIVER = r"""
 import hashlib, importlib.util, os, shutil, sys
 from pathlib import Path
 script, store, argv = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+store.mkdir(parents=True, exist_ok=True)
 spec = importlib.util.spec_from_file_location("fastload_before_after_peers", script)
 mod = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = mod
@@ -133,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=600, help="limit of one child benchmark or one tree's test suite")
     p.add_argument("--build", action="store_true", help="always build the C extensions in each tree")
     p.add_argument("--netns-prefix", default="flba", help="prefix of the network namespaces the benchmarks make")
+    p.add_argument("--data-dir", type=Path, help="where the peers JPEGs are made once and kept for later runs "
+                   "(default: inside the temp folder, removed); on the temp folder's file system they are hard-linked")
     p.add_argument("--keep", action="store_true", help="keep the temp folder (worktrees are removed regardless)")
     args = p.parse_args(argv)
     args.skip = {s for s in args.skip.split(",") if s}
@@ -196,6 +207,11 @@ def pytest_counts(text: str) -> dict[str, int]:
     return {}
 
 
+def failed_tests(text: str) -> list[str]:
+    """The node ids of pytest's "FAILED ..." / "ERROR ..." summary lines (``-ra``, the project's addopts)."""
+    return [ln.split()[1] for ln in text.splitlines() if ln.startswith(("FAILED ", "ERROR ")) and len(ln.split()) > 1]
+
+
 def summarise(samples: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
     """Per metric: each tree's median and min-max over its runs, after/before, and whether after is worse.
 
@@ -203,7 +219,7 @@ def summarise(samples: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]
     metric has a direction and the after median is on the wrong side of the before median by
     more than the larger of the two trees' spreads (relative to the before median), which is
     the noise this run saw; None when it has no direction, or a side has fewer than two values
-    (no spread to judge by).
+    (no spread to judge by). Counts (``EXACT``) are worse on any change the wrong way.
     """
     names = list(dict.fromkeys(k for tree in ("before", "after") for k in samples.get(tree, {})))
     rows = []
@@ -216,7 +232,9 @@ def summarise(samples: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]
                                "after_over_before": ratio, "runs": {t: len(v) for t, v in vals.items()},
                                "spread": {t: [min(v), max(v)] if v else None for t, v in vals.items()}}
         worse = None
-        if name in BETTER and a is not None and b is not None and min(len(v) for v in vals.values()) > 1:
+        if name in EXACT and a is not None and b is not None:
+            worse = a < b if BETTER[name] == HIGHER else a > b
+        elif name in BETTER and a is not None and b is not None and min(len(v) for v in vals.values()) > 1:
             noise = max((max(v) - min(v)) / abs(b) if b else 0.0 for v in vals.values())
             change = (a - b) / abs(b) if b else float(a != b) * (1 if a > b else -1)
             worse = bool(-change > noise) if BETTER[name] == HIGHER else bool(change > noise)
@@ -396,7 +414,7 @@ def run_peers(session: Session, tree: Tree, args: argparse.Namespace, work: Path
     argv = ["--peers", "fastload", "--links", args.link, "--modes", "raw", "--images", str(args.images),
             "--epochs", str(args.epochs), "--repeats", str(args.peers_repeats), "--peers-python", sys.executable,
             "--netns-prefix", args.netns_prefix, "--work-dir", str(work), "--out", str(work / f"peers-{tree.label}")]
-    cmd = [sys.executable, "-c", _PEERS_DRIVER, str(script), str(work / "data"), *argv]
+    cmd = [sys.executable, "-c", _PEERS_DRIVER, str(script), str(args.data_dir or work / "data"), *argv]
     rc, out, err, wall = session.run(cmd, tree.path, _env(tree), args.timeout_s)
     shutil.rmtree(work / f"peers-{tree.label}", ignore_errors=True)
     got: dict[str, Any] = {"wall_s": round(wall, 1), "rc": rc}
@@ -439,8 +457,8 @@ def run_reliability(session: Session, tree: Tree, args: argparse.Namespace) -> d
     cmd += ["-m", args.reliability_marks] if args.reliability_marks else []
     rc, out, err, wall = session.run(cmd, tree.path, _env(tree), args.timeout_s)
     counts = pytest_counts(out)
-    got: dict[str, Any] = {"wall_s": round(wall, 1), "rc": rc, "counts": counts,
-                           "command": " ".join(cmd[1:]), "tail": _tail(out + err, 2500)}
+    got: dict[str, Any] = {"wall_s": round(wall, 1), "rc": rc, "counts": counts, "command": " ".join(cmd[1:]),
+                           "failed_tests": failed_tests(out), "tail": _tail(out + err, 2500)}
     got["metrics"] = [{"reliability.passed": counts.get("passed", 0), "reliability.failed": counts.get("failed", 0)
                        + counts.get("error", 0), "reliability.skipped": counts.get("skipped", 0),
                        "reliability.wall_s": round(wall, 1)}] if counts else []
@@ -476,6 +494,8 @@ def run(args: argparse.Namespace, session: Session, base: Path) -> dict[str, Any
     }
     work = base / "work"
     work.mkdir()
+    if args.data_dir is not None:
+        args.data_dir.mkdir(parents=True, exist_ok=True)
     parts: list[tuple[str, Callable[[Tree], dict[str, Any]]]] = []
     if "peers" not in args.skip:
         parts.append(("peers", lambda t: run_peers(session, t, args, work)))
@@ -495,11 +515,12 @@ def run(args: argparse.Namespace, session: Session, base: Path) -> dict[str, Any
         for label in ("before", "after"):
             got = run_reliability(session, trees[label], args) | {"part": "reliability", "tree": label, "round": 1}
             res["runs"].append(got)
-            _log(f"reliability {label:<6} {got['wall_s']:>6.1f} s  {got['counts'] or got.get('error', '')[-300:]}")
+            _log(f"reliability {label:<6} {got['wall_s']:>6.1f} s  {got['counts'] or got.get('error', '')[-300:]}"
+                 + (f"  failed: {got['failed_tests']}" if got["failed_tests"] else ""))
         res["parts_s"]["reliability"] = round(time.perf_counter() - t0, 1)
     res["summary"] = summarise(collect(res["runs"]))
-    res["links"] = sorted({f"{lk['name']} {lk['limit_mb_s']} MB/s" for r in res["runs"] for lk in r.get("links", [])}
-                          | {str(r["link"]) for r in res["runs"] if r.get("link")})
+    res["links"] = sorted({f"peers: {lk['name']}" for r in res["runs"] for lk in r.get("links", [])}
+                          | {f"ordinary: {r['link']}" for r in res["runs"] if r.get("link")})
     res["fallback"] = sorted({r["fallback"] for r in res["runs"] if r.get("fallback")})
     res["errors"] = [{k: r[k] for k in ("part", "tree", "round", "error")} for r in res["runs"] if "error" in r]
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
@@ -517,6 +538,8 @@ def report(res: dict[str, Any]) -> str:
              "links: " + "; ".join(res["links"])]
     if res["fallback"]:
         lines.append("FALLBACK (unshaped): " + "; ".join(res["fallback"]))
+    lines += [f"reliability {r['tree']}: {r['counts']}, {r['wall_s']:.0f} s; failed: {', '.join(r['failed_tests'])}"
+              for r in res["runs"] if r["part"] == "reliability" and r.get("failed_tests")]
     lines += [f"ERROR {e['part']} {e['tree']} round {e['round']}: {e['error'][-300:]}" for e in res["errors"]]
     return "\n".join(lines)
 
