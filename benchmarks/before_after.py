@@ -309,6 +309,9 @@ class Session:
             _stop_group(proc)
             out, err = proc.communicate()
             err += f"\n[before_after] timed out after {timeout_s:.0f} s"
+        except BaseException:  # Ctrl-C, SIGTERM: the child and what it started go first
+            _stop_group(proc)
+            raise
         finally:
             self.live.pop(proc.pid, None)
             self.clean_netns()
@@ -546,12 +549,14 @@ def report(res: dict[str, Any]) -> str:
 
 @contextlib.contextmanager
 def _terminate_as_exit() -> Iterator[None]:
-    """SIGTERM raises SystemExit, so the cleanup below runs as it does on Ctrl-C."""
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    """SIGTERM and SIGHUP raise SystemExit, so the cleanup runs as it does on Ctrl-C."""
+    previous = {sig: signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+                for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(args: argparse.Namespace) -> int:
