@@ -132,7 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="benchmark rounds; each runs both trees (ABBA order)")
     p.add_argument("--skip", default="", help=f"comma-separated parts to leave out: {', '.join(PARTS)}")
     p.add_argument("--images", type=int, default=3000, help="JPEGs in the peers dataset (~110 KB each)")
-    p.add_argument("--epochs", type=int, default=3, help="peers epochs per run: the first cold, the rest warm")
+    p.add_argument("--epochs", type=int, default=5, help="peers epochs per run: the first cold, the rest warm "
+                   "(a warm epoch of 3,000 JPEGs lasts ~0.2 s, so the median of several)")
     p.add_argument("--peers-repeats", type=int, default=1, help="fastload runs per peers invocation")
     p.add_argument("--link", default="1gbit", help="the peers link (benchmarks/peers/bench.py --links)")
     p.add_argument("--ordinary-repeats", type=int, default=2, help="`fastload cache` runs per ordinary-server invocation")
@@ -246,6 +247,8 @@ def summarise(samples: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]
 def _fmt(v: float | None) -> str:
     if v is None:
         return "-"
+    if float(v).is_integer() and abs(v) < 100:  # counts
+        return str(int(v))
     if abs(v) >= 100:
         return f"{v:,.0f}"
     return f"{v:.3g}" if abs(v) >= 1 else f"{v:.3f}"
@@ -262,7 +265,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             rng = f" ({_fmt(spread[0])}-{_fmt(spread[1])})" if spread and r["runs"][t] > 1 else ""
             cells.append(f"{_fmt(r[t])}{rng} {r['runs'][t]}")
         ratio = "-" if r["after_over_before"] is None else f"{r['after_over_before']:.3f}"
-        verdict = {True: "WORSE (beyond the spread)", False: "within the spread, or better",
+        verdict = {True: "WORSE" if r["metric"] in EXACT else "WORSE (beyond the spread)",
+                   False: "same or better" if r["metric"] in EXACT else "within the spread, or better",
                    None: "" if r["better"] == "-" else "n/a (a side has one run)"}[r["worse"]]
         lines.append(f"| {r['metric']} | {r['better']} | {cells[0]} | {cells[1]} | {ratio} | {verdict} |")
     return "\n".join(lines)
