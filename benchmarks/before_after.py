@@ -37,9 +37,11 @@ Usage::
         [--data-dir /tmp/fastload-before-after-data]
     # fewer figures, faster: --rounds 2 --skip reliability; one part only: --skip peers,ordinary
 
-On the shared 2-core VM the defaults take ~10 min: making the 3,000 JPEGs ~2.5 min
-(none with a filled ``--data-dir``), 3 rounds x 2 trees of peers + ordinary ~11-20 s
-each (~2 min), the reliability suite ~2.5 min per tree.
+On the shared 2-core VM the defaults took 5.6 min with a filled ``--data-dir`` and
+8-10 min without: making the 3,000 JPEGs ~3 min once, 3 rounds x 2 trees of peers +
+ordinary ~17 s each (~1.7 min), the reliability suite 2-3 min per tree. Between rounds
+of one tree, cold figures moved ~3-5%, the ordinary server's ~5-10%, and warm
+samples/s up to ~40% (a warm epoch is ~0.15 s): read the spread columns.
 
 Only committed trees are compared: ``--after HEAD`` is the last commit, not the working
 tree. Needs root for the shaped links; without it the child benchmarks fall back to
