@@ -1,6 +1,6 @@
 """Block identity: what a cached block of a remote object is called, and what pins it.
 
-Shared by the fetch stage (:mod:`fastload.fetch`, which stores blocks) and the
+Shared by the fetch layer (:mod:`fastload.fetch`, which stores blocks) and the
 :class:`~fastload.reader.Reader` (which reads them), so neither asks the other:
 
 * **keys**: an object version's block -> its cache key (:meth:`Identity.key`);

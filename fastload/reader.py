@@ -59,7 +59,7 @@ class Reader:
 
     Its parts, each its own layer: ``sources`` (one :class:`~fastload.source.Source`
     per protocol), ``identity`` (keys, spans, pins, manifests:
-    :mod:`fastload.identity`) and ``fetcher`` (the fetch stage: every miss, fetch
+    :mod:`fastload.identity`) and ``fetcher`` (the fetch layer: every miss, fetch
     ahead and staging fetch, :mod:`fastload.fetch`).
 
     Args:
@@ -88,7 +88,7 @@ class Reader:
 
     @property
     def misses(self) -> int:
-        """Blocks this reader's fetch stage fetched (each a cache miss)."""
+        """Blocks this reader's Fetcher fetched (each a cache miss)."""
         return self.fetcher.misses
 
     def __getstate__(self) -> dict[str, Any]:

@@ -412,7 +412,7 @@ BATCH_BYTES = 64 * 1024**2  # blocks one fetch call holds in memory, at most
 
 def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, show: bool, label: str,
                heads: str, limit: int | None = None) -> list[RemoteItem]:
-    """Complete, skip-or-fetch every block of every item through the fetch stage; returns completed items.
+    """Complete, skip-or-fetch every block of every item through the fetch layer; returns completed items.
 
     CHUNK items per task: their sizeless ones are completed together (a GET each that
     brings the first block, or a HEAD each as ``heads`` says: Fetcher.complete), then

@@ -1,6 +1,6 @@
-"""The fetch stage: remote to memory and the cache, the only read-path caller of a Source.
+"""The fetch layer: remote to memory and the cache, the only read-path caller of a Source.
 
-A cold training read, stage by stage, with each stage's concurrency beside it
+A cold training read, layer by layer, with each one's concurrency beside it
 (num_workers=0 and a dataset with ``read_batch``; with worker processes each worker
 runs the read side, from ``read_batch`` down, on its own)::
 

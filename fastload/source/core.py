@@ -113,7 +113,7 @@ class Source(FsspecRoad):
             # Local files have no host to flood: their reads take no slot.
             self._local = bool({"file", "local", "memory"} & set(fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)))
         # Per host, whether its answer to a ranged GET was a 206 (True) or the whole object
-        # (False: Python's http.server ignores Range); the fetch stage then asks for each
+        # (False: Python's http.server ignores Range); the fetch layer then asks for each
         # object once, whole, and until it knows, asks with one GET that serves either way
         # (fastload.fetch).
         self._ranges: dict[str, bool] = {}

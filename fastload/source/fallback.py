@@ -261,7 +261,7 @@ class FsspecRoad:
         """One GET of all of ``item``, handed to ``sink(item, block, bytes)`` a ``block_bytes`` block at a time.
 
         For hosts that ignore Range (:meth:`ignores_ranges`: Python's http.server): each
-        block is read off the answer as it arrives and given to ``sink`` (the fetch stage
+        block is read off the answer as it arrives and given to ``sink`` (the fetch layer
         stores it), so memory holds a block, not the object, and the object is fetched
         once. The request, retried from its start on a transient failure (``sink`` may
         then see a block again), holds one slot throughout. A sizeless item is sized

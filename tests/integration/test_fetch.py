@@ -1,4 +1,4 @@
-"""The fetch stage (fastload.fetch) against real servers.
+"""The fetch layer (fastload.fetch) against real servers.
 
 Honest hit rates, servers without Range (one GET per object, streamed), stops, and
 one request per block or completion however many threads want it.

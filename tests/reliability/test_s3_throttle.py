@@ -41,7 +41,7 @@ def test_slowdown_halves_the_limit_and_the_read_succeeds_after_retry(
     limit = src.host_limit
     assert limit is not None and limit.limit == hostlimit.START
     got: list[Any] = []
-    # A block's ranged GET, as the fetch stage sends (a HEAD's 503 has no body, so no code: "HTTP 503").
+    # A block's ranged GET, as the fetch layer sends (a HEAD's 503 has no body, so no code: "HTTP 503").
     reader = threading.Thread(target=lambda: got.append(src.fetch(f"s3://{s3_bucket}/train/{rel}", 0, len(data))), daemon=True)
     reader.start()
     deadline = time.monotonic() + 30
