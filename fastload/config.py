@@ -202,6 +202,18 @@ class Settings:
         if self.http_client not in HTTP_CLIENTS:
             raise ConfigError(f"http_client={self.http_client!r} is not one of {', '.join(HTTP_CLIENTS)}")
 
+    @property
+    def first_wait_s(self) -> float:
+        """How long an answer to a first-block GET (fetched ahead, or of a batch) is waited for:
+        its request's timeout, and once more for a redo (Source and the Fetcher alike)."""
+        return 2 * self.request_timeout_s
+
+    @property
+    def fetch_wait_s(self) -> float:
+        """How long a thread waits for another thread's fetch of a block: that request's
+        timeout over every retry, and the longest backoff."""
+        return self.request_timeout_s * self.retries + self.backoff_max_s
+
     def replace(self, **changes: Any) -> Settings:
         """Return a copy with ``changes`` applied (sizes may be human strings)."""
         for key in ("cache_limit_bytes", "disk_reserve_bytes", "block_bytes", "chunk_bytes", "pack_max_bytes"):

@@ -227,7 +227,7 @@ class Fetcher:
             out[k] = item
             fresh[self.identity.key(item, 0)] = data
         for k, future in waits.items():
-            item, data = future.result(timeout=self._wait_s())  # the completing thread's error, if it failed
+            item, data = future.result(timeout=self.settings.fetch_wait_s)  # the completing thread's error, if it failed
             out[k] = item
             fresh[self.identity.key(item, 0)] = data
         return out, fresh
@@ -239,12 +239,7 @@ class Fetcher:
         Waiting on each in turn woke the read thread once per object as its answer came
         in, a thread switch and a GIL handoff each; this wakes it once per chunk.
         """
-        curl.settle(futures, self.stop, 2 * self.settings.request_timeout_s)  # as Source.finish_first
-
-    def _wait_s(self) -> float:
-        """How long a thread waits for another's fetch: its request's timeout, retries and backoff."""
-        settings = self.settings
-        return settings.request_timeout_s * settings.retries + settings.backoff_max_s
+        curl.settle(futures, self.stop, self.settings.first_wait_s)
 
     def _first_blocks(self, items: list[RemoteItem]) -> list[tuple[RemoteItem, bytes]]:
         """Source.fetch_first of each, from fetches started ahead where there are some."""
@@ -319,7 +314,7 @@ class Fetcher:
             raise
         self._land([((blocks[k][0].url, blocks[k][1]), out[k]) for k in mine], None)
         for k, future in waits.items():
-            out[k] = future.result(timeout=self._wait_s())  # the fetching thread's error, if it failed
+            out[k] = future.result(timeout=self.settings.fetch_wait_s)  # the fetching thread's error, if it failed
         return cast("list[bytes]", out)  # every block was this caller's (fetched above) or waited for
 
     def _land(self, flights: Sequence[tuple[tuple[str, int], Any]], err: BaseException | None) -> None:

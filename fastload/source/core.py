@@ -320,7 +320,7 @@ class Source(FsspecRoad):
         """
         started = self._curl_first([item], nbytes) if self._store else None
         if started is not None:
-            self._settle(started, 2 * self.settings.request_timeout_s)  # as finish_first
+            self._settle(started, self.settings.first_wait_s)
             return self.finish_first(item, nbytes, started[0])
         return self._fetch_first(item, nbytes)
 
@@ -347,7 +347,7 @@ class Source(FsspecRoad):
         """
         started = self._curl_first(items, nbytes) if len(items) >= 2 or self._store else None
         if started is not None:
-            self._settle(started, 2 * self.settings.request_timeout_s)  # as finish_first
+            self._settle(started, self.settings.first_wait_s)
             return [self.finish_first(item, nbytes, p) for item, p in zip(items, started)]
         if len(items) < 2 or not self._http or any(i.size >= 0 for i in items):
             return [self.fetch_first(i, nbytes) for i in items]
@@ -410,7 +410,7 @@ class Source(FsspecRoad):
         """:meth:`fetch_first`'s result from a :meth:`start_first_many` future; a failed or short read
         is done again by :meth:`fetch_first` (retries, backoff, error translation)."""
         try:
-            res = self._wait(future, self.settings.request_timeout_s * 2, item.url)
+            res = self._wait(future, self.settings.first_wait_s, item.url)
             if item.size < 0 or isinstance(future, curl.Pending):  # (info, body): sized by the answer
                 info, data = res
                 done = self._item(info)
