@@ -16,7 +16,7 @@ The package splits the cache along its jobs; :class:`Cache` combines them::
 Layout under ``Settings.cache_dir`` (created with mode 0700)::
 
     index/fastload.db  the index, SQLite (WAL), one table ``idx`` (key TEXT PRIMARY KEY,
-                    value: an int or float as itself, else pickled): entry records, byte
+                    value: an int or float as itself, else JSON text): entry records, byte
                     counter, pins, manifests (namespaces: keys.py)
     data/ab/<key>-<nonce>.flp   payload files (codec.py format), one per payload larger
                                 than Settings.pack_max_bytes

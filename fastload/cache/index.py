@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import builtins
 import fcntl
+import json
 import logging
 import os
-import pickle
 import sqlite3
 import threading
 import time
@@ -163,7 +163,9 @@ if hasattr(os, "register_at_fork"):
 
 
 # The index's one table. Keys are str; a value is stored as itself when it is an int or a
-# float (so the byte counter adds up in SQL), pickled otherwise (records, pins, manifests).
+# float (so the byte counter adds up in SQL), as JSON text otherwise (records, pins,
+# manifests): nothing in the cache folder is ever unpickled, so a file planted there runs
+# no code (tests/reliability/test_secrets.py).
 INDEX_FILE = "fastload.db"  # under <cache>/index/
 TABLE = "idx"
 _IN_CHUNK = 500  # keys per SELECT ... IN (...): below SQLite's oldest variable limit (999)
@@ -174,14 +176,19 @@ _ADD = f"INSERT OR IGNORE INTO {TABLE}(key, value) VALUES (?, ?)"
 
 
 def encode(value: Any) -> Any:
-    """A value as its column: ints and floats as themselves, anything else pickled."""
+    """A value as its column: ints and floats as themselves, anything else as JSON text."""
     if type(value) in (int, float):
         return value
-    return pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
+    return json.dumps(value, separators=(",", ":"))
 
 
 def decode(column: Any) -> Any:
-    return pickle.loads(column) if isinstance(column, bytes) else column
+    """A column as its value; a JSON array at the top comes back a tuple, as records and
+    pins were written (a pin read back equals the pin it was set to: Identity.pin)."""
+    if not isinstance(column, str):
+        return column
+    value = json.loads(column)
+    return tuple(value) if isinstance(value, list) else value
 
 
 class IndexReads:

@@ -2,8 +2,8 @@
 
 This module is the one owner of the index's key names; every other module builds
 and parses them through it. The index (one SQLite table, index.py) holds str keys, each in
-one namespace named by a short prefix (str keys, not tuples: a tuple costs a
-pickle per lookup):
+one namespace named by a short prefix (str keys, not tuples: a tuple key would cost an
+encoding per lookup):
 
 =========================  =========================================  ==================
 key                        value                                      written by

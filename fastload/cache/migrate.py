@@ -7,10 +7,16 @@ a file named by ``filename``, per its ``mode``: 1 raw (the column itself), 2 byt
 in a file, 3 UTF-8 text in a file, 4 pickled (in the column, or in a file). This
 module reads those rows with sqlite3, so a staged cache stays usable without
 re-staging, and removes the old files once the new index holds them.
+
+A pickled value is read by :class:`_Plain`, which builds only plain values (what
+fastload wrote: tuples, lists, dicts, str, numbers) and refuses any class or
+function a planted pickle names, so the migration runs no code from the cache folder.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import logging
 import pickle
 import shutil
@@ -21,6 +27,13 @@ from typing import Any
 OLD_FILE, OLD_TABLE = "cache.db", "Cache"
 _log = logging.getLogger("fastload")
 _RAW, _BINARY, _TEXT, _PICKLE = 1, 2, 3, 4
+
+
+class _Plain(pickle.Unpickler):
+    """An unpickler of plain values only: every global (class, function) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name} is not a plain value; an index record holds none")
 
 
 def old_rows(directory: Path) -> list[tuple[str, Any]]:
@@ -49,8 +62,10 @@ def old_rows(directory: Path) -> list[tuple[str, Any]]:
     out = []
     for key, mode, filename, value in rows:
         try:
-            out.append((key, _value(directory, mode, filename, value)))
-        except (OSError, pickle.UnpicklingError, EOFError, ValueError) as err:
+            plain = _value(directory, mode, filename, value)
+            json.dumps(plain)  # the new index holds JSON values; fastload never wrote bytes or objects
+            out.append((key, plain))
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError) as err:
             _log.info("cache index %s: record %r not migrated (%s); it is fetched again", db, key, err)
     return out
 
@@ -64,7 +79,7 @@ def _value(directory: Path, mode: int, filename: str | None, value: Any) -> Any:
     if mode == _TEXT and path is not None:
         return path.read_text(encoding="utf-8")
     if mode == _PICKLE:
-        return pickle.loads(path.read_bytes() if path is not None else value)
+        return _Plain(io.BytesIO(path.read_bytes() if path is not None else value)).load()
     raise ValueError(f"unknown value mode {mode}")
 
 

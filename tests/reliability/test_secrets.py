@@ -23,7 +23,7 @@ from helpers import ROOT, make_files
 
 import fastload
 from fastload import _servers
-from fastload.cache import Cache
+from fastload.cache import Cache, migrate
 from fastload.cli import main as cli_main
 from fastload.config import Settings
 from fastload.errors import DecodeError, FastloadError
@@ -166,13 +166,19 @@ def test_remote_bytes_are_never_unpickled(tmp_path: Path, record: Callable[..., 
     assert not marker.exists()
     # And no code path that could: no unpickling call anywhere in the package.
     pattern = re.compile(r"pickle\.loads?\(|Unpickler|torch\.load\(|allow_pickle\s*=\s*True|np\.load\(|numpy\.load\(|marshal\.loads?\(")
+    # One unpickler is allowed: the old index's migration reads values diskcache pickled, through
+    # a subclass that refuses every global; the planted pickle is refused by it, running nothing.
+    restricted = ("fastload/cache/migrate.py", "class _Plain(pickle.Unpickler):")
     offenders = [
         f"{p.relative_to(ROOT)}:{n}"
         for p in (ROOT / "fastload").rglob("*.py")
         for n, line in enumerate(p.read_text().splitlines(), 1)
-        if pattern.search(line.split("#", 1)[0])
+        if pattern.search(line.split("#", 1)[0]) and (str(p.relative_to(ROOT)), line.strip()) != restricted
     ]
     assert not offenders, offenders
+    with pytest.raises(pickle.UnpicklingError, match="not a plain value"):
+        migrate._Plain(io.BytesIO(evil)).load()
+    assert not marker.exists()
     record(
         "no-unpickle", 3,
         "pass: a marker-creating pickle served as a .pkl file, an object .npy and a tar member: bytes stay bytes, "
