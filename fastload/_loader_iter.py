@@ -22,6 +22,7 @@ import torch
 
 from fastload._torch_surface import surfaced
 from fastload._worker_stats import fetches_of
+from fastload.batch_tree import nbytes
 from fastload.readahead import ReadAhead, finalizing_close
 from fastload.stats import (
     _ACTIVE,
@@ -31,7 +32,6 @@ from fastload.stats import (
     _leave_loop,
     _LoopScope,
     _watch,
-    nbytes,
 )
 
 __all__ = ["TICK_S"]

@@ -33,8 +33,9 @@ from torch.utils.data import default_collate, get_worker_info
 
 from fastload import hostlimit
 from fastload._worker_pack import BufferRef, SharedBuffers, activate, pack, pickled_bytes, unpack
+from fastload.batch_tree import nbytes
 from fastload.resume import WorkerStates, worker_changes
-from fastload.stats import StatsCollector, default_collector, nbytes
+from fastload.stats import StatsCollector, default_collector
 
 __all__ = ["Delta", "Unwrap", "WorkerBatch", "WorkerCollate", "fetches_of"]
 

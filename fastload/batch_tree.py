@@ -1,4 +1,4 @@
-"""A batch's tensor leaves: collected in order, and put back into the same containers.
+"""A batch's tensor leaves: collected in order, and put back into the same containers; its bytes.
 
 The container rules are torch's own (``torch.utils.data._utils.pin_memory``): a
 mapping, namedtuple, tuple or sequence is rebuilt as the same type where it can be
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["collect_tensors", "rebuild"]
+__all__ = ["collect_tensors", "nbytes", "rebuild"]
 
 
 def collect_tensors(data: Any, out: list[torch.Tensor]) -> None:
@@ -72,3 +72,34 @@ def rebuild(data: Any, new: Iterator[torch.Tensor]) -> Any:
         except TypeError:
             return values
     return data
+
+
+def nbytes(obj: Any) -> int:
+    """Bytes held by the tensors, arrays, bytes and nested containers in ``obj``.
+
+    Other leaves count 0. Used to fill the ``bytes`` column cheaply (no copies); it
+    runs once per batch, so the common containers are walked without generators.
+    """
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        total = 0
+        for v in obj:
+            total += nbytes(v)
+        return total
+    if kind is dict:
+        total = 0
+        for v in obj.values():
+            total += nbytes(v)
+        return total
+    if kind is str or obj is None or kind is int or kind is float:
+        return 0
+    if kind is bytes or kind is bytearray:
+        return len(obj)
+    n = getattr(obj, "nbytes", None)  # torch.Tensor, numpy.ndarray, memoryview
+    if isinstance(n, int):
+        return n
+    if isinstance(obj, Mapping):
+        return sum(nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(v) for v in obj)
+    return 0

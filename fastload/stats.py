@@ -50,6 +50,7 @@ from types import MappingProxyType
 from typing import Any
 
 from fastload import hostlimit
+from fastload.config import deprecated
 
 __all__ = [
     "OPS",
@@ -59,7 +60,6 @@ __all__ = [
     "StatsCollector",
     "current_collector",
     "default_collector",
-    "nbytes",
     "regime",
     "use_collector",
 ]
@@ -67,6 +67,7 @@ __all__ = [
 #: Canonical op names, in the order the table prints them. Other names are allowed
 #: and print after these, sorted.
 OPS: tuple[str, ...] = ("fetch", "cache_read", "decode", "assemble", "collate", "pin", "h2d")
+OPS_MEANING = "the timed pieces of work; 'stage' now means pre-staging only"
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,17 @@ class LoaderStats:
     def op(self, name: str) -> OpStats:
         """Return the stats of op ``name`` (all zero if it never recorded)."""
         return self.ops.get(name, _ZERO)
+
+    @property
+    def stages(self) -> Mapping[str, OpStats]:
+        """:attr:`ops`' old name (a FutureWarning once)."""
+        deprecated("stages", "ops", OPS_MEANING)
+        return self.ops
+
+    def stage(self, name: str) -> OpStats:
+        """:meth:`op`'s old name (a FutureWarning once)."""
+        deprecated("stage()", "op()", OPS_MEANING)
+        return self.op(name)
 
     @property
     def data_stall_fraction(self) -> float:
@@ -459,37 +471,6 @@ class StatsCollector:
             self._local = threading.local()
             self._shards = []
             self._retired = _Shard(None)
-
-
-def nbytes(obj: Any) -> int:
-    """Bytes held by the tensors, arrays, bytes and nested containers in ``obj``.
-
-    Other leaves count 0. Used to fill the ``bytes`` column cheaply (no copies); it
-    runs once per batch, so the common containers are walked without generators.
-    """
-    kind = type(obj)
-    if kind is tuple or kind is list:
-        total = 0
-        for v in obj:
-            total += nbytes(v)
-        return total
-    if kind is dict:
-        total = 0
-        for v in obj.values():
-            total += nbytes(v)
-        return total
-    if kind is str or obj is None or kind is int or kind is float:
-        return 0
-    if kind is bytes or kind is bytearray:
-        return len(obj)
-    n = getattr(obj, "nbytes", None)  # torch.Tensor, numpy.ndarray, memoryview
-    if isinstance(n, int):
-        return n
-    if isinstance(obj, Mapping):
-        return sum(nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(nbytes(v) for v in obj)
-    return 0
 
 
 _DEFAULT = StatsCollector()

@@ -15,6 +15,7 @@ import torch
 from _loader_helpers import ReadBatchDS, TensorDS
 
 from fastload import hostlimit
+from fastload.batch_tree import nbytes
 from fastload.loader import DataLoader
 from fastload.stats import (
     LoaderStats,
@@ -22,7 +23,6 @@ from fastload.stats import (
     StatsCollector,
     current_collector,
     default_collector,
-    nbytes,
     use_collector,
 )
 
@@ -313,3 +313,11 @@ def test_sampled_collate_split_and_exact_items() -> None:
     custom = DataLoader(TensorDS(10), batch_sampler=[[0, 1, 2], [3], [4, 5, 6, 7, 8, 9]])
     list(custom)
     assert custom.stats().op("collate").items == 10
+
+
+def test_the_old_names_of_ops_still_answer_with_a_warning() -> None:
+    stats = LoaderStats(ops={"fetch": OpStats(items=3)})
+    with pytest.warns(FutureWarning, match="'stages' is now 'ops'"):
+        assert stats.stages == stats.ops
+    with pytest.warns(FutureWarning, match=r"'stage\(\)' is now 'op\(\)'"):
+        assert stats.stage("fetch").items == 3
