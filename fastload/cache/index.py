@@ -208,13 +208,17 @@ class IndexReads:
 
     def get_many(self, keys: Sequence[str]) -> dict[str, Any]:
         """The values of those ``keys`` that are present, in one query per ``_IN_CHUNK`` keys."""
-        con, rows = self._con(), []
         with FORK_GATE.shared():
-            for i in range(0, len(keys), _IN_CHUNK):
-                part = list(keys[i : i + _IN_CHUNK])
-                marks = ",".join("?" * len(part))
-                rows += con.execute(f"SELECT key, value FROM {TABLE} WHERE key IN ({marks})", part).fetchall()
+            rows = self._select_in("key, value", keys)
         return {k: decode(v) for k, v in rows}
+
+    def _select_in(self, columns: str, keys: Sequence[str]) -> list[Any]:
+        """``SELECT columns`` of the rows of ``keys`` present, one query per ``_IN_CHUNK`` keys."""
+        con, rows = self._con(), []
+        for i in range(0, len(keys), _IN_CHUNK):
+            part = list(keys[i : i + _IN_CHUNK])
+            rows += con.execute(f"SELECT {columns} FROM {TABLE} WHERE key IN ({','.join('?' * len(part))})", part).fetchall()
+        return rows
 
     def iterkeys(self, reverse: bool = False) -> Iterator[str]:
         """Every key, oldest first (newest first with ``reverse``); read whole inside the gate."""
@@ -281,8 +285,7 @@ class GatedIndex(IndexReads):
                 # disk) takes only before the first table; WAL lets readers run beside a writer.
                 con.execute("PRAGMA auto_vacuum = FULL").fetchall()
                 con.execute("PRAGMA journal_mode = WAL").fetchall()
-                con.execute("BEGIN IMMEDIATE")
-                try:
+                with self._txn():  # another process may have made it meanwhile: look again inside
                     if con.execute("PRAGMA user_version").fetchone()[0] < _SCHEMA:
                         con.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (key TEXT PRIMARY KEY NOT NULL, value)")
                         rows = migrate.old_rows(self.directory)
@@ -290,11 +293,6 @@ class GatedIndex(IndexReads):
                         con.execute(f"PRAGMA user_version = {_SCHEMA}")
                         if rows:
                             _log.info("cache index %s: %d records migrated from the old index", self.path, len(rows))
-                    con.execute("COMMIT")
-                except BaseException:
-                    if con.in_transaction:
-                        con.execute("ROLLBACK")
-                    raise
             migrate.remove_old(self.directory)
 
     def writing(self) -> threading.RLock:
@@ -376,7 +374,7 @@ class GatedIndex(IndexReads):
     def add_many(self, items: Sequence[tuple[str, Any]]) -> builtins.set[str]:
         """Add each ``(key, value)`` whose key is absent (first wins within ``items`` too); the keys added."""
         with self._txn():
-            taken = self._present([k for k, _ in items])
+            taken = {k for (k,) in self._select_in("key", [k for k, _ in items])}
             added: dict[str, Any] = {}
             for key, value in items:
                 if key not in taken and key not in added:
@@ -384,14 +382,6 @@ class GatedIndex(IndexReads):
             if added:
                 self._con().executemany(_ADD, added.items())
         return builtins.set(added)
-
-    def _present(self, keys: Sequence[str]) -> builtins.set[str]:
-        con, out = self._con(), builtins.set[str]()
-        for i in range(0, len(keys), _IN_CHUNK):
-            part = list(keys[i : i + _IN_CHUNK])
-            marks = ",".join("?" * len(part))
-            out.update(k for (k,) in con.execute(f"SELECT key FROM {TABLE} WHERE key IN ({marks})", part))
-        return out
 
     def clear(self) -> int:
         """Delete every record; how many there were."""
