@@ -418,19 +418,28 @@ def _tail(text: str, n: int = 1200) -> str:
 # -- the parts ----------------------------------------------------------------------------------
 
 
+def _run_json(session: Session, tree: Tree, cmd: list[str],
+              args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+    """Run a tree's benchmark: what it reported (wall, rc; an error when it printed no JSON),
+    its last JSON document (None then), and its stderr."""
+    rc, out, err, wall = session.run(cmd, tree.path, _env(tree), args.timeout_s)
+    got: dict[str, Any] = {"wall_s": round(wall, 1), "rc": rc}
+    try:
+        return got, _last_json(out), err
+    except ValueError:
+        return got | {"error": f"exited {rc}, no JSON: {_tail(err)}"}, None, err
+
+
 def run_peers(session: Session, tree: Tree, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     script = tree.path / "benchmarks" / "peers" / "bench.py"
     argv = ["--peers", "fastload", "--links", args.link, "--modes", "raw", "--images", str(args.images),
             "--epochs", str(args.epochs), "--repeats", str(args.peers_repeats), "--peers-python", sys.executable,
             "--netns-prefix", args.netns_prefix, "--work-dir", str(work), "--out", str(work / f"peers-{tree.label}")]
     cmd = [sys.executable, "-c", _PEERS_DRIVER, str(script), str(args.data_dir or work / "data"), *argv]
-    rc, out, err, wall = session.run(cmd, tree.path, _env(tree), args.timeout_s)
+    got, res, err = _run_json(session, tree, cmd, args)
     shutil.rmtree(work / f"peers-{tree.label}", ignore_errors=True)
-    got: dict[str, Any] = {"wall_s": round(wall, 1), "rc": rc}
-    try:
-        res = _last_json(out)
-    except ValueError:
-        return got | {"error": f"exited {rc}, no JSON: {_tail(err)}"}
+    if res is None:
+        return got
     got["metrics"] = peers_metrics(res)
     got["fallback"] = res.get("fallback")
     got["links"] = [{"name": lk["name"], "limit_mb_s": lk["limit"]["mb_s"]} for lk in res.get("links", [])]
@@ -447,12 +456,9 @@ def run_ordinary(session: Session, tree: Tree, args: argparse.Namespace, work: P
             "--netns-prefix", args.netns_prefix, "--pythonpath", str(tree.path)]
     if "--servers" in script.read_text():  # older trees ran http.server only
         argv += ["--servers", "http.server"]
-    rc, out, err, wall = session.run([sys.executable, str(script), *argv], tree.path, _env(tree), args.timeout_s)
-    got: dict[str, Any] = {"wall_s": round(wall, 1), "rc": rc}
-    try:
-        res = _last_json(out)
-    except ValueError:
-        return got | {"error": f"exited {rc}, no JSON: {_tail(err)}"}
+    got, res, err = _run_json(session, tree, [sys.executable, str(script), *argv], args)
+    if res is None:
+        return got
     got["metrics"] = ordinary_metrics(res)
     got["link"] = res.get("link")
     got["concurrency"] = [r.get("concurrency") for r in res.get("fastload", [])]
