@@ -12,12 +12,12 @@ import json
 import os
 import threading
 import time
-import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _memory import peak_while
 
 import fastload
 from fastload.cli import main
@@ -244,12 +244,7 @@ def test_a_server_without_range_support_streams_a_large_object_into_the_cache(
     reader = Reader(Settings(cache_dir=tmp_path / "cache", block_bytes=mb, retries=2, backoff_s=0.01))
     (item,), fresh = reader.fetcher.complete([RemoteItem(base + "/big/huge.bin", -1, "")])  # finds Range ignored
     assert item.size == 64 * mb and len(fresh) == 1
-    tracemalloc.start()
-    try:
-        block = reader.read_block(item, 40)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    block, peak = peak_while(lambda: reader.read_block(item, 40))
     assert peak < 16 * mb, f"{peak / mb:.1f} MB held while fetching a 64 MB object"
     assert gets["/big/huge.bin"] == 2  # the first GET (cut after block 0), then the whole object once
     with path.open("rb") as f:

@@ -11,12 +11,12 @@ import subprocess
 import sys
 import threading
 import time
-import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _memory import peak_while
 
 import fastload
 from fastload.cache import Cache
@@ -172,12 +172,7 @@ def test_a_read_of_one_block_of_a_sized_object_is_one_get_streamed(tmp_path: Pat
     _write(www / "big" / "one.bin", 64)
     reader = Reader(Settings(cache_dir=tmp_path / "cache", block_bytes=MB, retries=2))
     item = reader.stat(f"{base}/big/one.bin")  # a HEAD: sized, no GET yet
-    tracemalloc.start()
-    try:
-        block = reader.read_block(item, 40)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    block, peak = peak_while(lambda: reader.read_block(item, 40))
     assert peak < 16 * MB, f"{peak / MB:.1f} MB held reading one block of a 64 MB object"
     with (www / "big" / "one.bin").open("rb") as f:
         f.seek(40 * MB)

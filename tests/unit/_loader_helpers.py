@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
+
+from fastload.source import RemoteItem
+
+
+def local_items(folder: Path, n: int) -> list[RemoteItem]:
+    """``n`` local files of 100 bytes each (file k holds byte k), as sized items of version "v1"."""
+    out = []
+    for k in range(n):
+        path = folder / f"{k}.bin"
+        path.write_bytes(bytes([k]) * 100)
+        out.append(RemoteItem(path.as_uri(), 100, "v1"))
+    return out
 
 
 class TensorDS(Dataset):

@@ -9,26 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _loader_helpers import local_items
 
 from fastload.config import Settings
 from fastload.reader import Reader
 from fastload.source import RemoteItem, Source
 
 
-def _items(tmp_path: Path, n: int) -> list[RemoteItem]:
-    out = []
-    for k in range(n):
-        path = tmp_path / f"{k}.bin"
-        path.write_bytes(bytes([k]) * 100)
-        out.append(RemoteItem(path.as_uri(), 100, "v1"))
-    return out
-
-
 def test_a_read_takes_its_chunks_fetches_ahead_once_they_are_all_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A local store has no event loop to fetch ahead on; stand in for one with futures that a
     # thread answers one by one, as a loop does while the answers arrive.
     reader = Reader(Settings(cache_dir=tmp_path / "cache"))
-    items = _items(tmp_path, 6)
+    items = local_items(tmp_path, 6)
     futures: list[Future[Any]] = []
     starts: list[int] = []
 

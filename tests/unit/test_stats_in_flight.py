@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from _loader_helpers import local_items
 
 import fastload
 from fastload.config import Settings
 from fastload.dataset import FileDataset
 from fastload.fetch import Fetcher
 from fastload.reader import Reader
-from fastload.source import RemoteItem, Source
+from fastload.source import Source
 from fastload.stats import LoaderStats, regime
 
 
@@ -36,20 +37,11 @@ class Plain(torch.utils.data.Dataset[int]):
         return i
 
 
-def _items(tmp_path: Path, n: int) -> list[RemoteItem]:
-    out = []
-    for k in range(n):
-        path = tmp_path / f"{k}.bin"
-        path.write_bytes(bytes([k]) * 100)
-        out.append(RemoteItem(path.as_uri(), 100, "v1"))
-    return out
-
-
 def test_fetcher_in_flight_counts_fetches_ahead_and_fetches_a_read_waits_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reader = Reader(Settings(cache_dir=tmp_path / "cache"))
-    items = _items(tmp_path, 5)
+    items = local_items(tmp_path, 5)
     assert reader.fetcher.in_flight() == {"ahead": 0, "fetching": 0}
     # Fetches ahead that never finish (a local store has no event loop to fetch ahead on).
     monkeypatch.setattr(Source, "start_first_many", lambda self, group, nbytes: [Future() for _ in group])
