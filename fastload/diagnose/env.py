@@ -19,6 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from fastload.config import usable_cpus
 from fastload.diagnose._util import MissingOptional, ok, optional, skipped
 
 __all__ = ["environment", "gpu_sanity", "warnings_for"]
@@ -50,14 +51,6 @@ def _cpu_model() -> str:
     except OSError:
         pass  # no procfs (macOS, Windows): fall back to platform
     return platform.processor() or platform.machine()
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on (affinity and cgroup-agnostic count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _meminfo() -> dict[str, int]:
@@ -182,7 +175,7 @@ def environment() -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count() or 1,
-        "cpu_usable": usable_cores(),
+        "cpu_usable": usable_cpus(),
         "ram_bytes": mem.get("MemTotal"),
         "ram_available_bytes": mem.get("MemAvailable"),
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
