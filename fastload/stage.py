@@ -35,7 +35,7 @@ from fastload.errors import (
     StoppedError,
 )
 from fastload.reader import Reader
-from fastload.source import RemoteItem, Source
+from fastload.source import RemoteItem
 
 T = TypeVar("T")
 _log = logging.getLogger("fastload")
@@ -253,7 +253,7 @@ def _compare_with_remote(reader: Reader, url: str, pattern: str | None, snapshot
     An HTTP listing has no sizes or versions: there only new and gone objects show.
     """
     try:
-        now = Source(url, reader.storage_options, reader.settings, reader.stop).list(pattern, complete=False)
+        now = reader.sources.lister(url).list(pattern, complete=False)
     except EmptyDatasetError:
         now = []  # everything recorded is gone
     except FastloadError as err:  # unreachable: the snapshot is all there is to stage
