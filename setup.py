@@ -4,7 +4,7 @@
 Everything else about the package lives in pyproject.toml. Both extensions are
 ``optional``: when they cannot be compiled (no C compiler, no Python headers), the
 install still succeeds and fastload runs its pure-Python fallbacks
-(fastload/gather.py; aiohttp for every HTTP request, fastload/curl.py).
+(fastload/cache/gather.py; aiohttp for every HTTP request, fastload/transport/curl.py).
 ``_native`` links nothing but libc and pthreads; LZ4 and xxh3 are resolved at
 run time from the installed ``lz4`` and ``xxhash`` packages (see native/README.md).
 """
@@ -23,7 +23,7 @@ setup(
             optional=True,
         ),
         # libcurl is opened at run time (dlopen), so neither its headers nor the library are
-        # needed to build this; without it fastload's HTTP GETs stay on aiohttp (fastload/curl.py).
+        # needed to build this; without it fastload's HTTP GETs stay on aiohttp (fastload/transport/curl.py).
         Extension(
             "fastload._curl",
             sources=["native/_curl.c"],

@@ -30,7 +30,7 @@ from fastload.errors import (
     StoppedError,
 )
 from fastload.fs import FastloadFileSystem, arrow_filesystem, open
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 from fastload.source import RemoteItem, Source
 from fastload.stage import StageReport, stage
 from fastload.stats import LoaderStats, StatsCollector, current_collector
@@ -40,15 +40,15 @@ __version__ = "0.1.0"
 # name -> "module:attr"; imported lazily because these need torch.
 _LAZY = {
     "ArrayDataset": "fastload.dataset:ArrayDataset",
-    "DataLoader": "fastload.loader:DataLoader",
-    "DevicePrefetcher": "fastload.prefetch:DevicePrefetcher",
+    "DataLoader": "fastload.loader.dataloader:DataLoader",
+    "DevicePrefetcher": "fastload.device.prefetch:DevicePrefetcher",
     "FileDataset": "fastload.dataset:FileDataset",
-    "ResumableSampler": "fastload.sampler:ResumableSampler",
-    "ShardedSampler": "fastload.sampler:ShardedSampler",
+    "ResumableSampler": "fastload.loader.sampler:ResumableSampler",
+    "ShardedSampler": "fastload.loader.sampler:ShardedSampler",
     "TarDataset": "fastload.dataset:TarDataset",
     "TokenDataset": "fastload.dataset:TokenDataset",
-    "TorchPatch": "fastload.patch:TorchPatch",
-    "patch_torch": "fastload.patch:patch_torch",
+    "TorchPatch": "fastload.loader.patch:TorchPatch",
+    "patch_torch": "fastload.loader.patch:patch_torch",
 }
 
 __all__ = [

@@ -138,7 +138,7 @@ def _read_url_list(path: str) -> list[str]:
 
 def dataset_summaries(settings: Settings) -> dict[str, Any]:
     """Cache totals plus, per recorded dataset, how much of it is cached (under any block size)."""
-    from fastload.reader import Reader
+    from fastload.read.reader import Reader
     from fastload.source import RemoteItem
 
     reader = Reader(settings)
@@ -226,7 +226,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_clear(args: argparse.Namespace) -> int:
     from fastload.cache import keys
-    from fastload.reader import Reader
+    from fastload.read.reader import Reader
     from fastload.source import RemoteItem
 
     reader = Reader(_settings(args))

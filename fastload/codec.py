@@ -190,7 +190,7 @@ INT_MAX = 2**31 - 1  # lz4.block takes sizes as C ints
 
 def decode_chunk(payload: memoryview, offset: int, size: int, raw_size: int) -> bytes:
     """One LZ4 chunk of ``payload`` (``size`` bytes at ``offset``), decoded and checked to be ``raw_size``
-    bytes: the one chunk decoder (:func:`decode`, and fastload.gather's ranged reads)."""
+    bytes: the one chunk decoder (:func:`decode`, and fastload.cache.gather's ranged reads)."""
     if size > INT_MAX or raw_size > INT_MAX:
         raise CodecError(f"LZ4 chunk at offset {offset} is corrupt: a chunk of {raw_size} B is too large")
     try:

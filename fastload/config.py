@@ -129,7 +129,7 @@ class Settings:
         lz4_level: 0 = fast LZ4 block; 1..12 = LZ4-HC at that level (pre-staging only).
         min_saving: Store LZ4 only if it saves at least this fraction, else store raw.
         max_requests: The most requests in flight to one host from one process (staging
-            and training alike); an adaptive limit runs under it (fastload.hostlimit).
+            and training alike); an adaptive limit runs under it (fastload.transport.hostlimit).
             Its one home: nothing else (threads, pools) is sized from it.
             ``workers=`` / ``FASTLOAD_WORKERS`` / ``--workers`` are its old names: still
             taken, with a warning once (they read like torch's ``num_workers``).
@@ -151,7 +151,7 @@ class Settings:
             (default): libcurl (``fastload._curl``) where it is built, libcurl is
             installed and the storage_options map onto it, else fsspec's aiohttp
             session; ``"curl"``: the same, but a missing engine is an error;
-            ``"aiohttp"``: always aiohttp (fastload.curl). The same choice holds for S3's
+            ``"aiohttp"``: always aiohttp (fastload.transport.curl). The same choice holds for S3's
             signed first blocks and listing pages, whose other road is s3fs (fastload.source.s3).
         lock_timeout_s: Upper bound on waiting for the cache's eviction lock.
     """
@@ -307,7 +307,7 @@ HTTP_CLIENTS = ("auto", "curl", "aiohttp")
 
 def pure_python() -> bool:
     """Whether ``FASTLOAD_PURE_PYTHON`` (any value but "" or "0") turns off the C extensions: both
-    ``fastload._native`` (fastload.gather) and ``fastload._curl`` (fastload.curl) ask here."""
+    ``fastload._native`` (fastload.cache.gather) and ``fastload._curl`` (fastload.transport.curl) ask here."""
     return os.environ.get("FASTLOAD_PURE_PYTHON", "") not in ("", "0")
 
 

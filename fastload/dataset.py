@@ -3,7 +3,7 @@
 Each dataset lists its remote once (the listing is recorded as a manifest in
 the cache index, so neither later epochs nor DataLoader workers list again),
 pickles its settings rather than its handles, and reads samples through
-:class:`~fastload.reader.Reader`. Every sample carries its URL so errors and
+:class:`~fastload.read.reader.Reader`. Every sample carries its URL so errors and
 stats can name it. They work with ``fastload.DataLoader`` and with torch's own.
 
 * :class:`FileDataset` - one file per sample (ImageFolder layouts).
@@ -31,12 +31,12 @@ import numpy as np
 import torch.utils.data
 from torch.utils.data import get_worker_info
 
-from fastload._worker_pack import Span, read_buffer
 from fastload.cache import cannot_write, keys
 from fastload.config import Settings
+from fastload.device.worker_pack import Span, read_buffer
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
 from fastload.fetch import announce
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 from fastload.source import RemoteItem
 
 Transform = Callable[[Any], Any]
@@ -213,7 +213,7 @@ class FileDataset(_CachedDataset):
         return len(self.items)
 
     def item_keys(self) -> list[str]:
-        """Each sample's URL: its name in node partitions (fastload.partition), the same on every node."""
+        """Each sample's URL: its name in node partitions (fastload.read.partition), the same on every node."""
         return [i.url for i in self.items]
 
     def item_sizes(self) -> list[int]:
@@ -258,7 +258,7 @@ class FileDataset(_CachedDataset):
         if self.transform is None and get_worker_info() is not None:
             # In a DataLoader worker whose batches cross through shared buffers, and
             # no transform to see the bytes: read into the batch's buffer, hand out
-            # spans of it; the parent makes the bytes (fastload._worker_pack).
+            # spans of it; the parent makes the bytes (fastload.device.worker_pack).
             offsets, end = _offsets(sizes)
             lease = read_buffer(end) if sizes else None
             if lease is not None:

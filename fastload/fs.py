@@ -9,7 +9,7 @@ or ``fastload.open("s3://bucket/x.jpg")``. Files are read-only and seekable;
 reads touch only the cached blocks they need. The protocol is registered
 through the ``fsspec.specs`` entry point in pyproject.toml.
 
-Every open in a process shares one :class:`~fastload.reader.Reader` (and so one
+Every open in a process shares one :class:`~fastload.read.reader.Reader` (and so one
 Cache, one index connection, one Source per protocol) per settings and storage
 options (:func:`shared_reader`): a warm open is a pin lookup and a block read, not
 a new Reader, Cache and index each time. A forked child starts with none and builds
@@ -30,7 +30,7 @@ from fsspec.implementations.chained import ChainedFileSystem
 from fastload.cache import keys
 from fastload.config import Settings, env_settings
 from fastload.errors import ConfigError, EmptyDatasetError
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 from fastload.source import RemoteItem
 
 _SHARED: dict[tuple[Settings, str], Reader] = {}

@@ -8,7 +8,7 @@ interrupted write is never mistaken for a valid one
 (tests/reliability/test_stage_kill.py).
 
 With ``nodes=``/``node_rank=`` it stages one node's part: exactly the items
-``partition="node"`` reads on that node (:mod:`fastload.partition`), split from the
+``partition="node"`` reads on that node (:mod:`fastload.read.partition`), split from the
 whole listing, whose manifest it records whole.
 """
 
@@ -34,7 +34,7 @@ from fastload.errors import (
     FastloadError,
     StoppedError,
 )
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 from fastload.source import RemoteItem
 
 T = TypeVar("T")
@@ -62,7 +62,7 @@ class StageReport:
         dry_run: Nothing was fetched.
         concurrency: The remote host's request limit after the run: ``limit`` (what the
             controller settled on), ``cap`` (``max_requests``), ``peak`` in flight, ``cuts``
-            (fastload.hostlimit); empty for local files.
+            (fastload.transport.hostlimit); empty for local files.
         node: ``"<node_rank>/<nodes>"`` when one node's part was staged, else empty;
             ``items`` and the byte counts are then that part's.
         remote_changed: Staged from a recorded listing: its objects whose size or version
@@ -156,7 +156,7 @@ def stage(
         progress: Show a progress bar (default: when stderr is a terminal).
         nodes, node_rank: Stage only what ``partition="node"`` reads on node ``node_rank``
             of ``nodes``; one given, the other comes from torchrun's or Slurm's
-            environment (:func:`fastload.partition.node_env`). Neither: the whole dataset.
+            environment (:func:`fastload.read.partition.node_env`). Neither: the whole dataset.
 
     Raises:
         CacheFullError: The dataset is larger than the cache limit, or the disk filled up.
@@ -176,7 +176,7 @@ def stage(
     items = snapshot if snapshot is not None else reader.list(url, pattern, refresh=refresh, complete=dry_run or part)
     node = ""
     if part:
-        from fastload import (
+        from fastload.read import (
             partition,  # numpy: only for a node's part, not at every import of fastload
         )
 

@@ -3,7 +3,7 @@
 Every op of the pipeline (a timed piece of work: fetch, decode, collate...) records
 what it did into a :class:`StatsCollector`: items, bytes and busy seconds per *op*,
 plus plain event counters such as ``cache_hit``. The
-:class:`~fastload.loader.DataLoader` owns one collector and makes it the *active* collector (a ContextVar) of the code that iterates it, from
+:class:`~fastload.loader.dataloader.DataLoader` owns one collector and makes it the *active* collector (a ContextVar) of the code that iterates it, from
 its first ``next()`` until the pass ends, and of its ``read_batch`` threads while
 they read, so code deep inside a dataset or the cache reader records without
 holding a reference::
@@ -33,7 +33,7 @@ when :meth:`StatsCollector.snapshot` is called. The benchmark
 Worker processes. With ``num_workers > 0`` each worker records into its own
 collector and ships what it recorded since its previous batch along with each
 batch; the parent's iterator merges it into the loader's collector
-(:mod:`fastload._worker_stats`).
+(:mod:`fastload.loader.worker_stats`).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from fastload import hostlimit
 from fastload.config import deprecated
+from fastload.transport import hostlimit
 
 __all__ = [
     "OPS",
@@ -128,16 +128,16 @@ class LoaderStats:
         batches: Batches handed to the consumer.
         wait_seconds: Seconds the consumer spent inside ``next()`` waiting for a batch
             (when batches come faster than 100 us apart, timed on a random sample of
-            them and scaled: fastload._loader_iter).
+            them and scaled: fastload.loader.iterator).
         wall_seconds: Seconds from the start of each epoch's iteration to the most recent
             batch, summed over epochs: the training loop's wall time.
-        concurrency: Host -> its request limits (:mod:`fastload.hostlimit`), over this
+        concurrency: Host -> its request limits (:mod:`fastload.transport.hostlimit`), over this
             process and the loader's worker processes, each of which has its own:
             ``limit`` (requests in flight the controllers settled on, summed over the
             processes), ``cap`` (``max_requests``: a cap *per process*), ``peak`` (the most
             in flight at once in one process), ``cuts`` (congestion signals, summed),
             ``last_cut``, and ``processes``: ``{"main" | "worker N": {limit, cap, peak,
-            cuts, last_cut}}``, each process's own (:func:`fastload.hostlimit.combine_limits`).
+            cuts, last_cut}}``, each process's own (:func:`fastload.transport.hostlimit.combine_limits`).
         read_threads: The read_batch pool's threads (0: samples are read in the calling
             thread or in worker processes).
         batches_in_flight: Index batches handed to reading and not yet returned, when
@@ -385,7 +385,7 @@ class StatsCollector:
         shard.wall += wall_seconds
 
     def set_limits(self, process: str, limits: dict[str, dict[str, Any]], fetches: dict[str, int] | None = None) -> None:
-        """Record a DataLoader worker's host limits and fetches in flight (fastload._worker_stats).
+        """Record a DataLoader worker's host limits and fetches in flight (fastload.loader.worker_stats).
 
         State, not a count: the latest replaces the previous; :meth:`reset` keeps it, as its own.
         """
@@ -448,7 +448,7 @@ class StatsCollector:
         """Detach the calling thread's records: ``({op: [items, bytes, seconds]}, {counter: n})``.
 
         O(1): only the calling thread writes its own shard, so it is swapped out, not
-        copied. DataLoader workers ship these with each batch (fastload._worker_stats).
+        copied. DataLoader workers ship these with each batch (fastload.loader.worker_stats).
         The third value is the shard, for :meth:`_others`.
         """
         shard = self._shard()

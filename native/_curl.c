@@ -14,7 +14,7 @@
  * the sockets that are ready, not every transfer in flight.
  *
  * Requests in flight per host are bounded by permits that Python leases from its
- * HostLimit (fastload/hostlimit.py, the one home of that number) and hands over
+ * HostLimit (fastload/transport/hostlimit.py, the one home of that number) and hands over
  * with Engine.set_permits: the transfer thread starts a queued request only
  * while its host has fewer active requests than permits, and a finished request's
  * permit passes to the next queued one without Python. Each finished request
@@ -23,7 +23,7 @@
  *
  * libcurl is not linked: it is opened at run time (dlopen "libcurl.so.4"), so
  * the build needs no curl headers and a machine without libcurl runs aiohttp
- * (fastload/curl.py). The option numbers below are libcurl's ABI (curl.h, multi.h).
+ * (fastload/transport/curl.py). The option numbers below are libcurl's ABI (curl.h, multi.h).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -233,7 +233,7 @@ struct Engine {
 
 typedef struct {
     PyObject_HEAD
-    Engine *eng; /* borrowed: engines live for the process (fastload/curl.py keeps them) */
+    Engine *eng; /* borrowed: engines live for the process (fastload/transport/curl.py keeps them) */
     Req *req;
     PyObject *answer;
 } Transfer;
@@ -287,7 +287,7 @@ static size_t on_header(char *line, size_t size, size_t n, void *ud) {
     }
     for (int i = 0; i < N_HEADERS; i++) {
         if (i == H_TYPE && !r->page)
-            continue; /* only a listing page's type is read (page_wanted, fastload.curl._page_answer) */
+            continue; /* only a listing page's type is read (page_wanted, fastload.transport.curl._page_answer) */
         if (strlen(header_names[i]) == name_len && strncasecmp(line, header_names[i], name_len) == 0) {
             free(r->h[i]);
             r->h[i] = strndup(line + v, end - v);

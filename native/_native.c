@@ -14,11 +14,11 @@
  * before it is used, and every copy is checked against the raw size and the
  * output buffer when the arguments are parsed, before any I/O. A bad payload
  * is reported per job ("corrupt", message), never by crashing, so the caller
- * drops and refetches it exactly as the pure-Python path (fastload/gather.py)
+ * drops and refetches it exactly as the pure-Python path (fastload/cache/gather.py)
  * does. tests/unit/test_native.py checks both paths agree; native/fuzz.py
  * fuzzes them against each other.
  *
- * LZ4_decompress_safe and XXH3_64bits are not linked: fastload/gather.py finds
+ * LZ4_decompress_safe and XXH3_64bits are not linked: fastload/cache/gather.py finds
  * them at run time in libraries that are already installed (the lz4 and xxhash
  * Python packages' extension modules, or system liblz4 / libxxhash) and passes
  * their addresses to bind(), after which a self-test compares the results with
@@ -869,7 +869,7 @@ static PyMethodDef methods[] = {
      "gather() with in-memory payloads (any bytes-like object) in place of paths."},
     {"bind", bind, METH_VARARGS,
      "bind(lz4_decompress_safe_address, xxh3_64bits_address, lz4_decompress_safe_partial_address=0)\n\n"
-     "Use these functions (resolved by fastload.gather) for decoding and checksums; without\n"
+     "Use these functions (resolved by fastload.cache.gather) for decoding and checksums; without\n"
      "the partial decoder, wanted chunks are decoded in full."},
     {"trim", trim, METH_NOARGS, "trim()\n\nFree the scratch buffers kept between calls."},
     {NULL, NULL, 0, NULL},
@@ -877,7 +877,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "fastload._native",
-    "Batch assembly of cache payloads in C (private; use fastload.gather).", -1, methods,
+    "Batch assembly of cache payloads in C (private; use fastload.cache.gather).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -43,7 +43,8 @@ if __name__ == "__main__" and "--native-so" in sys.argv:  # load the ASan build 
     spec.loader.exec_module(module)
     sys.modules["fastload._native"] = module
 
-from fastload import codec, gather  # noqa: E402
+from fastload import codec  # noqa: E402
+from fastload.cache import gather  # noqa: E402
 
 BOUNDARY_U32 = [0, 1, 2, 3, 4, 255, 4095, 4096, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1]
 BOUNDARY_U64 = BOUNDARY_U32 + [2**32, 2**63 - 1, 2**63, 2**64 - 1]

@@ -250,7 +250,7 @@ def import_fastload() -> dict[str, Any]:
     """Whether fastload imports here, from where, and whether its C extension loaded."""
     try:
         import fastload
-        from fastload import gather
+        from fastload.cache import gather
     except ImportError as err:
         return {"imports": False, "error": f"{type(err).__name__}: {err}"}
     return {"imports": True, "from": str(Path(fastload.__file__).parent), "native": gather.backend() == "native",

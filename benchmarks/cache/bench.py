@@ -65,7 +65,7 @@ import fastload
 from fastload import _servers, codec
 from fastload.cache import Cache
 from fastload.config import Settings
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 from fastload.samples import make_image_folder, make_token_file, make_uint8_arrays
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path

@@ -45,8 +45,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout, installed or not
 
 from fastload import codec  # noqa: E402
+from fastload.device.prefetch import DevicePrefetcher  # noqa: E402
 from fastload.pipelines import ArrayPipeline, ImageClassification, Payload, available  # noqa: E402
-from fastload.prefetch import DevicePrefetcher  # noqa: E402
 
 CASES = ("prefetch", "decode", "inflate")
 NO_CUDA = "no CUDA device: torch.cuda.is_available() is False"

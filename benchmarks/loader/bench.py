@@ -59,7 +59,7 @@ import torch.utils.data as tud
 
 if importlib.util.find_spec("fastload") is None:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from fastload.loader import DataLoader  # noqa: E402
+from fastload.loader.dataloader import DataLoader  # noqa: E402
 
 FIELDS = ["case", "variant", "batch_size", "seconds", "items_per_s", "ratio", "note"]
 

@@ -4,7 +4,7 @@ Cases (``--cases``, comma-separated):
 
 * ``assemble``: batches of ``--batch-size`` cached samples of each ``--sizes``
   (default 8 KB and 110 KB), LZ4 (token-like int32, compressible) and raw
-  (random bytes), assembled into one buffer by :func:`fastload.gather.gather`
+  (random bytes), assembled into one buffer by :func:`fastload.cache.gather.gather`
   with the index records already in hand: ``python`` (the fallback), ``native``
   on one thread, and ``native`` with its default threads. Also ``cache_*``:
   :meth:`Cache.read_into`, which adds the index lookups and LRU touches that
@@ -48,8 +48,10 @@ import numpy as np
 if importlib.util.find_spec("fastload") is None:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import fastload  # noqa: E402
-from fastload import gather  # noqa: E402
-from fastload.cache import Cache  # noqa: E402
+from fastload.cache import (
+    Cache,  # noqa: E402
+    gather,  # noqa: E402
+)
 from fastload.config import Settings  # noqa: E402
 
 FIELDS = ["case", "variant", "size", "codec", "read_threads", "seconds", "items_per_s", "us_per_item", "ratio", "note"]

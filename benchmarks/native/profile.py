@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 def loop(ds: Any, backend: str, args: argparse.Namespace) -> None:
     import fastload
-    from fastload import gather
+    from fastload.cache import gather
 
     end = time.perf_counter() + args.seconds
     n, t0 = 0, time.perf_counter()

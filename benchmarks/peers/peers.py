@@ -299,7 +299,7 @@ PEERS: dict[str, Callable[[dict[str, Any]], Callable[[int], Iterable[Any]]]] = {
 # (`fastload.FileDataset` imports fastload.dataset on first use), so its modules are named
 # here as the other peers' packages are; what a library imports on first contact with a
 # store (aiohttp, on opening an HTTP filesystem) stays inside the timed setup, for every peer.
-_FASTLOAD = ["fastload", "fastload.dataset", "fastload.loader"]
+_FASTLOAD = ["fastload", "fastload.dataset", "fastload.loader.dataloader"]
 _IMPORTS = {
     "webdataset": ["webdataset"], "streaming": ["streaming"], "litdata": ["litdata"], "dali": ["nvidia.dali"],
     "fastload": _FASTLOAD, "fastload_w2": _FASTLOAD, "fastload_stage": _FASTLOAD, "fastload_uint8": _FASTLOAD,
@@ -364,7 +364,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         cpu0 = cpu1
     epochs[0]["setup_s"], epochs[0]["setup_cpu_s"] = setup_s, round(setup_cpu_s, 4)
     out: dict[str, Any] = {"peer": spec["peer"], "mode": spec["mode"], "epochs": epochs}
-    limits = sys.modules.get("fastload.hostlimit")
+    limits = sys.modules.get("fastload.transport.hostlimit")
     if limits is not None:  # the request limit fastload settled on (fastload peers only)
         out["concurrency"] = limits.settled()  # type: ignore[attr-defined]
     return out

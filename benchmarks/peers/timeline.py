@@ -128,11 +128,11 @@ def _cpu_s() -> float:
 
 
 def _instrument(events: dict[str, float], requests: list[Any], limits: list[Any], stores: list[Any], clock: Any) -> list[str]:
-    import fastload.curl as curl
     import fastload.fetch as fetch
-    import fastload.hostlimit as hostlimit
     import fastload.source.aio as aio
     import fastload.source.listing as listing_mod
+    import fastload.transport.curl as curl
+    import fastload.transport.hostlimit as hostlimit
 
     missing = []
 
@@ -167,7 +167,7 @@ def _instrument(events: dict[str, float], requests: list[Any], limits: list[Any]
         return run
 
     def accounted(inner: Any) -> Any:
-        # GETs on libcurl's thread (fastload.curl) reach Python only as outcomes, at most
+        # GETs on libcurl's thread (fastload.transport.curl) reach Python only as outcomes, at most
         # ~PUMP_S after their answer: each is placed by its latency, ending when it was taken.
         # Those taken before the listing ended are its pages (timed by `pages`).
         def run(self: Any, results: Any) -> None:

@@ -103,8 +103,8 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": cpu() - c0, "byt
 # object's first-block GET handed over at once, its answer read (size, version, bytes); no cache.
 _ENGINE = r"""
 import json, resource, sys, time
-from fastload import curl
-from fastload.hostlimit import limit_for
+from fastload.transport import curl
+from fastload.transport.hostlimit import limit_for
 from fastload.source import s3
 endpoint, urls_file = sys.argv[1], sys.argv[2]
 urls = open(urls_file).read().split()

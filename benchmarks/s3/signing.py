@@ -30,8 +30,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from fastload import _servers, curl  # noqa: E402
+from fastload import _servers  # noqa: E402
 from fastload.source import sigv4  # noqa: E402
+from fastload.transport import curl  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -18,7 +18,7 @@ key                        value                                      written by
                            "block_bytes"} (absent: recorded before)
 ``p:m:<root>\\x1f<pat.>``   staging of that manifest under way (time)  stage.py
 ``x:<url>\\x1f<size>\\x1f<ver>``  a tar shard's member index             TarDataset
-``n:<root>``               nodes the dataset was last split over      fastload.partition
+``n:<root>``               nodes the dataset was last split over      fastload.read.partition
 ``bytes``                  bytes counted against the limit            reserve, drop, check
 ``corrupt``                bad entries dropped, over the cache's life the cache's reads
 =========================  =========================================  ==================
@@ -101,7 +101,7 @@ def tar_index(url: str, size: int, version: str) -> str:
 
 
 def partition(root: str) -> str:
-    """The index key of the node count ``root`` was last split over (fastload.partition)."""
+    """The index key of the node count ``root`` was last split over (fastload.read.partition)."""
     return PARTITION + root
 
 

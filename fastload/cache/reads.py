@@ -1,5 +1,5 @@
 """Checked reads: index lookups (batched, with a per-process memo), payload reads
-checked against the index, batch reads into one buffer (:mod:`fastload.gather`), and
+checked against the index, batch reads into one buffer (:mod:`fastload.cache.gather`), and
 the LRU's last-use records.
 
 Every read checks the stored size and an xxh3 checksum of the stored bytes (header
@@ -17,8 +17,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fastload import codec, gather
-from fastload.cache import keys
+from fastload import codec
+from fastload.cache import gather, keys
 from fastload.cache.disk import cannot_write
 from fastload.cache.entry import Entry
 from fastload.cache.repair import CacheRepair
@@ -168,7 +168,7 @@ class CacheReads(CacheRepair):
         """Copy byte ranges of many entries' raw bytes into ``out``, as one batch.
 
         Each entry is checked exactly as :meth:`get` checks it, by
-        :func:`fastload.gather.gather` (C with the GIL released, or its
+        :func:`fastload.cache.gather.gather` (C with the GIL released, or its
         pure-Python fallback), and read once however many ranges it serves.
 
         Args:

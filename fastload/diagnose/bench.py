@@ -22,7 +22,7 @@ Op capacity. ``loader.stats()`` gives busy seconds per op summed over
 threads; ``capacity_per_s`` multiplies the per-thread rate by the threads that
 run the op (``read_threads`` for fetch / cache_read / decode / assemble, 1 for
 collate / pin / h2d; ``num_workers`` for the first group when workers read,
-their ops reaching the parent with their batches: :mod:`fastload._worker_stats`).
+their ops reaching the parent with their batches: :mod:`fastload.loader.worker_stats`).
 """
 
 from __future__ import annotations
@@ -201,8 +201,10 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     """Run the benchmark described by ``opts``; returns the JSON-ready report."""
     import torch
 
-    from fastload._torch_surface import TORCH_DATALOADER  # torch's own, even under patch_torch()
-    from fastload.loader import DEFAULT_READ_THREADS, DataLoader
+    from fastload.loader.dataloader import DEFAULT_READ_THREADS, DataLoader
+    from fastload.loader.torch_surface import (
+        TORCH_DATALOADER,  # torch's own, even under patch_torch()
+    )
 
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack:

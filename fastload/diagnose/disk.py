@@ -142,7 +142,7 @@ def cache_state(settings: Settings, url: str | None = None, storage_options: dic
                   hit_rate=None, hit_rate_note="the cache keeps no hit counter across processes; "
                   "loader.stats().cache_hit_rate reports a running loader's")
     from fastload.cache import keys
-    from fastload.reader import Reader
+    from fastload.read.reader import Reader
     from fastload.source import RemoteItem
 
     reader = Reader(settings, storage_options)

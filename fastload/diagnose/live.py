@@ -1,6 +1,6 @@
 """Live stats: ``DataLoader(log_every=N, summary_writer=w)``.
 
-Every N batches the loader's :meth:`~fastload.loader.DataLoader.stats` is
+Every N batches the loader's :meth:`~fastload.loader.dataloader.DataLoader.stats` is
 snapshotted and the *interval* since the previous report (not the running
 total, which hides a recent stall) is
 

@@ -206,7 +206,7 @@ def _sweep(fs: Any, units: list[tuple[str, int, int]], budget: StorageBudget) ->
 
 
 def _settled(src: Source, fs: Any, units: list[tuple[str, int, int]], budget: StorageBudget) -> dict[str, Any] | None:
-    """Where fastload's own request limit settles for this host (fastload.hostlimit).
+    """Where fastload's own request limit settles for this host (fastload.transport.hostlimit).
 
     The probe units are fetched through a :class:`fastload.source.Source` for about
     ``level_s``, as training would fetch them: the controller grows while throughput

@@ -1,6 +1,6 @@
 """The Fetcher: the only code on the read path that asks a Source for bytes.
 
-One :class:`Fetcher` per :class:`~fastload.reader.Reader`, made with the Reader's
+One :class:`Fetcher` per :class:`~fastload.read.reader.Reader`, made with the Reader's
 parts (its Sources, Cache and Identity), never the Reader itself. It holds the one table
 of fetches in flight, keyed by (URL, block): a block is fetched once however many
 threads (or fetches ahead) want it, and a sizeless item is completed once (key
@@ -9,7 +9,7 @@ Reader's misses (datasets, ``fastload.open``, the pipelines' payloads) and stagi
 with one :meth:`~fastload.cache.Cache.put_many` per call and returns those bytes,
 so a cold read never goes back to disk for them. How many requests are in flight
 is not decided here: every request holds a slot of its host's limit
-(:mod:`fastload.hostlimit`).
+(:mod:`fastload.transport.hostlimit`).
 
 Sizeless items (an HTTP listing) are completed here too, in one of two ways
 (:meth:`Fetcher.complete`): from their pins, else by the GET of their first block
@@ -27,15 +27,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, cast
 
-from fastload import curl
 from fastload.cache import Cache
 from fastload.config import Settings
 from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError, StoppedError
 from fastload.fetch.ahead import AHEAD_ITEMS
-from fastload.identity import Identity
+from fastload.fetch.identity import Identity
 from fastload.source import RemoteItem, Source
 from fastload.source.sources import Sources
 from fastload.stats import record_cache
+from fastload.transport import curl
 
 _log = logging.getLogger("fastload")
 

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastload.device.prefetch import DevicePrefetcher
 from fastload.errors import ConfigError, DecodeError, LoaderError
 from fastload.pipelines import _registry
-from fastload.prefetch import DevicePrefetcher
 from fastload.stats import current_collector
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -158,9 +158,9 @@ class Failures:
 
 
 class HostToDevice:
-    """Moves host batches to the device through a reused pinned ring (fastload.prefetch).
+    """Moves host batches to the device through a reused pinned ring (fastload.device.prefetch).
 
-    One :class:`~fastload.prefetch.DevicePrefetcher` per pipeline: its slots are
+    One :class:`~fastload.device.prefetch.DevicePrefetcher` per pipeline: its slots are
     allocated once and reused, released by CUDA events, so no batch pins memory
     anew (pytorch/pytorch#97432). On a CPU device it returns the batch unchanged.
     """

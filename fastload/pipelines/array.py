@@ -39,7 +39,7 @@ from fastload.config import default_decode_threads, format_size
 from fastload.dataset import ArrayDataset
 from fastload.errors import CodecError, ConfigError
 from fastload.pipelines import _common, _dali
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 from fastload.source import RemoteItem
 from fastload.stats import current_collector
 

@@ -5,10 +5,10 @@
 * :mod:`~fastload.source.items`: :class:`RemoteItem` and the glob that filters a listing;
 * :mod:`~fastload.source.listing`: crawling an HTTP server's folder pages;
 * :mod:`~fastload.source.aio`: HTTP on fsspec's aiohttp session;
-* :mod:`~fastload.source.s3`: S3 GETs signed on libcurl's engine (:mod:`fastload.curl`).
+* :mod:`~fastload.source.s3`: S3 GETs signed on libcurl's engine (:mod:`fastload.transport.curl`).
 
-What a request's failure means is :mod:`fastload.failures`; how an HTTP answer
-reads is :mod:`fastload.answers`; requests in flight are :mod:`fastload.hostlimit`.
+What a request's failure means is :mod:`fastload.transport.failures`; how an HTTP answer
+reads is :mod:`fastload.transport.answers`; requests in flight are :mod:`fastload.transport.hostlimit`.
 """
 
 from fastload.source.core import Source

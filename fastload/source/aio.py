@@ -15,9 +15,9 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from fastload.answers import Page, first_info
 from fastload.errors import StoppedError
-from fastload.hostlimit import HostLimit
+from fastload.transport.answers import Page, first_info
+from fastload.transport.hostlimit import HostLimit
 
 T = TypeVar("T")
 

@@ -6,7 +6,7 @@ worker process reopens the connection in the child (fsspec resets its event loop
 after fork).
 
 Each request goes one of three ways, chosen per source: libcurl's engine
-(:mod:`fastload.curl`; HTTP first blocks and listing pages, S3 first blocks
+(:mod:`fastload.transport.curl`; HTTP first blocks and listing pages, S3 first blocks
 signed there, :mod:`fastload.source.s3`, and GCS first blocks, :mod:`fastload.source.gcs`), coroutines on fsspec's aiohttp session
 (:mod:`fastload.source.aio`), or fsspec's filesystem (s3fs, gcsfs, local files: the
 fallback for the rest). Listing is :mod:`fastload.source.listing`.
@@ -34,10 +34,7 @@ import fsspec
 import fsspec.asyn
 from fsspec.core import url_to_fs
 
-from fastload import curl
-from fastload._loop import submit_all
 from fastload.config import Settings
-from fastload.curl import CurlRoute, route_for
 from fastload.errors import (
     ConfigError,
     FastloadError,
@@ -46,17 +43,20 @@ from fastload.errors import (
     SourceError,
     StoppedError,
 )
-from fastload.failures import describe, secrets, transient
-from fastload.hostlimit import (
+from fastload.source import aio, errors, fallback, gcs, listing, s3
+from fastload.source.fallback import FsspecRoad
+from fastload.source.items import RemoteItem, matching, version_of
+from fastload.transport import curl
+from fastload.transport.curl import CurlRoute, route_for
+from fastload.transport.failures import describe, secrets, transient
+from fastload.transport.hostlimit import (
     SLOT_WAIT_S,
     STOP_POLL_S,
     HostLimit,
     host_of,
     limit_for,
 )
-from fastload.source import aio, errors, fallback, gcs, listing, s3
-from fastload.source.fallback import FsspecRoad
-from fastload.source.items import RemoteItem, matching, version_of
+from fastload.transport.loop import submit_all
 
 T = TypeVar("T")
 
@@ -121,7 +121,7 @@ class Source(FsspecRoad):
     @functools.cached_property
     def route(self) -> CurlRoute | None:
         """libcurl's route for this source's first-block GETs (and an HTTP source's listing pages), or
-        None: aiohttp for HTTP (fastload.curl), s3fs for S3 (fastload.source.s3), fsspec for the rest."""
+        None: aiohttp for HTTP (fastload.transport.curl), s3fs for S3 (fastload.source.s3), fsspec for the rest."""
         if self._http:
             return route_for(self.storage_options, self.settings.http_client, self._encode)
         if not self._store:
@@ -137,7 +137,7 @@ class Source(FsspecRoad):
 
     def _curl_takes(self, limit: HostLimit) -> bool:
         """Whether libcurl carries GETs to ``limit``'s host (where a Source has a route): not to one
-        libcurl cannot speak to (fastload.curl). A host that closes its connections stays too: a
+        libcurl cannot speak to (fastload.transport.curl). A host that closes its connections stays too: a
         connect per GET costs less CPU in C (benchmarks/ordinary_server: 0.86 of the link against
         0.65-0.71 on aiohttp, same run)."""
         return not curl.broken(limit)
@@ -205,7 +205,7 @@ class Source(FsspecRoad):
     def limit_of(self, url: str) -> HostLimit | None:
         """The limit on requests in flight to ``url``'s host (None for local files).
 
-        Looked up per request: a forked child starts with its own limits (fastload.hostlimit).
+        Looked up per request: a forked child starts with its own limits (fastload.transport.hostlimit).
         """
         return None if self._local else limit_for(host_of(url, self.storage_options), self.settings.max_requests)
 
@@ -360,7 +360,7 @@ class Source(FsspecRoad):
         """Start reading each item's first ``nbytes`` on fsspec's event loop, or None where that
         cannot be done (a store without an event loop; sizeless items outside HTTP).
 
-        All are handed to the loop at once (:func:`fastload._loop.submit_all`), so the
+        All are handed to the loop at once (:func:`fastload.transport.loop.submit_all`), so the
         caller pays one wake-up of the loop, not one per item. Each future is finished
         with :meth:`finish_first`; each request holds its host's slot while it runs.
         """
@@ -388,7 +388,7 @@ class Source(FsspecRoad):
         return submit_all(fs.loop, [maker(item) for item in items])
 
     def _curl_first(self, items: Sequence[RemoteItem], nbytes: int) -> builtins.list[Any] | None:
-        """The first-block GETs of ``items`` handed to libcurl (fastload.curl), or None where this
+        """The first-block GETs of ``items`` handed to libcurl (fastload.transport.curl), or None where this
         source's GETs stay on aiohttp or s3fs (no route, no host limit; sized HTTP items)."""
         route = self.route
         if route is None or (not self._store and any(i.size >= 0 for i in items)):
@@ -397,7 +397,7 @@ class Source(FsspecRoad):
         for k, item in enumerate(items):
             limit = self.limit_of(item.url)
             if limit is None or not self._curl_takes(limit):
-                return None  # e.g. a host that closes its connections stays on aiohttp (fastload.curl)
+                return None  # e.g. a host that closes its connections stays on aiohttp (fastload.transport.curl)
             by_host.setdefault(id(limit), (limit, []))[1].append(k)
         out: builtins.list[Any] = [None] * len(items)
         for limit, ks in by_host.values():
@@ -443,7 +443,7 @@ class Source(FsspecRoad):
     def _wait(self, future: concurrent.futures.Future[T], timeout_s: float, url: str) -> T:
         """``future.result(timeout_s)``, but a stop cancels it and raises StoppedError (as :meth:`_sync`).
 
-        A GET still queued for its host's slot on libcurl's thread (fastload.curl) is
+        A GET still queued for its host's slot on libcurl's thread (fastload.transport.curl) is
         waited for until it runs, as a coroutine's timeout starts once it holds its
         slot (bounded by SLOT_WAIT_S): redoing it on aiohttp would only queue it again
         for the same slots, and each reader doing so kept the engine from leasing any

@@ -3,7 +3,7 @@
 :func:`check_url` refuses URLs that fsspec would misread; :func:`translate` maps a
 backend's exception (botocore, aiohttp, fsspec, an S3 answer) to a
 :class:`~fastload.errors.FastloadError`. Whether a failure is worth another try is
-:mod:`fastload.failures`.
+:mod:`fastload.transport.failures`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from fastload.errors import (
     RemoteNotFoundError,
     SourceError,
 )
-from fastload.failures import CREDENTIAL_ERRORS
 from fastload.source.items import RemoteItem
+from fastload.transport.failures import CREDENTIAL_ERRORS
 
 INSTALL_HINTS = {
     "s3": "pip install 'fastload[s3]'",

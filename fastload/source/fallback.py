@@ -1,6 +1,6 @@
 """The fsspec road: requests through the fsspec filesystem (s3fs, gcsfs, local files, aiohttp).
 
-What the fast roads (libcurl's engine, fastload.curl; S3 signed there,
+What the fast roads (libcurl's engine, fastload.transport.curl; S3 signed there,
 fastload.source.s3; GCS, fastload.source.gcs) do not carry goes here: local files and the other stores,
 HTTP requests other than first blocks and listing pages, S3's HEADs and later
 blocks, and every retry of a failed fast request (its errors are the ones users
@@ -23,14 +23,14 @@ from typing import Any, Protocol, TypeVar
 import fsspec
 import fsspec.asyn
 
-from fastload.answers import VERSION_FIELDS
 from fastload.config import Settings
 from fastload.errors import RemoteChangedError, StoppedError
-from fastload.failures import TruncatedBodyError
-from fastload.hostlimit import STOP_POLL_S, HostLimit, aiohttp_client
 from fastload.source import aio
 from fastload.source.errors import unchanged
 from fastload.source.items import RemoteItem, version_of
+from fastload.transport.answers import VERSION_FIELDS
+from fastload.transport.failures import TruncatedBodyError
+from fastload.transport.hostlimit import STOP_POLL_S, HostLimit, aiohttp_client
 
 T = TypeVar("T")
 _log = logging.getLogger("fastload")

@@ -3,7 +3,7 @@
 Why: through gcsfs each cold object of a key list cost a metadata request and then a
 GET, both made in Python on fsspec's event loop, as S3's did through s3fs
 (fastload.source.s3). Here the first-block GET of each gs:// object goes through
-the C engine that carries HTTP's and S3's (:mod:`fastload.curl`): a JSON API media
+the C engine that carries HTTP's and S3's (:mod:`fastload.transport.curl`): a JSON API media
 download (``/download/storage/v1/b/<bucket>/o/<object>?alt=media``) with a Range.
 Its Content-Range sizes the object and its ``x-goog-generation`` versions it, the
 same generation a listing gives (fastload.source.items.version_of), so a key list
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 from urllib.parse import quote
 
-from fastload import curl
-from fastload.curl import CurlRoute
 from fastload.errors import CredentialsError
 from fastload.source.items import ListPage
+from fastload.transport import curl
+from fastload.transport.curl import CurlRoute
 
 # storage_options this path honours; gcsfs's own caches, buffers and write settings are nothing of a GET.
 HONOURED = {"project", "access", "token", "endpoint_url", "requester_pays", "timeout", "requests_timeout"}

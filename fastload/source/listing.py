@@ -2,7 +2,7 @@
 
 An HTTP server has no listing API, so its folders' index pages are crawled
 (:func:`http_find`), on libcurl where the source routes there
-(:mod:`fastload.curl`), else on fsspec's aiohttp session (:mod:`fastload.source.aio`).
+(:mod:`fastload.transport.curl`), else on fsspec's aiohttp session (:mod:`fastload.source.aio`).
 An object store's prefix is listed the same way (:func:`store_find`): one page
 per common prefix (S3's signed ListObjectsV2, GCS's JSON API objects.list), the
 whole next level at once, as many in flight as the host's limit allows; s3fs and
@@ -18,12 +18,12 @@ from typing import Any, Protocol, TypeVar
 
 import fsspec
 
-from fastload.answers import INDEX_TITLE, Page, page_links
 from fastload.config import Settings
-from fastload.curl import CurlRoute
-from fastload.hostlimit import SLOT_WAIT_S, HostLimit
 from fastload.source import aio
 from fastload.source.items import ListPage, RemoteItem
+from fastload.transport.answers import INDEX_TITLE, Page, page_links
+from fastload.transport.curl import CurlRoute
+from fastload.transport.hostlimit import SLOT_WAIT_S, HostLimit
 
 T = TypeVar("T")
 
@@ -59,7 +59,7 @@ def http_find(src: Source, pattern: str | None) -> tuple[RemoteItem | dict[str, 
     this way (both in one run, ThreadingHTTPServer). Here the root is
     one GET (its redirect, if any, is followed once and its final URL kept), and
     every folder of the next level goes out at once, as many at a time as the
-    host's limit allows (fastload.hostlimit; tests/integration/test_http_listing.py
+    host's limit allows (fastload.transport.hostlimit; tests/integration/test_http_listing.py
     counts them at the server).
 
     A folder's index page (Python's "Directory listing for", nginx's "Index of")
@@ -103,7 +103,7 @@ def http_find(src: Source, pattern: str | None) -> tuple[RemoteItem | dict[str, 
 
 def pages(src: Source, urls: list[str], limit: HostLimit | None) -> list[Any]:
     """One GET of each folder page, together, a failure in its place: on libcurl where this
-    source routes there (fastload.curl; no wait for aiohttp's import), else on fsspec's session."""
+    source routes there (fastload.transport.curl; no wait for aiohttp's import), else on fsspec's session."""
     timeout_s, route = src.settings.request_timeout_s, src.route
     if route is None or limit is None or not src._curl_takes(limit):
         return src._sync(aio.http_pages, src.fs, urls, timeout_s, limit)

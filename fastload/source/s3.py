@@ -3,7 +3,7 @@
 Why: through s3fs each cold object cost a HEAD and then a GET, each signed by
 botocore in Python and parsed on fsspec's event loop: 0.23 of a 1 Gbit link at
 4.0 ms of CPU per object (issue 21). Here the first-block GET of each object goes
-through the C engine that carries HTTP's (:mod:`fastload.curl`), and libcurl
+through the C engine that carries HTTP's (:mod:`fastload.transport.curl`), and libcurl
 signs it (``CURLOPT_AWS_SIGV4``). Its Content-Range sizes the object and its
 ETag versions it, so a key list needs no HEAD. Each GET is signed here
 (fastload.source.sigv4) and handed over with the batch. The client was chosen by
@@ -17,7 +17,7 @@ prefix at a time, all prefixes of a level together (fastload.source.listing). HE
 later blocks and streamed objects stay on s3fs. So do errors: an answer this path does not take as it is (403, 404,
 SlowDown...) is done again through s3fs, whose retries, backoff and messages
 users see. The host limit governs these GETs like any other (a 503 or SlowDown
-cuts it: :func:`fastload.curl.pump`).
+cuts it: :func:`fastload.transport.curl.pump`).
 
 Credentials: ``key`` / ``secret`` / ``token`` as given; ``anon=True``: unsigned;
 otherwise botocore's chain (environment variables, the profile file and its
@@ -40,11 +40,11 @@ from typing import Any, ClassVar, NamedTuple
 from urllib.parse import quote, urlsplit
 from xml.etree import ElementTree
 
-from fastload import curl
-from fastload.curl import CurlRoute
 from fastload.errors import CredentialsError
 from fastload.source import errors, sigv4
 from fastload.source.items import ListPage
+from fastload.transport import curl
+from fastload.transport.curl import CurlRoute
 
 # storage_options this path honours, and what it honours inside client_kwargs and config_kwargs.
 HONOURED = {"key", "secret", "token", "anon", "profile", "endpoint_url", "client_kwargs", "config_kwargs",

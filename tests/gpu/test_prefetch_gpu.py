@@ -15,9 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from _loader_helpers import DictDS, TensorDS  # noqa: E402
 
-from fastload._torch_compat import empty_host_cache  # noqa: E402
-from fastload.loader import DataLoader  # noqa: E402
-from fastload.prefetch import DevicePrefetcher  # noqa: E402
+from fastload.device.prefetch import DevicePrefetcher  # noqa: E402
+from fastload.device.torch_compat import empty_host_cache  # noqa: E402
+from fastload.loader.dataloader import DataLoader  # noqa: E402
 from fastload.stats import StatsCollector  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -283,7 +283,7 @@ def test_dataloader_read_batch_path_on_cuda() -> None:
 
 @pytest.mark.parametrize("device", [None, "cuda"])
 def test_workers_pin_memory_with_stats(device: str | None) -> None:
-    # Workers send their stats along with each batch (fastload._worker_stats); torch's
+    # Workers send their stats along with each batch (fastload.loader.worker_stats); torch's
     # pin_memory thread must still pin the batch inside, and device= must get it plain.
     kw: dict[str, Any] = dict(batch_size=4, num_workers=2, pin_memory=device is None)
     theirs = list(torch.utils.data.DataLoader(TensorDS(), **kw))

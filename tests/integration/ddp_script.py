@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
-from fastload.loader import DataLoader
+from fastload.loader.dataloader import DataLoader
 
 N = 50
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from fastload import _servers, curl
+from fastload import _servers
+from fastload.transport import curl
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fastload import curl
+from fastload.transport import curl
 
 pytestmark = pytest.mark.integration  # nginx, and fastload in subprocesses
 

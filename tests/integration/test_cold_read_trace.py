@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 
 import fastload
-from fastload import curl, hostlimit
 from fastload.cache import Cache, packs
 from fastload.config import Settings
 from fastload.samples import make_image_folder
+from fastload.transport import curl, hostlimit
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 ISSUE_BOUND = 14  # issue 25: "a cold read of a sizeless HTTP item crosses at most about 14 objects"

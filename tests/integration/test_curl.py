@@ -1,4 +1,4 @@
-"""First-block GETs and listing pages on libcurl's thread (fastload.curl, native/_curl.c), against real servers.
+"""First-block GETs and listing pages on libcurl's thread (fastload.transport.curl, native/_curl.c), against real servers.
 
 What the aiohttp GET gives (size, version, bytes; a folder's files), this path must
 give too; what it cannot take as it is goes back to aiohttp; the host limit's slots
@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 
-from fastload import curl, hostlimit
 from fastload.config import Settings
 from fastload.dataset import FileDataset
 from fastload.errors import ConfigError, CredentialsError, RemoteNotFoundError, StoppedError
 from fastload.source import RemoteItem, Source
 from fastload.source.aio import http_get_first as _http_get_first
+from fastload.transport import curl, hostlimit
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,8 +23,8 @@ import fastload
 from fastload.cli import main
 from fastload.config import Settings
 from fastload.errors import StoppedError
-from fastload.identity import Identity
-from fastload.reader import Reader
+from fastload.fetch.identity import Identity
+from fastload.read.reader import Reader
 from fastload.samples import make_image_folder
 from fastload.source import RemoteItem
 

@@ -1,4 +1,4 @@
-"""Requests in flight per host (fastload.hostlimit), counted at a real server.
+"""Requests in flight per host (fastload.transport.hostlimit), counted at a real server.
 
 The server is the standard library's ThreadingHTTPServer (listen backlog 5, no
 Range support, one connection per request), as ``python -m http.server`` runs it.
@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 import fastload
-from fastload import hostlimit
 from fastload.cli import main
 from fastload.config import Settings
+from fastload.transport import hostlimit
 
 pytestmark = pytest.mark.integration
 

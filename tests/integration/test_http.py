@@ -12,7 +12,7 @@ import pytest
 import fastload
 from fastload.config import Settings
 from fastload.errors import SourceError
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 
 pytestmark = pytest.mark.integration
 
@@ -167,7 +167,7 @@ def test_cold_epoch_with_workers_over_http_yields_the_files(
     tmp_path: Path, nginx_server: Callable, settings: Settings
 ) -> None:
     # Sizes come from each file's first GET inside the workers, and the payloads cross
-    # to the parent through shared buffers (fastload/_worker_pack.py): bytes as served.
+    # to the parent through shared buffers (fastload/device/worker_pack.py): bytes as served.
     files = make_tree(tmp_path / "www", n=30)
     server = nginx_server(tmp_path / "www")
     ds = fastload.FileDataset(server.url + "/", pattern="**/*.bin", label="parent", settings=settings)

@@ -21,7 +21,7 @@ import fastload
 from fastload.cli import main as cli_main
 from fastload.config import Settings
 from fastload.errors import EmptyDatasetError
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 
 pytestmark = pytest.mark.integration
 
@@ -117,7 +117,7 @@ def test_a_level_of_subfolders_is_listed_together_and_redirects_once(
     )
     assert not [r for r in rec.log if r[0] == "HEAD"]
     # The 12 folders of one level were in flight together, within the host's limit (at most
-    # max_requests=4, fastload.hostlimit); one after another (fsspec's walk) this was 1.
+    # max_requests=4, fastload.transport.hostlimit); one after another (fsspec's walk) this was 1.
     assert 1 < rec.peak <= settings.max_requests
 
 

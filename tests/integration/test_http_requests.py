@@ -21,7 +21,7 @@ from fastload._servers import NginxServer
 from fastload.cache import keys
 from fastload.config import Settings
 from fastload.errors import RemoteNotFoundError
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 from fastload.source import RemoteItem, Source
 
 pytestmark = pytest.mark.integration

@@ -36,7 +36,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
 def test_fit_under_patch_torch_is_identical(runs: dict[str, dict[str, Any]], config: str) -> None:
     theirs, ours = runs[config]["torch"], runs[config]["fastload"]
     assert theirs["loader_classes"] == ["torch.utils.data.dataloader.DataLoader"]
-    assert ours["loader_classes"] == ["fastload.loader.DataLoader"]
+    assert ours["loader_classes"] == ["fastload.loader.dataloader.DataLoader"]
     assert ours["fastload_batches"] == 2 * 8 + 2 + 2 * 3  # 2 epochs of 8, sanity check, 2 validations
     assert len(theirs["losses"]["train"]) == 16 and len(theirs["losses"]["val"]) == 8
     assert ours["losses"] == theirs["losses"]  # dropout and the dataset's noise interleave alike

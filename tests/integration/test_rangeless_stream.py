@@ -21,7 +21,7 @@ from _memory import peak_while
 import fastload
 from fastload.cache import Cache
 from fastload.config import Settings
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ from fastload import _servers
 from fastload.cli import main
 from fastload.config import Settings
 from fastload.errors import CredentialsError, RemoteNotFoundError
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 
 pytestmark = pytest.mark.integration
 

@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 
 import fastload
-from fastload import _servers, curl
+from fastload import _servers
 from fastload.config import Settings
 from fastload.errors import CredentialsError
 from fastload.source import RemoteItem, Source
+from fastload.transport import curl
 
 pytestmark = pytest.mark.integration
 

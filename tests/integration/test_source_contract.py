@@ -26,10 +26,11 @@ from typing import Any
 import fsspec
 import pytest
 
-from fastload import _servers, curl
+from fastload import _servers
 from fastload.config import Settings
 from fastload.errors import CredentialsError, EmptyDatasetError, RemoteNotFoundError, StoppedError
 from fastload.source import RemoteItem, Source
+from fastload.transport import curl
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ import pytest
 import fastload
 from fastload.cache import Cache
 from fastload.config import Settings
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 
 pytestmark = pytest.mark.integration
 

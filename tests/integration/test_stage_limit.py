@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from fastload import _servers, curl
+from fastload import _servers
 from fastload.cli import build_parser, main
 from fastload.config import Settings
 from fastload.stage import CHUNK
+from fastload.transport import curl
 
 pytestmark = pytest.mark.integration
 

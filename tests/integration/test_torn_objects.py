@@ -13,7 +13,7 @@ import fastload
 from fastload.cache import Cache
 from fastload.config import Settings
 from fastload.errors import RemoteChangedError
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from fastload.cli import dataset_summaries
 from fastload.cli import main as cli_main
 from fastload.config import Settings
 from fastload.errors import ConfigError, EmptyDatasetError
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 from fastload.source import Source
 
 pytestmark = pytest.mark.integration

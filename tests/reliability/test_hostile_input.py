@@ -34,7 +34,7 @@ from fastload.errors import (
     DecodeError,
     RemoteNotFoundError,
 )
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 
 pytestmark = pytest.mark.integration
 

@@ -18,9 +18,10 @@ import pytest
 from helpers import make_files
 
 import fastload
-from fastload import _servers, hostlimit
+from fastload import _servers
 from fastload.config import Settings
 from fastload.source import Source
+from fastload.transport import hostlimit
 
 pytestmark = pytest.mark.integration
 

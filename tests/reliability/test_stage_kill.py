@@ -22,7 +22,7 @@ from helpers import count_published, unreferenced_tails
 
 from fastload.cache import Cache
 from fastload.config import Settings
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fastload import gather
+from fastload.cache import gather
 
 NATIVE = gather.backend() == "native"
 

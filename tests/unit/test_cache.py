@@ -16,7 +16,7 @@ import fastload
 from fastload.cache import Cache, keys
 from fastload.config import Settings
 from fastload.errors import CacheLimitError, ConfigError, RemoteChangedError
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 
 
 def make_files(root: Path, n: int = 8, size: int = 50_000) -> dict[str, bytes]:

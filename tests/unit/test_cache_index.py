@@ -12,7 +12,7 @@ from fastload.cache import Cache
 from fastload.cache.index import INDEX_FILE
 from fastload.cache.migrate import OLD_FILE
 from fastload.config import Settings
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 
 
 @pytest.fixture()

@@ -57,7 +57,7 @@ def locked() -> Iterator[Path]:
 # under a 0700 mktemp folder, as CI's) may sit where nobody cannot read them.
 _AS_USER = """
 import os, sys
-import fastload.cli, fastload.reader, fastload.cache, fastload.diagnose.cli
+import fastload.cli, fastload.read.reader, fastload.cache, fastload.diagnose.cli
 if os.geteuid() == 0:
     import pwd
     user = pwd.getpwnam("nobody")

@@ -12,7 +12,7 @@ import pytest
 from _loader_helpers import local_items
 
 from fastload.config import Settings
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 from fastload.source import RemoteItem, Source
 
 

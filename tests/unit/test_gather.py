@@ -1,4 +1,4 @@
-"""Batch assembly (fastload.gather): the C extension and the pure-Python fallback agree.
+"""Batch assembly (fastload.cache.gather): the C extension and the pure-Python fallback agree.
 
 Every test runs once per backend ("python", and "native" when fastload._native is
 built and FASTLOAD_PURE_PYTHON is unset; FASTLOAD_REQUIRE_NATIVE=1 turns a missing
@@ -23,11 +23,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastload import codec, gather
-from fastload.cache import Cache
+from fastload import codec
+from fastload.cache import Cache, gather
 from fastload.config import Settings
 from fastload.dataset import ArrayDataset, FileDataset, TokenDataset
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 
 NATIVE = gather.backend() == "native"
 
@@ -229,7 +229,7 @@ def _gather_in_child(jobs: list[gather.Job], size: int, want: bytes, backend: st
 
 
 def test_pure_python_env_forces_the_fallback() -> None:
-    code = "from fastload import gather; print(gather.backend(), gather.info()['reason'])"
+    code = "from fastload.cache import gather; print(gather.backend(), gather.info()['reason'])"
     env = {**os.environ, "FASTLOAD_PURE_PYTHON": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "python FASTLOAD_PURE_PYTHON is set"

@@ -1,4 +1,4 @@
-"""fastload.hostlimit: the slot accounting, with real threads and a real event loop."""
+"""fastload.transport.hostlimit: the slot accounting, with real threads and a real event loop."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import fastload.errors
-from fastload import failures, hostlimit
-from fastload.failures import congestion
-from fastload.hostlimit import HostLimit
+from fastload.transport import failures, hostlimit
+from fastload.transport.failures import congestion
+from fastload.transport.hostlimit import HostLimit
 
 
 def test_threads_and_coroutines_share_one_cap() -> None:

@@ -76,8 +76,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_imports_of_every_kind() -> None:
     graph = _graph()
     assert "fastload.source.aio" in graph["fastload.source.core"]  # from fastload.source import aio
-    assert "fastload.curl" in graph["fastload.source.s3"]  # from fastload import curl
-    assert "fastload.answers" in graph["fastload.curl"]  # inside a function
+    assert "fastload.transport.curl" in graph["fastload.source.s3"]  # from fastload.transport import curl
+    assert "fastload.transport.answers" in graph["fastload.transport.curl"]  # inside a function
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from fastload.diagnose.live import DEFAULT_WRITE_EVERY, LiveStats, interval
 from fastload.errors import ConfigError
-from fastload.loader import DataLoader
+from fastload.loader.dataloader import DataLoader
 from fastload.stats import StatsCollector, current_collector
 
 
@@ -156,7 +156,7 @@ def test_interval_between_two_snapshots():
 
 _LOG_SCRIPT = """
 import logging, sys
-from fastload.loader import DataLoader
+from fastload.loader.dataloader import DataLoader
 if sys.argv[1] == "before":
     logging.basicConfig(format="USER %(message)s")  # root at WARNING, as most configs leave it
 loader = DataLoader(list(range(8)), batch_size=2, log_every=2)

@@ -22,7 +22,7 @@ from _loader_helpers import (
 )
 
 from fastload.errors import ConfigError, LoaderError
-from fastload.loader import DataLoader
+from fastload.loader.dataloader import DataLoader
 
 
 def _gen(seed: int = 1234) -> torch.Generator:
@@ -382,7 +382,7 @@ def test_seed_seeds_a_private_generator() -> None:
 def test_workers_leave_collate_fn_alone_and_batches_pin_through() -> None:
     from torch.utils.data._utils.pin_memory import pin_memory
 
-    from fastload._worker_stats import WorkerBatch
+    from fastload.loader.worker_stats import WorkerBatch
 
     loader = DataLoader(TensorDS(), batch_size=5, num_workers=2, collate_fn=_collate_sum)
     list(loader)

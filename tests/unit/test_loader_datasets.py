@@ -54,7 +54,7 @@ def test_workers_reopen_the_cache_in_the_child(dataset: FileDataset) -> None:
 
 def test_worker_stats_reach_the_parent(dataset: FileDataset) -> None:
     # The workers' fetch / cache_read ops and cache counters travel with their
-    # batches (fastload._worker_stats); the user still gets torch's batches.
+    # batches (fastload.loader.worker_stats); the user still gets torch's batches.
     loader = fastload.DataLoader(dataset, batch_size=4, num_workers=2)
     ours = list(loader)
     theirs = list(torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=2))

@@ -1,4 +1,4 @@
-"""fastload._loop.submit_all: many coroutines handed to a loop thread with one wake-up each call."""
+"""fastload.transport.loop.submit_all: many coroutines handed to a loop thread with one wake-up each call."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from fastload._loop import submit_all
+from fastload.transport.loop import submit_all
 
 
 @pytest.fixture()

@@ -1,4 +1,4 @@
-"""fastload.answers.page_links: what a folder page links to below itself, as urljoin resolves it."""
+"""fastload.transport.answers.page_links: what a folder page links to below itself, as urljoin resolves it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from urllib.parse import urljoin
 
 import pytest
 
-from fastload.answers import PLAIN_LINK as _PLAIN_LINK
-from fastload.answers import page_links as _page_links
+from fastload.transport.answers import PLAIN_LINK as _PLAIN_LINK
+from fastload.transport.answers import page_links as _page_links
 
 LINKS = ["00017.jpg", "cls/", "a b.jpg", "a%20b.jpg", "./x.jpg", "../up.jpg", "a/../b.jpg", "a/./b.jpg",
          ".hidden", "/abs/x.jpg", "http://other/x.jpg", "//other/x.jpg", "c:x", "deep/er/x.jpg", ".", "..", "x/.."]

@@ -1,4 +1,4 @@
-"""Node partitions (fastload.partition, ShardedSampler(partition="node")): fixed parts of
+"""Node partitions (fastload.read.partition, ShardedSampler(partition="node")): fixed parts of
 near-equal bytes, shuffled within a node, equal steps everywhere, minimal moves on N -> M."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import fastload
-from fastload import partition
 from fastload.config import Settings
 from fastload.errors import ConfigError
-from fastload.reader import Reader
-from fastload.sampler import ShardedSampler
+from fastload.loader.sampler import ShardedSampler
+from fastload.read import partition
+from fastload.read.reader import Reader
 
 TOPOLOGY_ENV = ("GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "SLURM_NODEID", "SLURM_NNODES")
 

@@ -15,9 +15,9 @@ from _loader_helpers import ReadBatchDS, TensorDS, assert_same
 from test_loader_compat import GRID, WORKER_GRID
 
 import fastload
-from fastload._torch_surface import TORCH_DATALOADER
 from fastload.errors import ConfigError
-from fastload.loader import DataLoader
+from fastload.loader.dataloader import DataLoader
+from fastload.loader.torch_surface import TORCH_DATALOADER
 
 
 def _gen() -> torch.Generator:

@@ -18,7 +18,7 @@ from fastload import codec
 from fastload.config import Settings
 from fastload.dataset import FileDataset
 from fastload.errors import ConfigError, DecodeError
-from fastload.loader import DataLoader
+from fastload.loader.dataloader import DataLoader
 from fastload.pipelines import (
     ArrayPipeline,
     CompressedArrayDataset,

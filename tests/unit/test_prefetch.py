@@ -16,15 +16,15 @@ from _loader_helpers import assert_same
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastload.batch_tree import collect_tensors, rebuild
-from fastload.errors import ConfigError, LoaderError
-from fastload.prefetch import (
+from fastload.device.batch_tree import collect_tensors, rebuild
+from fastload.device.prefetch import (
     MIN_SLOT_BYTES,
     DevicePrefetcher,
     _HostBackend,
     _Slot,
     slot_size,
 )
+from fastload.errors import ConfigError, LoaderError
 from fastload.stats import StatsCollector
 
 
@@ -337,7 +337,7 @@ def test_slot_size(need: int, cap: int | None, want: int) -> None:
 def test_docstring_examples_run() -> None:
     import doctest
 
-    from fastload import prefetch
+    from fastload.device import prefetch
 
     result = doctest.testmod(prefetch, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

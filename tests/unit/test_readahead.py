@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from fastload.loader import DataLoader
-from fastload.readahead import ReadAhead
+from fastload.loader.dataloader import DataLoader
+from fastload.loader.readahead import ReadAhead
 from fastload.stats import StatsCollector, current_collector
 
 READ_S = 0.3  # long enough that a close() which does not wait returns first

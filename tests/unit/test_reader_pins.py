@@ -8,7 +8,7 @@ import pytest
 
 from fastload.cache import keys
 from fastload.config import Settings
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 from fastload.source import RemoteItem
 
 

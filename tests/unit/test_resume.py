@@ -12,8 +12,8 @@ import torch.utils.data as tud
 from _loader_helpers import CountingDS, RangeIterDS, ReadBatchDS, TensorDS, assert_same
 
 from fastload.errors import ConfigError, LoaderError
-from fastload.loader import DataLoader
-from fastload.sampler import ResumableSampler, ShardedSampler
+from fastload.loader.dataloader import DataLoader
+from fastload.loader.sampler import ResumableSampler, ShardedSampler
 
 # -- ShardedSampler ----------------------------------------------------------------------
 

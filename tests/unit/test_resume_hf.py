@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from fastload.loader import DataLoader
+from fastload.loader.dataloader import DataLoader
 
 datasets = pytest.importorskip("datasets")
 

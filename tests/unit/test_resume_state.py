@@ -21,7 +21,7 @@ from _resume_helpers import (
 )
 
 from fastload.errors import ConfigError, LoaderError
-from fastload.loader import DataLoader
+from fastload.loader.dataloader import DataLoader
 
 # Three workers on a two-CPU machine make torch warn; the rotation needs more than two.
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

@@ -14,9 +14,8 @@ import pytest
 import torch
 from _loader_helpers import ReadBatchDS, TensorDS
 
-from fastload import hostlimit
-from fastload.batch_tree import nbytes
-from fastload.loader import DataLoader
+from fastload.device.batch_tree import nbytes
+from fastload.loader.dataloader import DataLoader
 from fastload.stats import (
     LoaderStats,
     OpStats,
@@ -25,6 +24,7 @@ from fastload.stats import (
     default_collector,
     use_collector,
 )
+from fastload.transport import hostlimit
 
 
 def test_add_count_timer_snapshot() -> None:
@@ -237,7 +237,7 @@ def test_forked_child_starts_with_a_fresh_default_collector() -> None:
 
 def test_loader_scope_lasts_the_pass() -> None:
     # The pass's collector stays active between batches (it is not set and reset per
-    # batch, see fastload._loader_iter), yields to use_collector and other loaders, and
+    # batch, see fastload.loader.iterator), yields to use_collector and other loaders, and
     # is gone when the pass ends.
     a, b = DataLoader(_RecordingDS(6), batch_size=2), DataLoader(_RecordingDS(6), batch_size=2)
     mine = StatsCollector()
@@ -273,7 +273,7 @@ def test_fast_loop_waits_are_sampled_and_scaled(monkeypatch: pytest.MonkeyPatch)
     # Batches closer than FAST_BATCH_S apart are timed one in ~SAMPLE_EVERY; the
     # untimed ones are charged the sampled mean, so the stall fraction stays right.
     # A FAST_BATCH_S of 1 s makes any loop "fast" after its first tick.
-    import fastload._loader_iter as li
+    import fastload.loader.iterator as li
 
     monkeypatch.setattr(li, "FAST_BATCH_S", 1.0)
     monkeypatch.setattr(li, "TICK_S", 0.01)

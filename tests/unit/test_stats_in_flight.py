@@ -15,7 +15,7 @@ import fastload
 from fastload.config import Settings
 from fastload.dataset import FileDataset
 from fastload.fetch import Fetcher
-from fastload.reader import Reader
+from fastload.read.reader import Reader
 from fastload.source import Source
 from fastload.stats import LoaderStats, regime
 

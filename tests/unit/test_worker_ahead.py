@@ -17,7 +17,7 @@ from _loader_helpers import AnnouncingDS, TensorDS, assert_same
 
 from fastload import DataLoader
 from fastload.fetch import AheadSampler, depth_for
-from fastload.sampler import ResumableSampler
+from fastload.loader.sampler import ResumableSampler
 
 TIMEOUT_S = 60  # a batch that never comes fails the test instead of hanging it
 
@@ -78,7 +78,7 @@ def test_resumed_epoch_with_workers_is_unchanged_and_still_announced() -> None:
     resumed.load_state_dict(state)
     tail = list(resumed)
     assert_same(_samples(head + tail), _samples(full))
-    # The resumed epoch's first batch goes to the worker that was next (fastload.resume);
+    # The resumed epoch's first batch goes to the worker that was next (fastload.loader.resume);
     # batch j still shares its worker with batch j + num_workers, so announcements land.
     assert _flags(tail) == [1] * len(_flags(tail))
 

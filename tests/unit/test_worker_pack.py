@@ -12,11 +12,11 @@ import torch
 from _loader_helpers import assert_same
 
 import fastload
-from fastload._torch_surface import TORCH_DATALOADER
-from fastload._worker_pack import PACK_MIN_BYTES, BufferRef, SharedBuffers, Span, pack, unpack
 from fastload.config import Settings
 from fastload.dataset import FileDataset
-from fastload.loader import _WORKER_COLLATE
+from fastload.device.worker_pack import PACK_MIN_BYTES, BufferRef, SharedBuffers, Span, pack, unpack
+from fastload.loader.dataloader import _WORKER_COLLATE
+from fastload.loader.torch_surface import TORCH_DATALOADER
 
 
 @pytest.fixture()
@@ -155,7 +155,7 @@ def test_samples_user_code_sees_are_bytes_and_arrive_equal(dataset: FileDataset,
 
 
 def test_read_buffer_is_only_lent_in_a_packing_worker() -> None:
-    from fastload._worker_pack import read_buffer
+    from fastload.device.worker_pack import read_buffer
 
     assert read_buffer(100) is None  # the parent: datasets read into their own buffers
 
@@ -212,7 +212,7 @@ def test_a_packed_batch_survives_torchs_pin_memory_thread() -> None:
     # the parent unpacks: the spans and the buffer's lease must come through.
     from torch.utils.data._utils.pin_memory import pin_memory
 
-    from fastload._worker_stats import Unwrap, WorkerBatch
+    from fastload.loader.worker_stats import Unwrap, WorkerBatch
 
     buffers = SharedBuffers(workers=1, depth=2)
     batch = {"data": [b"a" * 3000, b"b" * 4000], "url": ["u0", "u1"]}

@@ -17,7 +17,7 @@ small tuples. A worker that fails a batch sends torch's ExceptionWrapper instead
 its records then travel with that worker's next batch.
 
 The same wrapper carries a fastload dataset's payload bytes through reused
-shared-memory buffers (:mod:`fastload._worker_pack`), with or without stats;
+shared-memory buffers (:mod:`fastload.device.worker_pack`), with or without stats;
 :class:`Unwrap` puts them back before anyone sees the batch.
 """
 
@@ -31,17 +31,24 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from fastload import hostlimit
-from fastload._worker_pack import BufferRef, SharedBuffers, activate, pack, pickled_bytes, unpack
-from fastload.batch_tree import nbytes
-from fastload.resume import WorkerStates, worker_changes
+from fastload.device.batch_tree import nbytes
+from fastload.device.worker_pack import (
+    BufferRef,
+    SharedBuffers,
+    activate,
+    pack,
+    pickled_bytes,
+    unpack,
+)
+from fastload.loader.resume import WorkerStates, worker_changes
 from fastload.stats import StatsCollector, default_collector
+from fastload.transport import hostlimit
 
 __all__ = ["Delta", "Unwrap", "WorkerBatch", "WorkerCollate", "fetches_of"]
 
 #: ``((op, items, bytes, seconds), ...), ((counter, n), ...), limits``: recorded since
 #: the worker's previous batch (None: nothing). ``limits`` is ``(process, {host: state},
-#: fetches)``: the worker's host limits (:func:`fastload.hostlimit.settled`) and its
+#: fetches)``: the worker's host limits (:func:`fastload.transport.hostlimit.settled`) and its
 #: dataset's fetches in flight (:func:`fetches_of`) when either changed since the
 #: worker's previous batch, else None. Each worker process has its own limits (a host's
 #: cap holds per process) and its own Fetcher, so the parent reports them per process.
@@ -72,7 +79,7 @@ class WorkerBatch:
         self.delta = delta
         self.packed = packed
         self.pickled = pickled  # bytes of the batch that cross pickled (a worker's first batch only)
-        self.state = state  # (worker id, its snapshot or None): fastload.resume.worker_changes
+        self.state = state  # (worker id, its snapshot or None): fastload.loader.resume.worker_changes
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (WorkerBatch, (self.batch, self.delta, self.packed, self.pickled, self.state))
@@ -96,7 +103,7 @@ class WorkerCollate:
         stats: Ship the worker's stats delta.
         buffers: Move the batch's large ``bytes`` through these shared buffers
             (fastload datasets), or None.
-        resume: Ship the worker's id and resume state (:func:`fastload.resume.worker_changes`).
+        resume: Ship the worker's id and resume state (:func:`fastload.loader.resume.worker_changes`).
     """
 
     def __init__(
@@ -171,7 +178,7 @@ class WorkerCollate:
 class Unwrap:
     """Calls torch's ``__next__``; merges a WorkerBatch's delta into ``collector``, returns its batch.
 
-    A batch that came packed gets its bytes back here (:func:`fastload._worker_pack.unpack`).
+    A batch that came packed gets its bytes back here (:func:`fastload.device.worker_pack.unpack`).
     """
 
     __slots__ = ("fn", "collector", "keep", "warn", "states")
@@ -188,7 +195,7 @@ class Unwrap:
         self.collector = collector
         self.keep = keep  # the WorkerCollate whose buffers this iterator's batches use
         self.warn = warn  # called with a worker's pickled bytes per batch, when measured
-        self.states = states  # where each batch's worker state goes (fastload.resume)
+        self.states = states  # where each batch's worker state goes (fastload.loader.resume)
 
     def __call__(self) -> Any:
         out = self.fn()

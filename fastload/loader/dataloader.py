@@ -10,10 +10,10 @@ step interleave exactly as before (``tests/unit/test_loader_compat.py``).
 
 The loader wires the pipeline's parts together and holds none of their logic:
 
-* index order, sharding and resume: :mod:`fastload.sampler`
-* parallel reads for datasets with ``read_batch``: :mod:`fastload.readahead`
+* index order, sharding and resume: :mod:`fastload.loader.sampler`
+* parallel reads for datasets with ``read_batch``: :mod:`fastload.loader.readahead`
 * index batches announced ahead (``fetch_ahead``), here or to workers: :mod:`fastload.fetch.ahead`
-* host-to-device transfer: :mod:`fastload.prefetch`
+* host-to-device transfer: :mod:`fastload.device.prefetch`
 * counters: :mod:`fastload.stats`
 """
 
@@ -27,8 +27,15 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data as tud
 
-from fastload import resume
-from fastload._loader_iter import (
+from fastload.config import default_read_threads
+from fastload.dataset import _CachedDataset
+from fastload.device.prefetch import DevicePrefetcher
+from fastload.device.torch_compat import accelerator_available
+from fastload.device.worker_pack import SharedBuffers
+from fastload.errors import ConfigError
+from fastload.fetch import AheadSampler, Announcer, depth_for
+from fastload.loader import resume
+from fastload.loader.iterator import (
     _Calls,
     _LiveLoaderIter,
     _LoaderIter,
@@ -38,18 +45,11 @@ from fastload._loader_iter import (
     loader_stats,
     new_iter,
 )
-from fastload._torch_compat import accelerator_available
-from fastload._torch_surface import TORCH_BASE_ITER, TORCH_DATALOADER, TORCH_SINGLE_ITER
-from fastload._worker_pack import SharedBuffers
-from fastload._worker_stats import Unwrap, WorkerCollate
-from fastload.config import default_read_threads
-from fastload.dataset import _CachedDataset
-from fastload.errors import ConfigError
-from fastload.fetch import AheadSampler, Announcer, depth_for
-from fastload.prefetch import DevicePrefetcher
-from fastload.readahead import ReadAhead
-from fastload.resume import WorkerInit, WorkerStates, resumed_iterator
-from fastload.sampler import ResumableSampler, ShardedSampler
+from fastload.loader.readahead import ReadAhead
+from fastload.loader.resume import WorkerInit, WorkerStates, resumed_iterator
+from fastload.loader.sampler import ResumableSampler, ShardedSampler
+from fastload.loader.torch_surface import TORCH_BASE_ITER, TORCH_DATALOADER, TORCH_SINGLE_ITER
+from fastload.loader.worker_stats import Unwrap, WorkerCollate
 from fastload.stats import LoaderStats, StatsCollector
 
 __all__ = ["DataLoader"]
@@ -104,14 +104,14 @@ class DataLoader(tud.DataLoader[T_co]):
             generator, prefetch_factor, persistent_workers, pin_memory_device, in_order:
             As in torch. ``timeout`` also bounds each batch of the read_batch path.
         device: Where batches arrive (``"cuda"``, ``"cuda:1"``, ``"cpu"``); tensors
-            travel through a :class:`~fastload.prefetch.DevicePrefetcher` ring. None
+            travel through a :class:`~fastload.device.prefetch.DevicePrefetcher` ring. None
             (default) leaves batches where collate_fn put them.
         prefetch_to_device: Batches in transit to the device (>= 1). When the loader may
             read ahead (workers, or the read_batch path) up to ``prefetch_to_device - 1``
             batches beyond the current one are copied early; with ``num_workers=0`` and a
             plain dataset none are, so ``__getitem__`` keeps torch's timing.
         distributed: Shard a map-style dataset across ranks with a
-            :class:`~fastload.sampler.ShardedSampler` (DistributedSampler semantics;
+            :class:`~fastload.loader.sampler.ShardedSampler` (DistributedSampler semantics;
             ``drop_last`` then also cuts, instead of padding, the shard tail). Never
             implied by an initialised process group.
         rank, world_size: This process's shard; default from ``torch.distributed``.
@@ -161,7 +161,7 @@ class DataLoader(tud.DataLoader[T_co]):
 
     Resuming. A :meth:`state_dict` taken after ``k`` batches makes a new loader built
     with the same arguments yield batches ``k+1...``; the skipped samples are not read,
-    and the state is JSON data (:mod:`fastload.resume`).
+    and the state is JSON data (:mod:`fastload.loader.resume`).
 
     Example:
         >>> loader = DataLoader(list(range(10)), batch_size=4)
@@ -406,7 +406,7 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def _items_per_index_batch(self) -> int | None:
         # Known when torch's own BatchSampler draws map-style batches (all full but the
-        # last); None: count them (fastload._loader_iter._TimedCollate).
+        # last); None: count them (fastload.loader.iterator._TimedCollate).
         if not self._auto_collation:
             return 1
         if type(self.batch_sampler) is tud.BatchSampler and not isinstance(
@@ -417,7 +417,7 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def _packs(self) -> bool:
         # fastload's datasets hand out bytes payloads (FileDataset, TarDataset): with
-        # workers they cross to the parent through shared memory (fastload._worker_pack).
+        # workers they cross to the parent through shared memory (fastload.device.worker_pack).
         return self.num_workers > 0 and isinstance(self.dataset, _CachedDataset)
 
     def _warn_pickled(self, size: int) -> None:
@@ -446,7 +446,7 @@ class DataLoader(tud.DataLoader[T_co]):
         if self.num_workers == 0:
             return super().__iter__()
         # Workers run a collate_fn that also ships their stats with each batch
-        # (fastload._worker_stats); torch reads loader.collate_fn only while it builds
+        # (fastload.loader.worker_stats); torch reads loader.collate_fn only while it builds
         # the iterator, so the user's attribute is back in place before any batch.
         # Its _collate_fn is the user's again too: torch hands it to workers only while
         # it starts them, in the constructor.
@@ -456,7 +456,7 @@ class DataLoader(tud.DataLoader[T_co]):
         # One buffer per batch a worker may have in flight (prefetch_factor), plus one.
         buffers = SharedBuffers(self.num_workers, (self.prefetch_factor or 2) + 1) if self._packs() else None
         collate = WorkerCollate(user, self._auto_collation, stats=stats, buffers=buffers, resume=True)
-        # ...and fastload's worker_init_fn (the user's, then the saved state: fastload.resume).
+        # ...and fastload's worker_init_fn (the user's, then the saved state: fastload.loader.resume).
         self.collate_fn, self.worker_init_fn = collate, init
         self.__dict__["_fl_first_worker"] = (first, undo)
         try:
@@ -576,7 +576,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._fl_collector.reset()
 
     def state_dict(self) -> dict[str, Any]:
-        """Return where the next batch comes from, as JSON data (see :mod:`fastload.resume`).
+        """Return where the next batch comes from, as JSON data (see :mod:`fastload.loader.resume`).
 
         Just after :meth:`load_state_dict` that is the loaded position; mid-epoch, the
         batch after the last one handed out; between epochs, the next epoch's start

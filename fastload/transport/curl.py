@@ -29,7 +29,7 @@ as it is (an error status, a failed transfer, a body without a length) is
 redone by :meth:`Source.fetch_first` on aiohttp, whose retries, backoff and error
 messages are the ones users see.
 
-Requests in flight: each host's :class:`~fastload.hostlimit.HostLimit` stays the
+Requests in flight: each host's :class:`~fastload.transport.hostlimit.HostLimit` stays the
 one home of that number. The engine holds slots leased from it
 (:meth:`HostLimit.lease`) as permits; a finished GET's permit starts the next
 queued one on the C thread. Whenever Python comes by (a batch handed over, a
@@ -55,7 +55,7 @@ from typing import Any, ClassVar
 
 from fastload.config import pure_python
 from fastload.errors import ConfigError
-from fastload.hostlimit import SLOW_CONNECT_S, STOP_POLL_S, HostLimit
+from fastload.transport.hostlimit import SLOW_CONNECT_S, STOP_POLL_S, HostLimit
 
 PUMP_S = 0.005  # a reader waiting on GETs hands finished ones to the controller at least this often
 PAGE_MAX = 64 << 20  # a folder page this long may have been cut: it is read again on aiohttp
@@ -347,7 +347,7 @@ def _failed(code: int, status: int, message: str, url: str) -> None:
 
 def _answer(res: tuple[Any, ...], url: str, nbytes: int) -> tuple[dict[str, Any], bytes]:
     """An engine answer as _http_get_first's (info, body), or the error it stands for."""
-    from fastload.answers import first_info
+    from fastload.transport.answers import first_info
 
     code, status, body, content_range, content_length, etag, modified, md5, digest, _closes, message, _, _, generation = res
     _failed(code, status, message, url)

@@ -3,7 +3,7 @@
 :class:`Reader` is the one place that joins a :class:`~fastload.source.Source`
 (the remote) with the :class:`~fastload.cache.Cache` (the local disk). Datasets,
 ``fastload.open``, the ``fastload::`` fsspec protocol and staging all go
-through it, so they share one identity (:mod:`fastload.identity`); its misses,
+through it, so they share one identity (:mod:`fastload.fetch.identity`); its misses,
 fetches ahead and staging's fetches all go to its :class:`~fastload.fetch.Fetcher`,
 the one fetch path, which never calls back into the Reader.
 
@@ -33,7 +33,7 @@ from fastload.cache import Cache
 from fastload.config import Settings, format_size
 from fastload.errors import ConfigError, EmptyDatasetError
 from fastload.fetch import Fetcher
-from fastload.identity import Identity
+from fastload.fetch.identity import Identity
 from fastload.source import RemoteItem
 from fastload.source.sources import Sources
 from fastload.stats import record_cache
@@ -59,7 +59,7 @@ class Reader:
 
     Its parts, each its own layer: ``sources`` (one :class:`~fastload.source.Source`
     per protocol), ``identity`` (keys, spans, pins, manifests:
-    :mod:`fastload.identity`) and ``fetcher`` (the fetch layer: every miss, fetch
+    :mod:`fastload.fetch.identity`) and ``fetcher`` (the fetch layer: every miss, fetch
     ahead and staging fetch, :mod:`fastload.fetch`).
 
     Args:
@@ -211,7 +211,7 @@ class Reader:
 
         Args:
             requests: ``(item, start, end, dst)`` with ``0 <= start <= end <= item.size``.
-            out: A writable, C-contiguous buffer (see :func:`fastload.gather.gather`).
+            out: A writable, C-contiguous buffer (see :func:`fastload.cache.gather.gather`).
             fresh: Blocks just fetched (cache key -> bytes, from :meth:`Fetcher.complete`):
                 copied from memory, not read back from disk, and not counted again.
         """

@@ -14,7 +14,7 @@ in fastload bounds requests, so this is the one home of that number.
   throughput stops rising; then by one per window while each step pays, taking
   back a step that made throughput fall, and trying one more now and then),
   and halves on a congestion
-  signal (:func:`fastload.failures.congestion`): a connect timeout, a reset or refused connection,
+  signal (:func:`fastload.transport.failures.congestion`): a connect timeout, a reset or refused connection,
   HTTP 429 or 503, S3 ``SlowDown``, a TCP connect slower than :data:`SLOW_CONNECT_S` (a server
   whose listen backlog overflows drops SYNs, which TCP retries only after a
   second). Throughput alone never cuts: on a shared machine it dips for reasons
@@ -42,7 +42,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fastload.errors import SourceError, StoppedError
-from fastload.failures import congestion
+from fastload.transport.failures import congestion
 
 START = 4  # requests allowed at first: a small server is never met with a burst
 RISE = 1.05  # a step "pays" when throughput rises by at least this factor
@@ -213,7 +213,7 @@ class HostLimit:
         for fn in wake:
             fn()
 
-    # -- slots held in bulk (fastload.curl: a transfer thread that runs without the GIL) --
+    # -- slots held in bulk (fastload.transport.curl: a transfer thread that runs without the GIL) --
 
     def lease(self, n: int) -> int:
         """Take up to ``n`` slots now, without waiting; returns how many were taken.
@@ -506,7 +506,7 @@ def settled() -> dict[str, dict[str, Any]]:
 def combine_limits(per_process: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Host -> its limits over several processes (``process -> host -> HostLimit.as_dict()``).
 
-    Each process has its own limit and cap for a host (fastload.hostlimit), so the host
+    Each process has its own limit and cap for a host (fastload.transport.hostlimit), so the host
     may see the sum of their limits at once: ``limit`` and ``cuts`` are summed, ``peak``
     is the largest of one process, ``cap`` is the (per-process) cap, and ``processes``
     keeps each process's own.

@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from fastload.batch_tree import nbytes
+from fastload.device.batch_tree import nbytes
 from fastload.errors import LoaderError
 from fastload.stats import _ACTIVE, StatsCollector
 

@@ -21,7 +21,7 @@ Shard semantics (the same as DistributedSampler):
 * Rank ``r`` takes positions ``r, r + world_size, r + 2 * world_size, ...``.
 
 ``partition="node"`` splits the dataset into one fixed part per node instead
-(:mod:`fastload.partition`): each epoch permutes the node's part (seeded with
+(:mod:`fastload.read.partition`): each epoch permutes the node's part (seeded with
 ``seed + epoch``) and deals it to the node's ranks. Every rank of every node takes
 ``ceil(largest part / ranks per node)`` indices (padding each part with its own
 head), or with ``drop_last`` ``smallest part // ranks per node``, so step counts
@@ -45,8 +45,8 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils.data import BatchSampler, Sampler
 
-from fastload import partition as parts
 from fastload.errors import ConfigError
+from fastload.read import partition as parts
 
 __all__ = ["ResumableSampler", "RngSnapshot", "ShardedSampler"]
 
@@ -65,9 +65,9 @@ class ShardedSampler(Sampler[int]):
         drop_last: Cut the tail (True) or pad with the head (False); see the module docs.
         partition: ``"global"`` (default): DistributedSampler's split, a new one each
             epoch. ``"node"``: a fixed part per node, shuffled within it
-            (:mod:`fastload.partition`).
+            (:mod:`fastload.read.partition`).
         nodes, node_rank: With ``partition="node"``, the node count and this rank's node;
-            default from torchrun's or Slurm's environment (:func:`fastload.partition.topology`).
+            default from torchrun's or Slurm's environment (:func:`fastload.read.partition.topology`).
 
     Raises:
         ConfigError: ``world_size < 1`` or ``rank`` outside ``[0, world_size)``; an

@@ -1,7 +1,7 @@
 """Block identity: what a cached block of a remote object is called, and what pins it.
 
 Shared by the fetch layer (:mod:`fastload.fetch`, which stores blocks) and the
-:class:`~fastload.reader.Reader` (which reads them), so neither asks the other:
+:class:`~fastload.read.reader.Reader` (which reads them), so neither asks the other:
 
 * **keys**: an object version's block -> its cache key (:meth:`Identity.key`);
 * **blocks and spans**: the blocks an object has and the bytes each covers

@@ -3,7 +3,7 @@
 The one classifier of request errors: :func:`transient` decides whether
 :class:`~fastload.source.Source` retries (after backoff, outside the request's
 slot), :func:`congestion` whether the host's limit is cut
-(:mod:`fastload.hostlimit`). Every congestion is transient; a transient error
+(:mod:`fastload.transport.hostlimit`). Every congestion is transient; a transient error
 need not be congestion (a 500, a cut body). Errors are matched by class name,
 so that neither botocore nor aiohttp is a dependency.
 """

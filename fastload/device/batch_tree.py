@@ -3,7 +3,7 @@
 The container rules are torch's own (``torch.utils.data._utils.pin_memory``): a
 mapping, namedtuple, tuple or sequence is rebuilt as the same type where it can be
 constructed, else as a dict or list; strings and bytes are leaves that stay. The
-device prefetcher (fastload.prefetch) copies every leaf of a batch in one DMA and
+device prefetcher (fastload.device.prefetch) copies every leaf of a batch in one DMA and
 rebuilds the batch around the copies.
 """
 

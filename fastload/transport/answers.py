@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin
 
-from fastload.failures import TruncatedBodyError
+from fastload.transport.failures import TruncatedBodyError
 
 INDEX_TITLE = re.compile(r"<title>\s*(?:Directory listing for|Index of)\b", re.IGNORECASE)
 # A link that urljoin would append to the page's URL unchanged: no scheme, no leading
@@ -54,7 +54,7 @@ def first_info(url: str, nbytes: int, status: int, headers: Mapping[str, str], b
 
     The size comes from the Content-Range of a 206, else the Content-Length of a
     server that ignored the range, else the body; the version from the same
-    headers a HEAD reports. Shared by aiohttp's GET (fastload.source.aio) and libcurl's (fastload.curl);
+    headers a HEAD reports. Shared by aiohttp's GET (fastload.source.aio) and libcurl's (fastload.transport.curl);
     ``headers`` must look names up case-insensitively, as aiohttp's do.
     """
     size: int | None

@@ -7,7 +7,7 @@ Code written for torch reaches into the iterator: Lightning's teardown calls
 subclass of the torch iterator class it wraps (``isinstance`` holds), and every
 attribute and method of that torch iterator is forwarded to it: reads, writes
 and calls reach torch's object, and no state is copied. fastload's own
-attributes are slots on :class:`fastload._loader_iter._LoaderIter`, whose names
+attributes are slots on :class:`fastload.loader.iterator._LoaderIter`, whose names
 no torch iterator uses (checked when a class is built).
 
 Torch's classes are captured here at import, never looked up through the
@@ -77,7 +77,7 @@ def surfaced(kind: type, torch_cls: type, attributes: frozenset[str]) -> type:
     """A subclass of ``kind`` and ``torch_cls`` that forwards torch's surface to ``self._torch``.
 
     Args:
-        kind: fastload's iterator class (a :class:`~fastload._loader_iter._LoaderIter`).
+        kind: fastload's iterator class (a :class:`~fastload.loader.iterator._LoaderIter`).
         torch_cls: The class of the torch iterator it wraps.
         attributes: The torch iterator's instance attribute names (``vars(it)``).
 

@@ -1,6 +1,6 @@
 """Node partitions: each node of a cluster reads one fixed part of the dataset.
 
-With ``partition="node"`` (:class:`~fastload.sampler.ShardedSampler`,
+With ``partition="node"`` (:class:`~fastload.loader.sampler.ShardedSampler`,
 ``fastload.DataLoader``) the dataset is split once into one *part* per node. The
 parts hold near-equal bytes and stay the same in every epoch, so each node's cache
 fills with its own part in the first epoch and the slow link carries each byte once

@@ -5,7 +5,7 @@ their own loaders with ``torch.utils.data.DataLoader(...)``. Rebinding that name
 and ``torch.utils.data.dataloader.DataLoader``, makes every loader built through
 it a :class:`fastload.DataLoader`, which yields what torch's would
 (``tests/unit/test_patch_torch.py``). fastload itself always uses torch's class as
-captured at import (:mod:`fastload._torch_surface`), so the rebinding cannot loop.
+captured at import (:mod:`fastload.loader.torch_surface`), so the rebinding cannot loop.
 
 A framework module that ran ``from torch.utils.data import DataLoader`` before the
 patch keeps torch's class in its own namespace: patch first, then import it.
@@ -21,9 +21,9 @@ from typing import Any
 import torch.utils.data
 import torch.utils.data.dataloader
 
-from fastload._torch_surface import TORCH_DATALOADER
 from fastload.errors import ConfigError
-from fastload.loader import DataLoader
+from fastload.loader.dataloader import DataLoader
+from fastload.loader.torch_surface import TORCH_DATALOADER
 
 __all__ = ["TorchPatch", "patch_torch"]
 
@@ -124,7 +124,7 @@ def patch_torch(**defaults: Any) -> TorchPatch:
         >>> with patch_torch(stats=False):
         ...     loader = torch.utils.data.DataLoader(list(range(6)), batch_size=4)
         >>> type(loader).__module__, loader.stats_enabled, [b.tolist() for b in loader]
-        ('fastload.patch', False, [[0, 1, 2, 3], [4, 5]])
+        ('fastload.loader.patch', False, [[0, 1, 2, 3], [4, 5]])
         >>> torch.utils.data.DataLoader.__module__
         'torch.utils.data.dataloader'
     """

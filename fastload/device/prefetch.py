@@ -72,9 +72,9 @@ from typing import Any, Generic, TypeVar, cast
 
 import torch
 
-from fastload._torch_compat import empty_host_cache
-from fastload.batch_tree import collect_tensors, rebuild
 from fastload.config import deprecated
+from fastload.device.batch_tree import collect_tensors, rebuild
+from fastload.device.torch_compat import empty_host_cache
 from fastload.errors import ConfigError, LoaderError
 from fastload.stats import StatsCollector
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from fastload._torch_surface import surfaced
-from fastload._worker_stats import fetches_of
-from fastload.batch_tree import nbytes
-from fastload.readahead import ReadAhead, finalizing_close
+from fastload.device.batch_tree import nbytes
+from fastload.loader.readahead import ReadAhead, finalizing_close
+from fastload.loader.torch_surface import surfaced
+from fastload.loader.worker_stats import fetches_of
 from fastload.stats import (
     _ACTIVE,
     LoaderStats,
@@ -199,7 +199,7 @@ class _LoaderIter(Iterator[Any]):
     wait (tests/unit/test_stats.py::test_fast_loop_waits_are_sampled_and_scaled).
 
     ``iter(loader)`` returns it as a subclass of the torch iterator it wraps, which
-    forwards torch's attributes and methods (:func:`new_iter`, :mod:`fastload._torch_surface`).
+    forwards torch's attributes and methods (:func:`new_iter`, :mod:`fastload.loader.torch_surface`).
 
     The loader's collector becomes the active one at the first ``next()`` and stays so
     until the pass ends or the iterator is closed. It is checked again before the next
@@ -225,7 +225,7 @@ class _LoaderIter(Iterator[Any]):
         report: Callable[[], None] | None = None,
         torch_iter: Any = None,
     ) -> None:
-        self._torch = torch_iter  # torch's iterator whose surface is forwarded (fastload._torch_surface)
+        self._torch = torch_iter  # torch's iterator whose surface is forwarded (fastload.loader.torch_surface)
         self._next = nxt
         self._progress = progress
         self._collector = collector

@@ -15,7 +15,7 @@ Encodings (all lossless):
 
 The parts:
 
-* index order (map-style datasets): :class:`fastload.sampler.ResumableSampler`
+* index order (map-style datasets): :class:`fastload.loader.sampler.ResumableSampler`
   regenerates the epoch's order from the RNG state recorded when it was drawn
   and drops the first ``k`` index batches without reading them;
 * stateful samplers (``state_dict``/``load_state_dict``): their state when the
@@ -54,7 +54,7 @@ import torch.utils.data as tud
 from torch.utils.data import get_worker_info
 
 from fastload.errors import ConfigError, LoaderError
-from fastload.sampler import RngSnapshot
+from fastload.loader.sampler import RngSnapshot
 
 __all__ = [
     "STATE_VERSION", "WorkerInit", "WorkerStates", "decode_rng", "encode_rng", "load", "rng_state",
@@ -150,7 +150,7 @@ _WORKER: _Worker | None = None
 def worker_changes(caller: Any = None) -> tuple[int, dict[str, Any] | None]:
     """Worker, per batch: its id, and its state when a snapshot is due (changed parts only).
 
-    Called by :class:`fastload._worker_stats.WorkerCollate` after the batch is collated,
+    Called by :class:`fastload.loader.worker_stats.WorkerCollate` after the batch is collated,
     so the state is the one after this batch. ``caller`` is the frame of torch's
     fetcher that called it: an IterableDataset's iterator (``fetcher.dataset_iter``)
     is found there, and saved when it has ``state_dict()``.
@@ -269,7 +269,7 @@ class WorkerInit:
 class WorkerStates:
     """Parent: each worker's latest state, as of the batches the consumer received.
 
-    Batches reach :meth:`add` (from :class:`fastload._worker_stats.Unwrap`) possibly
+    Batches reach :meth:`add` (from :class:`fastload.loader.worker_stats.Unwrap`) possibly
     ahead of the consumer (the device prefetcher copies ahead); a batch's state is
     folded in only once :attr:`yielded` (the loader's count) passed it.
     """

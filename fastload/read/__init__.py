@@ -1,0 +1,1 @@
+"""fastload.read: a layer package (docstring filled in by the next commit)."""
