@@ -24,15 +24,8 @@ from fastload.device.batch_tree import nbytes
 from fastload.loader.readahead import ReadAhead, finalizing_close
 from fastload.loader.torch_surface import surfaced
 from fastload.loader.worker_stats import fetches_of
-from fastload.stats import (
-    _ACTIVE,
-    LoaderStats,
-    StatsCollector,
-    _enter_loop,
-    _leave_loop,
-    _LoopScope,
-    _watch,
-)
+from fastload.stats import LoaderStats, StatsCollector
+from fastload.stats.active import _ACTIVE, _enter_loop, _leave_loop, _LoopScope, _watch
 
 __all__ = ["TICK_S"]
 

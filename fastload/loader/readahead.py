@@ -32,7 +32,8 @@ from typing import Any
 
 from fastload.device.batch_tree import nbytes
 from fastload.errors import LoaderError
-from fastload.stats import _ACTIVE, StatsCollector
+from fastload.stats import StatsCollector
+from fastload.stats.active import _ACTIVE
 
 __all__ = ["ReadAhead"]
 
