@@ -17,13 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastload.device.batch_tree import collect_tensors, rebuild
-from fastload.device.prefetch import (
-    MIN_SLOT_BYTES,
-    DevicePrefetcher,
-    _HostBackend,
-    _Slot,
-    slot_size,
-)
+from fastload.device.prefetch import DevicePrefetcher
+from fastload.device.slots import MIN_SLOT_BYTES, _HostBackend, _Slot, slot_size
 from fastload.errors import ConfigError, LoaderError
 from fastload.stats import StatsCollector
 
@@ -337,9 +332,9 @@ def test_slot_size(need: int, cap: int | None, want: int) -> None:
 def test_docstring_examples_run() -> None:
     import doctest
 
-    from fastload.device import prefetch
+    from fastload.device import slots
 
-    result = doctest.testmod(prefetch, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(slots, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
 
 
