@@ -12,9 +12,11 @@ Modules (each imported on first use, so ``import fastload.diagnose`` is cheap):
 * :mod:`~fastload.diagnose.verdict` - per-op ceilings, the limit, the advice
 * :mod:`~fastload.diagnose.report` / :mod:`~fastload.diagnose.plot` - text and PNG output
 * :mod:`~fastload.diagnose.bench` - ``fastload bench``
-* :mod:`~fastload.diagnose.live` - ``DataLoader(log_every=, summary_writer=)``
 
 See docs/diagnostics.md.
+
+Layer: the top but one (only the CLI imports it); it may import every layer below, the loader
+and the pipelines included (``fastload bench`` runs the real DataLoader).
 """
 
 from __future__ import annotations

@@ -201,7 +201,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     """Run the benchmark described by ``opts``; returns the JSON-ready report."""
     import torch
 
-    from fastload.loader.dataloader import DEFAULT_READ_THREADS, DataLoader
+    from fastload.loader.chain import DEFAULT_READ_THREADS
+    from fastload.loader.dataloader import DataLoader
     from fastload.loader.torch_surface import (
         TORCH_DATALOADER,  # torch's own, even under patch_torch()
     )

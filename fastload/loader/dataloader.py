@@ -8,7 +8,9 @@ torch's loader yields, in the same order for the same seed. With
 inside ``next()``, as in torch, so RNG draws in the dataset and in the training
 step interleave exactly as before (``tests/unit/test_loader_compat.py``).
 
-The loader wires the pipeline's parts together and holds none of their logic:
+The class holds the arguments (torch's, checked by torch, and fastload's, checked
+here) and the index order; a pass (``iter(loader)``) is wired by
+:mod:`fastload.loader.chain`. Neither holds the parts' logic:
 
 * index order, sharding and resume: :mod:`fastload.loader.sampler`
 * parallel reads for datasets with ``read_batch``: :mod:`fastload.loader.readahead`
@@ -27,54 +29,24 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data as tud
 
-from fastload.config import default_read_threads
-from fastload.dataset import _CachedDataset
 from fastload.device.prefetch import DevicePrefetcher
-from fastload.device.torch_compat import accelerator_available
-from fastload.device.worker_pack import SharedBuffers
 from fastload.errors import ConfigError
-from fastload.fetch import AheadSampler, Announcer, depth_for
-from fastload.loader import resume
+from fastload.fetch import AheadSampler, depth_for
+from fastload.loader import chain, resume
 from fastload.loader.iterator import (
-    _Calls,
-    _LiveLoaderIter,
     _LoaderIter,
     _Progress,
-    _TimedCollate,
-    _TimedNext,
     loader_stats,
-    new_iter,
 )
-from fastload.loader.readahead import ReadAhead
-from fastload.loader.resume import WorkerInit, WorkerStates, resumed_iterator
+from fastload.loader.resume import resumed_iterator
 from fastload.loader.sampler import ResumableSampler, ShardedSampler
-from fastload.loader.torch_surface import TORCH_BASE_ITER, TORCH_DATALOADER, TORCH_SINGLE_ITER
-from fastload.loader.worker_stats import Unwrap, WorkerCollate
+from fastload.loader.snapshot import WorkerStates
+from fastload.loader.torch_surface import TORCH_DATALOADER
 from fastload.stats import LoaderStats, StatsCollector
 
 __all__ = ["DataLoader"]
 
 T_co = TypeVar("T_co", covariant=True)
-
-DEFAULT_READ_THREADS = default_read_threads()
-DEFAULT_READ_AHEAD = 2  # batches, for datasets with read_batch
-# A fastload dataset's batch with more than this crossing pickled warns once.
-PICKLED_WARN_BYTES = 1_000_000
-# torch's multi-process iterator -> the WorkerCollate its workers run.
-_WORKER_COLLATE: weakref.WeakKeyDictionary[Any, WorkerCollate] = weakref.WeakKeyDictionary()
-
-
-class _Unpinned:
-    """A loader as torch's iterator constructor reads it, with pin_memory off."""
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    pin_memory = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
 
 def _dist_settings(world_size: int | None, rank: int | None) -> tuple[int, int]:
     if world_size is None or rank is None:
@@ -136,7 +108,7 @@ class DataLoader(tud.DataLoader[T_co]):
         summary_writer: Anything with ``add_scalar(tag, value, step)`` (e.g. a TensorBoard
             ``SummaryWriter``): the same interval stats as ``fastload/...`` scalars, every
             ``log_every`` batches (100 when ``log_every`` is None). See
-            :mod:`fastload.diagnose.live`.
+            :mod:`fastload.loader.live`.
         snapshot_every_n_steps: As torchdata's: a worker ships its state with every n-th
             of its batches (0: its first only); a resume replays the batches since. Default
             1: no replay. Map-style datasets and persistent workers snapshot every batch.
@@ -309,7 +281,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self.summary_writer = summary_writer
         self._fl_live_stats = None
         if log_every is not None or summary_writer is not None:
-            from fastload.diagnose.live import DEFAULT_WRITE_EVERY, LiveStats
+            from fastload.loader.live import DEFAULT_WRITE_EVERY, LiveStats
 
             self._fl_live_stats = LiveStats(
                 self.stats, log_every or DEFAULT_WRITE_EVERY, log=log_every is not None, writer=summary_writer
@@ -386,54 +358,7 @@ class DataLoader(tud.DataLoader[T_co]):
         if callable(getattr(self.dataset, "set_epoch", None)):
             self.dataset.set_epoch(epoch)  # type: ignore[attr-defined]
 
-    # -- iteration ----------------------------------------------------------------------
-
-    def _read_fn(self) -> Callable[[list[Any]], Any] | None:
-        if self.num_workers != 0 or isinstance(self.dataset, tud.IterableDataset):
-            return None
-        if self.read_threads == 0:
-            return None
-        read_batch = getattr(self.dataset, "read_batch", None)
-        if callable(read_batch):
-            return read_batch  # type: ignore[no-any-return]
-        if not self.read_ahead:
-            return None  # plain datasets read in the calling thread, as torch does
-        getitems = getattr(self.dataset, "__getitems__", None)
-        if callable(getitems):
-            return getitems  # type: ignore[no-any-return]
-        ds = self.dataset
-        return lambda idx: [ds[i] for i in idx]
-
-    def _items_per_index_batch(self) -> int | None:
-        # Known when torch's own BatchSampler draws map-style batches (all full but the
-        # last); None: count them (fastload.loader.iterator._TimedCollate).
-        if not self._auto_collation:
-            return 1
-        if type(self.batch_sampler) is tud.BatchSampler and not isinstance(
-            self.dataset, tud.IterableDataset
-        ):
-            return int(self.batch_sampler.batch_size)
-        return None
-
-    def _packs(self) -> bool:
-        # fastload's datasets hand out bytes payloads (FileDataset, TarDataset): with
-        # workers they cross to the parent through shared memory (fastload.device.worker_pack).
-        return self.num_workers > 0 and isinstance(self.dataset, _CachedDataset)
-
-    def _warn_pickled(self, size: int) -> None:
-        # Once per loader: batches that still cross from workers pickled are the slow
-        # path (issue 13 measured 3x fewer samples/s than num_workers=0).
-        if size < PICKLED_WARN_BYTES or self._fl_warned_pickled:
-            return
-        self._fl_warned_pickled = True
-        warnings.warn(
-            f"fastload.DataLoader: {size / 1e6:.1f} MB of each batch from {type(self.dataset).__name__} "
-            f"crosses from the {self.num_workers} worker processes pickled through a pipe (values "
-            "that are neither torch tensors nor bytes, e.g. numpy arrays or images from a transform); "
-            "fix: make the transform or collate_fn return torch tensors (they cross as shared memory), "
-            "or use num_workers=0 (fastload reads on threads)",
-            stacklevel=3,
-        )
+    # -- iteration ---------------------------------------------------------------------
 
     def _get_iterator(self) -> Any:
         first, undo = self.__dict__.get("_fl_first_worker", (0, None))
@@ -442,122 +367,8 @@ class DataLoader(tud.DataLoader[T_co]):
             return resumed_iterator(self, first, undo)
         return super()._get_iterator()
 
-    def _torch_iter(self, stats: bool, init: WorkerInit | None, first: int, undo: Callable[[], None] | None) -> Any:
-        if self.num_workers == 0:
-            return super().__iter__()
-        # Workers run a collate_fn that also ships their stats with each batch
-        # (fastload.loader.worker_stats); torch reads loader.collate_fn only while it builds
-        # the iterator, so the user's attribute is back in place before any batch.
-        # Its _collate_fn is the user's again too: torch hands it to workers only while
-        # it starts them, in the constructor.
-        if self.persistent_workers and self._iterator is not None:
-            return super().__iter__()  # its workers keep the WorkerCollate they started with
-        user, user_init = self.collate_fn, self.worker_init_fn
-        # One buffer per batch a worker may have in flight (prefetch_factor), plus one.
-        buffers = SharedBuffers(self.num_workers, (self.prefetch_factor or 2) + 1) if self._packs() else None
-        collate = WorkerCollate(user, self._auto_collation, stats=stats, buffers=buffers, resume=True)
-        # ...and fastload's worker_init_fn (the user's, then the saved state: fastload.loader.resume).
-        self.collate_fn, self.worker_init_fn = collate, init
-        self.__dict__["_fl_first_worker"] = (first, undo)
-        try:
-            it = super().__iter__()
-        finally:
-            self.collate_fn, self.worker_init_fn = user, user_init
-            self.__dict__["_fl_first_worker"] = (0, None)
-        it._collate_fn = user
-        _WORKER_COLLATE[it] = collate  # the parent's buffers live as long as torch's iterator
-        return it
-
-    def _read_ahead_iter(self, read_fn: Callable[[list[Any]], Any]) -> tuple[Any, ReadAhead]:
-        # The read_batch path is a torch single-process iterator whose _next_data is
-        # the ReadAhead: torch's own constructor draws the sampler iterator and the base
-        # seed (so RNG streams match torch's loader), torch's __next__ counts
-        # _num_yielded, and isinstance checks see torch's class. Its __init__ is
-        # skipped: it only rejects timeout != 0 and makes a fetcher that is not used.
-        # Pinning is the ReadAhead's (`post`), decided by fastload's torch>=2.1 shim.
-        state = TORCH_SINGLE_ITER.__new__(TORCH_SINGLE_ITER)
-        TORCH_BASE_ITER.__init__(state, _Unpinned(self))  # type: ignore[arg-type]
-        post = None
-        state._pin_memory = self.pin_memory and accelerator_available()  # torch.accelerator: 2.6+
-        if state._pin_memory:
-            from torch.utils.data._utils.pin_memory import pin_memory
-
-            post = pin_memory
-        ahead = DEFAULT_READ_AHEAD if self.read_ahead is None else self.read_ahead
-        collector = self._fl_collector if self.stats_enabled else None
-        batches: Iterator[Any] = state._sampler_iter
-        hint = getattr(self.dataset, "fetch_ahead", None)
-        if callable(hint) and self._auto_collation:
-            batches = Announcer(batches, depth_for(self.batch_size), hint=hint)
-        state._sampler_iter = batches
-        ahead_iter = ReadAhead(
-            batches,
-            read_fn,
-            self.collate_fn,  # type: ignore[arg-type]
-            auto_collation=self._auto_collation,
-            threads=self.read_threads or DEFAULT_READ_THREADS,
-            ahead=ahead,
-            timeout=float(self.timeout),
-            collector=collector,
-            post=post,
-            name=type(self.dataset).__name__,
-        )
-        state._next_data = ahead_iter.__next__  # type: ignore[method-assign]
-        return state, ahead_iter
-
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        collector = self._fl_collector if self.stats_enabled else None
-        read_fn = self._read_fn()
-        timed = None
-        pending, self._fl_pending = self._fl_pending, None
-        start, gen_start, sampler_start, undo_seed = resume.begin_epoch(self, pending)
-        init, first, loaded = resume.worker_plan(self, pending)
-        reused = self.persistent_workers and self._iterator is not None
-        keep: Any
-        if read_fn is not None:
-            source, keep = self._read_ahead_iter(read_fn)
-        else:
-            source = keep = self._torch_iter(collector is not None, init, first, undo_seed)
-            if collector is not None and hasattr(source, "_dataset_fetcher"):
-                # Splits time inside next() into reading samples and collating them.
-                timed = _TimedCollate(source, self._items_per_index_batch())
-        resume.after_build(self, pending, source)
-        if undo_seed is not None and self.num_workers == 0:  # (workers: in torch's _reset)
-            undo_seed()  # the interrupted run drew no (new) base seed here
-        progress = _Progress(start, gen_start, sampler_start)
-        nxt: Callable[[], Any] = source.__next__
-        plain = nxt
-        tracker = None
-        if self.num_workers > 0:
-            tracker = resume.worker_states(self, loaded, reused, start, progress, source)
-            # Before the prefetcher: it must see plain batches.
-            nxt = Unwrap(nxt, collector, _WORKER_COLLATE.get(source), self._warn_pickled, tracker)
-        self._fl_workers = tracker
-        timed_next = None
-        if self.device is not None:
-            if self._fl_prefetcher is None:
-                self._fl_prefetcher = DevicePrefetcher(
-                    None,
-                    self.device,
-                    slots=max(2, self.prefetch_to_device),
-                    max_slot_bytes=self.max_slot_bytes,
-                    collector=collector,
-                )
-            # Copy ahead only when reading ahead is already allowed (workers or the
-            # read_batch path); otherwise __getitem__ would run before torch runs it.
-            may_read_ahead = self.num_workers > 0 or read_fn is not None
-            depth = self.prefetch_to_device - 1 if may_read_ahead else 0
-            if timed is not None:
-                timed_next = _TimedNext(nxt)
-                nxt = timed_next
-            feed = source if nxt is plain else _Calls(nxt)
-            nxt = self._fl_prefetcher.iterate(feed, depth).__next__
-        self._fl_progress = progress
-        kind = _LoaderIter if self._fl_live_stats is None else _LiveLoaderIter
-        live = self._fl_live_stats
-        it = new_iter(kind, source, nxt, progress, collector, timed, timed_next, lambda: len(self), keep, live)
-        self._fl_live = weakref.ref(it)
-        return it
+        return chain.new_pass(self, super().__iter__)
 
     # -- stats and state ----------------------------------------------------------------
 
@@ -568,7 +379,7 @@ class DataLoader(tud.DataLoader[T_co]):
         loader's own counters may lag by up to ``TICK_S`` (0.05 s) of batches.
         """
         live = self._fl_live() if self._fl_live is not None else None
-        threads = (self.read_threads or DEFAULT_READ_THREADS) if self._read_fn() is not None else 0
+        threads = (self.read_threads or chain.DEFAULT_READ_THREADS) if chain.read_fn(self) is not None else 0
         return loader_stats(self._fl_collector, self.dataset, live, threads)
 
     def reset_stats(self) -> None:

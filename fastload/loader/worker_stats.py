@@ -40,7 +40,7 @@ from fastload.device.worker_pack import (
     pickled_bytes,
     unpack,
 )
-from fastload.loader.resume import WorkerStates, worker_changes
+from fastload.loader.snapshot import WorkerStates, worker_changes
 from fastload.stats import StatsCollector, default_collector
 from fastload.transport import hostlimit
 
@@ -79,7 +79,7 @@ class WorkerBatch:
         self.delta = delta
         self.packed = packed
         self.pickled = pickled  # bytes of the batch that cross pickled (a worker's first batch only)
-        self.state = state  # (worker id, its snapshot or None): fastload.loader.resume.worker_changes
+        self.state = state  # (worker id, its snapshot or None): fastload.loader.snapshot.worker_changes
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (WorkerBatch, (self.batch, self.delta, self.packed, self.pickled, self.state))
@@ -103,7 +103,7 @@ class WorkerCollate:
         stats: Ship the worker's stats delta.
         buffers: Move the batch's large ``bytes`` through these shared buffers
             (fastload datasets), or None.
-        resume: Ship the worker's id and resume state (:func:`fastload.loader.resume.worker_changes`).
+        resume: Ship the worker's id and resume state (:func:`fastload.loader.snapshot.worker_changes`).
     """
 
     def __init__(
@@ -145,7 +145,7 @@ class WorkerCollate:
         return WorkerBatch(out, delta, state=state)
 
     def _delta(self, collate: tuple[str, int, int, float]) -> Delta:
-        col = default_collector()  # reset in each forked worker (fastload.stats)
+        col = default_collector()  # reset in each forked worker (fastload.stats.active)
         ops, counters, mine = col._take_mine()  # this thread's: the dataset's, mostly
         ds = [collate] + [(name, r[0], r[1], r[2]) for name, r in ops.items()]
         dc = list(counters.items())
@@ -195,7 +195,7 @@ class Unwrap:
         self.collector = collector
         self.keep = keep  # the WorkerCollate whose buffers this iterator's batches use
         self.warn = warn  # called with a worker's pickled bytes per batch, when measured
-        self.states = states  # where each batch's worker state goes (fastload.loader.resume)
+        self.states = states  # where each batch's worker state goes (fastload.loader.snapshot)
 
     def __call__(self) -> Any:
         out = self.fn()

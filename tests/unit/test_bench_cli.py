@@ -154,7 +154,7 @@ def test_bench_epoch_waits_only_for_its_own_reads() -> None:
 
 def test_bench_help_shows_the_read_threads_default_the_run_uses(capsys, monkeypatch):
     import fastload.config
-    from fastload.loader.dataloader import DEFAULT_READ_THREADS
+    from fastload.loader.chain import DEFAULT_READ_THREADS
 
     assert main(["bench", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps help lines

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from fastload.diagnose.live import DEFAULT_WRITE_EVERY, LiveStats, interval
 from fastload.errors import ConfigError
 from fastload.loader.dataloader import DataLoader
+from fastload.loader.live import DEFAULT_WRITE_EVERY, LiveStats, interval
 from fastload.stats import StatsCollector, current_collector
 
 

@@ -15,7 +15,7 @@ import fastload
 from fastload.config import Settings
 from fastload.dataset import FileDataset
 from fastload.device.worker_pack import PACK_MIN_BYTES, BufferRef, SharedBuffers, Span, pack, unpack
-from fastload.loader.dataloader import _WORKER_COLLATE
+from fastload.loader.chain import _WORKER_COLLATE
 from fastload.loader.torch_surface import TORCH_DATALOADER
 
 
