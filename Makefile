@@ -31,6 +31,7 @@ test-deps:
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 # The second run forces the pure-Python fallback of fastload._native on the tests that use it.
 test: test-deps lint

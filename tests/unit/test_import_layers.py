@@ -1,85 +1,82 @@
-"""Layers point one way: no module of fastload imports, through any chain, a module that imports it.
+"""The layer order is import-linter's to enforce (pyproject.toml, [tool.importlinter]; `make lint`).
 
-Every import counts: at module level, inside functions, and under TYPE_CHECKING
-(STYLE.md, "Layers point one way"). ``from package import name`` counts as an
-import of the submodule when ``name`` is one, else of the package.
+These tests show that its contracts bite: each plants one bad import in a copy of the package
+and expects `lint-imports` to name it. What they plant is what STYLE.md forbids: a package that
+imports one above it (at module level, or only under TYPE_CHECKING) and two modules of one
+package that import each other. The hand-written cycle finder that stood here before is gone:
+import-linter's acyclic_siblings contract checks every package, TYPE_CHECKING imports included.
 """
 
 from __future__ import annotations
 
-import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-import fastload
+import pytest
 
-ROOT = Path(fastload.__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[2]
+LINT = Path(sys.executable).with_name("lint-imports")
 
-
-def _module_of(path: Path) -> str:
-    parts = ["fastload", *path.relative_to(ROOT).with_suffix("").parts]
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+pytestmark = pytest.mark.skipif(not LINT.exists(), reason="lint-imports not installed: pip install -e '.[test]'")
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = {_module_of(p): p for p in ROOT.rglob("*.py")}
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for module, path in modules.items():
-        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            graph[module] |= {t for t in targets if t in modules and t != module}
-    return graph
+def _lint(root: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(root)}  # the copy, not the installed package, is analysed
+    return subprocess.run(
+        [str(LINT), "--no-cache", str(root / "pyproject.toml")], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                out.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
+def _copy(tmp_path: Path) -> Path:
+    shutil.copytree(REPO / "fastload", tmp_path / "fastload", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
 
 
-def test_the_graph_sees_imports_of_every_kind() -> None:
-    graph = _graph()
-    assert "fastload.source.aio" in graph["fastload.source.core"]  # from fastload.source import aio
-    assert "fastload.transport.curl" in graph["fastload.source.s3"]  # from fastload.transport import curl
-    assert "fastload.transport.answers" in graph["fastload.transport.curl"]  # inside a function
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+def _plant(root: Path, module: str, line: str) -> None:
+    path = root / (module.replace(".", "/") + ".py")
+    path.write_text(path.read_text() + "\n" + line + "\n")
 
 
-def test_no_import_circle_in_fastload() -> None:
-    assert _cycles(_graph()) == []
+def test_the_tree_keeps_both_contracts(tmp_path: Path) -> None:
+    out = _lint(_copy(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 kept, 0 broken" in out.stdout
+
+
+def test_an_upward_import_breaks_the_layers(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    _plant(root, "fastload.cache.keys", "from fastload.loader import dataloader  # noqa")
+    out = _lint(root)
+    assert out.returncode == 1
+    assert "fastload.cache is not allowed to import fastload.loader" in out.stdout
+    assert "fastload.cache.keys -> fastload.loader.dataloader" in out.stdout
+
+
+def test_an_upward_import_under_type_checking_breaks_the_layers(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    _plant(root, "fastload.transport.answers", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fastload.read import reader  # noqa")
+    out = _lint(root)
+    assert out.returncode == 1
+    assert "fastload.transport is not allowed to import fastload.read" in out.stdout
+
+
+def test_two_modules_of_one_package_importing_each_other_break_the_acyclic_contract(tmp_path: Path) -> None:
+    # transport.failures is imported by transport.answers; the planted import closes the circle.
+    root = _copy(tmp_path)
+    _plant(root, "fastload.transport.failures", "from fastload.transport import answers  # noqa")
+    out = _lint(root)
+    assert out.returncode == 1
+    assert "No cycles are allowed in fastload.transport" in out.stdout
+
+
+def test_a_module_placed_in_no_layer_breaks_the_layers(tmp_path: Path) -> None:
+    # exhaustive = true: a new package or module at fastload/'s root must be given a layer.
+    root = _copy(tmp_path)
+    (root / "fastload" / "newcomer.py").write_text('"""A module nobody placed."""\n')
+    out = _lint(root)
+    assert out.returncode == 1
+    assert "fastload.newcomer" in out.stdout
