@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from fastload import _moved
 from fastload.cache import Cache
 from fastload.config import Settings, format_size, parse_size
 from fastload.errors import (
@@ -36,6 +37,8 @@ from fastload.stage import StageReport, stage
 from fastload.stats import LoaderStats, StatsCollector, current_collector
 
 __version__ = "0.1.0"
+
+_moved.install()  # old module paths (fastload.curl, fastload.sampler...) still import
 
 # name -> "module:attr"; imported lazily because these need torch.
 _LAZY = {
