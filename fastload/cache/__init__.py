@@ -60,6 +60,9 @@ Contracts (DESIGN.md, "Contracts that matter"):
 * **Full disk.** ENOSPC while writing a payload, or SQLite's "database or disk
   is full" while indexing it, is a :class:`CacheFullError` (the reader then
   streams); the half-written file is removed and nothing is published.
+
+Layer: imports only fastload.stats and the ground (config, codec, errors); it never asks a
+Source; imported by fastload.fetch, fastload.read, the faces and the CLI.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ are the loader's and work unchanged. See docs/pipelines.md.
 
 DALI is optional and imported on first use (``pip install 'fastload[dali]'``);
 without it, ``backend="auto"`` uses the torch backend.
+
+Layer: above the faces (fastload.dataset), fastload.read and fastload.device (its copies go
+through a DevicePrefetcher); beside fastload.loader, which it never imports (it plugs in as a
+``collate_fn``); imported by diagnose.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@
 
 What a request's failure means is :mod:`fastload.transport.failures`; how an HTTP answer
 reads is :mod:`fastload.transport.answers`; requests in flight are :mod:`fastload.transport.hostlimit`.
+
+Layer: above fastload.stats (which it does not need) and fastload.transport; imports only
+transport and the ground (config, errors); imported by fastload.fetch, fastload.read, the faces,
+diagnose and the CLI. fastload.cache sits above it in the layer list without importing it.
 """
 
 from fastload.source.core import Source
