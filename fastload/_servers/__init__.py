@@ -20,6 +20,9 @@ Example:
     ...         link.run_in(["curl", "-o", "/dev/null", http.url + "/big"])
 
 This package is private: tests, benchmarks and the demo import it; users should not.
+
+Layer: the top, beside ``__main__``; it imports nothing else of fastload, and no module
+of fastload imports it.
 """
 
 from fastload._servers.errors import ServerError

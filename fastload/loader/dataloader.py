@@ -33,11 +33,7 @@ from fastload.device.prefetch import DevicePrefetcher
 from fastload.errors import ConfigError
 from fastload.fetch import AheadSampler, depth_for
 from fastload.loader import chain, resume
-from fastload.loader.iterator import (
-    _LoaderIter,
-    _Progress,
-    loader_stats,
-)
+from fastload.loader.iterator import _LoaderIter, _Progress, loader_stats
 from fastload.loader.resume import resumed_iterator
 from fastload.loader.sampler import ResumableSampler, ShardedSampler
 from fastload.loader.snapshot import WorkerStates
@@ -47,6 +43,7 @@ from fastload.stats import LoaderStats, StatsCollector
 __all__ = ["DataLoader"]
 
 T_co = TypeVar("T_co", covariant=True)
+
 
 def _dist_settings(world_size: int | None, rank: int | None) -> tuple[int, int]:
     if world_size is None or rank is None:
