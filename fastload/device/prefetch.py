@@ -60,7 +60,7 @@ import torch
 
 from fastload.config import deprecated
 from fastload.device.batch_tree import collect_tensors, rebuild
-from fastload.device.slots import ALIGN, _CudaBackend, _HostBackend, _round_up, _Slot, slot_size
+from fastload.device.slots import ALIGN, CudaBackend, HostBackend, Slot, round_up, slot_size
 from fastload.errors import ConfigError, LoaderError
 from fastload.stats import StatsCollector
 
@@ -87,7 +87,7 @@ class _Copied:
     def __init__(
         self,
         batch: Any,
-        slot: _Slot | None,
+        slot: Slot | None,
         error: BaseException | None = None,
         buffer: torch.Tensor | None = None,
     ) -> None:
@@ -157,9 +157,9 @@ class DevicePrefetcher(Generic[T]):
                 )
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
-            self._backend: _HostBackend = _CudaBackend(self.device)
+            self._backend: HostBackend = CudaBackend(self.device)
         elif self.device.type == "cpu":
-            self._backend = _HostBackend(self.device)
+            self._backend = HostBackend(self.device)
         else:
             raise ConfigError(
                 f"device={str(device)!r}: only 'cuda' and 'cpu' are supported; pass device=None "
@@ -171,7 +171,7 @@ class DevicePrefetcher(Generic[T]):
         self.max_slot_bytes = max_slot_bytes
         self.timeout = timeout
         self.collector = collector
-        self._ring = [_Slot() for _ in range(slots)]
+        self._ring = [Slot() for _ in range(slots)]
         for slot in self._ring:
             self._backend.init_events(slot)
         self._next_slot = 0
@@ -228,7 +228,7 @@ class DevicePrefetcher(Generic[T]):
 
     # -- the copy --------------------------------------------------------------------
 
-    def _acquire(self, need: int) -> _Slot:
+    def _acquire(self, need: int) -> Slot:
         slot = self._ring[self._next_slot]
         if slot.busy:  # internal invariant: depth < slots keeps one slot free
             raise LoaderError("DevicePrefetcher ring overrun (a bug in fastload)")
@@ -245,7 +245,7 @@ class DevicePrefetcher(Generic[T]):
             self.slot_allocations += 1
         return slot
 
-    def _wait_done(self, slot: _Slot) -> None:
+    def _wait_done(self, slot: Slot) -> None:
         # Released by its copy's event; poll so the wait is bounded (Event.synchronize
         # has no timeout). With >= 2 slots the copy is almost always complete already.
         if self._backend.is_done(slot):
@@ -279,7 +279,7 @@ class DevicePrefetcher(Generic[T]):
             if slot.timed_bytes and self._backend.is_done(slot):
                 self._record_copy(slot)
 
-    def _record_copy(self, slot: _Slot) -> None:
+    def _record_copy(self, slot: Slot) -> None:
         if slot.timed_bytes and self.collector is not None:
             self.collector.add(
                 "h2d", items=1, bytes=slot.timed_bytes, seconds=self._backend.copy_seconds(slot)
@@ -300,7 +300,7 @@ class DevicePrefetcher(Generic[T]):
             ringable.append(ok)
             if ok:
                 offsets.append(used)
-                used = _round_up(used + t.numel() * t.element_size(), ALIGN)
+                used = round_up(used + t.numel() * t.element_size(), ALIGN)
             else:
                 offsets.append(-1)
         if self.max_slot_bytes is not None and used > self.max_slot_bytes:

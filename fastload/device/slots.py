@@ -12,8 +12,8 @@ host-to-device copy):
   :data:`ALIGN`. Its size is :func:`slot_size`: allocated once, grown only when a
   batch outgrows it.
 * **backend**: how one kind of device allocates slots and moves them:
-  :class:`_HostBackend` (CPU: plain memory, synchronous copies, events always
-  complete) and :class:`_CudaBackend` (pinned memory, ONE side stream, CUDA events).
+  :class:`HostBackend` (CPU: plain memory, synchronous copies, events always
+  complete) and :class:`CudaBackend` (pinned memory, ONE side stream, CUDA events).
   A backend **transfers** a slot (one copy of its used part into a new device
   buffer), says whether that copy is **done** (the slot may be reused) and how long
   it took, and **hands over** the device buffer to the consumer's stream.
@@ -55,11 +55,14 @@ import torch
 
 from fastload.device.torch_compat import empty_host_cache
 
+__all__ = ["ALIGN", "MIN_SLOT_BYTES", "CudaBackend", "HostBackend", "Slot", "round_up", "slot_size"]
+
 ALIGN = 256  # bytes; every leaf starts at a multiple (any dtype view; vectorised kernels)
 MIN_SLOT_BYTES = 64 * 1024  # the smallest slot; larger ones are powers of two
 
 
-def _round_up(n: int, k: int) -> int:
+def round_up(n: int, k: int) -> int:
+    """``n`` rounded up to a multiple of ``k``."""
     return (n + k - 1) // k * k
 
 
@@ -79,7 +82,7 @@ def slot_size(need: int, max_slot_bytes: int | None) -> int:
     return size
 
 
-class _Slot:
+class Slot:
     """One host buffer of the ring."""
 
     __slots__ = ("buf", "busy", "done", "start", "timed_bytes", "timed_s")
@@ -97,7 +100,7 @@ class _Slot:
         return 0 if self.buf is None else int(self.buf.numel())
 
 
-class _HostBackend:
+class HostBackend:
     """CPU device: plain slots and synchronous copies; events are always complete.
 
     The seam of the ring: a backend allocates slots, issues one slot's copy
@@ -117,13 +120,13 @@ class _HostBackend:
         """Called after a slot dropped its buffer to grow: nothing is cached on the CPU."""
         return None
 
-    def init_events(self, slot: _Slot) -> None:
+    def init_events(self, slot: Slot) -> None:
         slot.done = None
 
-    def is_done(self, slot: _Slot) -> bool:
+    def is_done(self, slot: Slot) -> bool:
         return True
 
-    def transfer(self, slot: _Slot, used: int) -> torch.Tensor:
+    def transfer(self, slot: Slot, used: int) -> torch.Tensor:
         buf = cast(torch.Tensor, slot.buf)  # acquired slots always hold a buffer
         t0 = time.perf_counter()
         out = torch.empty(used, dtype=torch.uint8)
@@ -131,17 +134,17 @@ class _HostBackend:
         slot.timed_bytes, slot.timed_s = used, time.perf_counter() - t0
         return out
 
-    def copy_seconds(self, slot: _Slot) -> float:
+    def copy_seconds(self, slot: Slot) -> float:
         return slot.timed_s
 
-    def hand_over(self, slot: _Slot, out: torch.Tensor) -> None:
+    def hand_over(self, slot: Slot, out: torch.Tensor) -> None:
         return None
 
     def move(self, t: torch.Tensor) -> torch.Tensor:
         return t.clone() if t.device == self.device else t.to(self.device)
 
 
-class _CudaBackend(_HostBackend):
+class CudaBackend(HostBackend):
     """CUDA device: pinned slots, one side stream, event-released slots."""
 
     pinned = True
@@ -168,14 +171,14 @@ class _CudaBackend(_HostBackend):
             time.sleep(1e-4)
         empty_host_cache()
 
-    def init_events(self, slot: _Slot) -> None:
+    def init_events(self, slot: Slot) -> None:
         slot.done = torch.cuda.Event(enable_timing=True)
         slot.start = torch.cuda.Event(enable_timing=True)
 
-    def is_done(self, slot: _Slot) -> bool:
+    def is_done(self, slot: Slot) -> bool:
         return bool(slot.done.query())
 
-    def transfer(self, slot: _Slot, used: int) -> torch.Tensor:
+    def transfer(self, slot: Slot, used: int) -> torch.Tensor:
         buf = cast(torch.Tensor, slot.buf)  # acquired slots always hold a buffer
         with torch.cuda.stream(self.stream):
             # Allocated on the side stream, so until hand-over its block is freed and
@@ -189,11 +192,11 @@ class _CudaBackend(_HostBackend):
         slot.timed_bytes = used
         return out
 
-    def copy_seconds(self, slot: _Slot) -> float:
+    def copy_seconds(self, slot: Slot) -> float:
         # Only called once slot.done has completed, so this never blocks.
         return float(slot.start.elapsed_time(slot.done)) / 1e3
 
-    def hand_over(self, slot: _Slot, out: torch.Tensor) -> None:
+    def hand_over(self, slot: Slot, out: torch.Tensor) -> None:
         consumer = torch.cuda.current_stream(self.device)
         consumer.wait_event(slot.done)
         # From here the consumer uses the block: freeing it waits for the consumer's

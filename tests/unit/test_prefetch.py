@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from fastload.device.batch_tree import collect_tensors, rebuild
 from fastload.device.prefetch import DevicePrefetcher
-from fastload.device.slots import MIN_SLOT_BYTES, _HostBackend, _Slot, slot_size
+from fastload.device.slots import MIN_SLOT_BYTES, HostBackend, Slot, slot_size
 from fastload.errors import ConfigError, LoaderError
 from fastload.stats import StatsCollector
 
@@ -183,10 +183,10 @@ def test_producer_error_reraised_in_order_with_traceback(depth: int) -> None:
         next(it)
 
 
-class _NeverDone(_HostBackend):
+class _NeverDone(HostBackend):
     """A copy that never completes, as if the device hung."""
 
-    def is_done(self, slot: _Slot) -> bool:
+    def is_done(self, slot: Slot) -> bool:
         return slot.buf is None
 
 
@@ -221,14 +221,14 @@ def test_stage_and_h2d_are_recorded() -> None:
     assert s.op("h2d").items == 3 and s.op("h2d").bytes == 3 * 1024
 
 
-class _LateCopies(_HostBackend):
+class _LateCopies(HostBackend):
     """Copies that complete only when asked a second time, as on a busy GPU."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.asked: collections.Counter[int] = collections.Counter()
 
-    def is_done(self, slot: _Slot) -> bool:
+    def is_done(self, slot: Slot) -> bool:
         if not slot.timed_bytes:  # recorded already: nothing in flight
             return True
         self.asked[id(slot)] += 1
@@ -256,10 +256,10 @@ def test_copy_seen_complete_at_hand_over_is_recorded_then() -> None:
     assert col.snapshot().op("h2d").items == 1  # before any slot is reused, before the end
 
 
-class _NeverDone(_HostBackend):
+class _NeverDone(HostBackend):
     """Copies that never complete (a hung device)."""
 
-    def is_done(self, slot: _Slot) -> bool:
+    def is_done(self, slot: Slot) -> bool:
         return not slot.timed_bytes
 
 
@@ -294,7 +294,7 @@ def test_a_pass_ended_early_records_its_completed_copies(how: str) -> None:
     assert len(list(pf.iterate([torch.ones(8)] * 2))) == 2  # the ring is free for the next pass
 
 
-class _CountingReleases(_HostBackend):
+class _CountingReleases(HostBackend):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.releases = 0
