@@ -211,7 +211,7 @@ def stage(
     if not report.fits and (sizeless or not _all_cached(reader, items)):
         raise CacheFullError(_too_big(report, settings, sized=len(known) if sizeless else None))
     writable = reader.cache.unwritable is None  # a read-only cache may still hold it all: then it only checks
-    reader.cache.check()
+    reader.cache.recover()  # repairs only after a crash (cache/repair.py)
     # An interrupted stage leaves this marker behind. Its rerun (and a refresh) completes
     # sizeless items with a HEAD each, so blocks already cached are skipped; a fresh
     # stage has nothing cached to skip and fetches them with one GET each (_fetch_all).

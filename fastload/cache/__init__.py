@@ -8,7 +8,8 @@ The package splits the cache along its jobs; :class:`Cache` combines them::
     reads.py    checked reads: lookups + memo, payload checks, read_into, last use
     writes.py   reserve, write and publish
     packs.py    pack files: small payloads appended per writing process, holes punched
-    repair.py   eviction, dead reservations, check, clear, the byte counter
+    repair.py   eviction, dead reservations, check (recover: only after a crash), clear, the byte counter
+    held.py     what a process holds until it writes it: last uses, its writer row
     index.py    the index (one SQLite table) and its concurrency: fork gate, write locks, connections, flock
     migrate.py  an index of the old format (before issue 25) read once into the new one
     disk.py     the disk: room less the reserve, full vs read-only, the read-only index
@@ -53,8 +54,8 @@ Contracts (DESIGN.md, "Contracts that matter"):
   limit, one process at a time (under ``evict.lock``) scans the index and
   deletes least-recently-used entries down to 90% of the limit. The scan costs
   O(entries) but runs once per ~10% of the limit written, so the amortised
-  cost per write is small; a read costs one index lookup, plus one small index
-  write at most every ``ATIME_RESOLUTION_S`` per entry (LRU resolution). A
+  cost per write is small; a read costs one index lookup (batched per 500) and
+  no write: last uses are held in memory and written in batches (reads.py). A
   writer that dies leaves its reservation behind; the next eviction returns
   the reservations of dead processes.
 * **Full disk.** ENOSPC while writing a payload, or SQLite's "database or disk
@@ -70,11 +71,11 @@ from __future__ import annotations
 from fastload.cache.disk import cannot_write
 from fastload.cache.entry import Entry, record
 from fastload.cache.keys import entry_key
-from fastload.cache.reads import ATIME_RESOLUTION_S, MEMO_MAX
+from fastload.cache.reads import MEMO_MAX
 from fastload.cache.repair import LOW_WATERMARK
 from fastload.cache.writes import CacheWrites
 
-__all__ = ["ATIME_RESOLUTION_S", "LOW_WATERMARK", "MEMO_MAX", "Cache", "Entry", "cannot_write", "entry_key", "record"]
+__all__ = ["LOW_WATERMARK", "MEMO_MAX", "Cache", "Entry", "cannot_write", "entry_key", "record"]
 
 
 class Cache(CacheWrites):

@@ -3,16 +3,29 @@ read-only when the disk refuses writes), and the errors for a disk that refuses 
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
-from fastload.cache.disk import KIND_WORDS, ReadOnlyIndex, file_in_path, unwritable_kind, user_name
+from fastload.cache import keys
+from fastload.cache.disk import (
+    KIND_WORDS,
+    ReadOnlyIndex,
+    cannot_write,
+    file_in_path,
+    unwritable_kind,
+    user_name,
+)
 from fastload.cache.entry import Entry
+from fastload.cache.held import held_for, hook_exit
 from fastload.cache.index import FileLock, GatedIndex
 from fastload.config import Settings
 from fastload.errors import CacheError, CacheFullError, CacheReadOnlyError
+
+_log = logging.getLogger("fastload")
 
 # Reservations this process holds for writes in flight (token -> (file system, bytes)); any
 # other reservation under our PID was left behind by a failed release (a full disk) and is
@@ -89,7 +102,7 @@ class CacheBase:
                 raise open_error(self.root, err, kind) from err
         self._lock_path = self.root / "evict.lock"
         self.device = self.data_dir.stat().st_dev if self.data_dir.is_dir() else -1  # its file system, for IN_FLIGHT
-        self._touched: dict[str, float] = {}
+        self._held = held_for(self.root)  # last uses not yet written, the writer row (held.py)
         # Entries this process has looked up or written. Safe to reuse: a payload's
         # name carries a nonce and every read checks its bytes, so a memo gone stale
         # (evicted, refetched elsewhere) finds its file missing and is looked up again.
@@ -138,7 +151,39 @@ class CacheBase:
         self.__init__(state["settings"])  # type: ignore[misc]
 
     def close(self) -> None:
+        self.flush_recency()
         self.index.close()
+
+    def register_writer(self) -> None:
+        """Record, inside the caller's write transaction, that this process writes here (once
+        per process): a row its clean end removes (held.py), so one left behind by a dead
+        process says it crashed mid-write (:meth:`fastload.cache.repair.CacheRepair.recover`)."""
+        if not self._held.writer:
+            self.index.set(keys.writer(os.getpid()), time.time())
+
+    def registered_writer(self) -> None:
+        """The writer row's transaction committed: remove the row at this process's clean end."""
+        if not self._held.writer:
+            self._held.writer = True
+            hook_exit()
+
+    def flush_recency(self) -> None:
+        """Write the last uses this process holds in memory for this cache (reads.py), in one
+        transaction.
+
+        LRU order is advisory: a disk that refuses the write (full, read-only) loses them,
+        and an entry then keeps its last recorded use (or its write time)."""
+        clocks = self._held.clocks
+        if not clocks or self.unwritable is not None:
+            clocks.clear()
+            return
+        rows = {keys.last_use(c): t for c, t in clocks.items()}
+        clocks.clear()
+        try:
+            self.index.set_many(rows)
+        except sqlite3.OperationalError as err:
+            if not cannot_write(err):
+                raise
 
     def _flock(self) -> FileLock:
         return FileLock(self._lock_path, self.settings.lock_timeout_s)

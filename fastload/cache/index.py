@@ -220,6 +220,15 @@ class IndexReads:
             rows += con.execute(f"SELECT {columns} FROM {TABLE} WHERE key IN ({','.join('?' * len(part))})", part).fetchall()
         return rows
 
+    def scan(self, namespace: str) -> list[tuple[str, Any]]:
+        """Every ``(key, value)`` whose key starts with ``namespace`` (keys.py), in one query
+        over the key's index: a look-up per key cost 13 s of a rerun at 100k entries (issue 31)."""
+        end = namespace[:-1] + chr(ord(namespace[-1]) + 1)  # the first key past the namespace
+        con = self._con()
+        with FORK_GATE.shared():
+            rows = con.execute(f"SELECT key, value FROM {TABLE} WHERE key >= ? AND key < ?", (namespace, end)).fetchall()
+        return [(k, decode(v)) for k, v in rows]
+
     def iterkeys(self, reverse: bool = False) -> Iterator[str]:
         """Every key, oldest first (newest first with ``reverse``); read whole inside the gate."""
         con = self._con()

@@ -9,9 +9,13 @@ encoding per lookup):
 key                        value                                      written by
 =========================  =========================================  ==================
 ``e:<key>``                an entry's record (:mod:`.entry`)          the cache's publish
-``t:<key>``                an entry's last use (time.time()); absent  reads, at most once
-                           until its first read (its file's mtime     per ``ATIME_
-                           stands in)                                 RESOLUTION_S``
+``t:<key>``, ``t:<pack>``  the last use (time.time()) of a whole-file  reads, held in memory
+                           entry, or of any entry of a pack (its      and written in batches
+                           path: Entry.clock); absent until a read    (reads.py)
+                           (the write time stands in)
+``w:<pid>``                a process writes here (time); removed at   the cache's reserve
+                           its clean end, so a dead one's says it
+                           crashed (repair.py ``recover``)
 ``r:<pid>:<nonce>``        bytes reserved by a write in flight        the cache's reserve
 ``u:<url>``                a pin: (size, version) of a remote object  Identity.pin
 ``m:<root>\\x1f<pattern>``  a manifest: {"created", "items",          Identity.save_manifest
@@ -31,6 +35,7 @@ import hashlib
 ENTRY = "e:"
 LAST_USE = "t:"
 RESERVATION = "r:"
+WRITER = "w:"
 PIN = "u:"
 MANIFEST = "m:"
 STAGING = "p:"
@@ -59,9 +64,9 @@ def entry(key: str) -> str:
     return ENTRY + key
 
 
-def last_use(key: str) -> str:
-    """The index key of the last use of cache key ``key``."""
-    return LAST_USE + key
+def last_use(clock: str) -> str:
+    """The index key of the last use recorded under ``clock`` (Entry.clock: a cache key, or a pack's path)."""
+    return LAST_USE + clock
 
 
 def reservation(pid: int, nonce: str) -> str:
@@ -72,6 +77,11 @@ def reservation(pid: int, nonce: str) -> str:
 def reservation_pid(name: str) -> str:
     """The writer's PID (as text) of reservation key ``name``."""
     return name.split(":")[1]
+
+
+def writer(pid: int) -> str:
+    """The index key that says process ``pid`` writes to the cache."""
+    return f"{WRITER}{pid}"
 
 
 def pin(url: str) -> str:

@@ -185,7 +185,6 @@ class CacheWrites(CacheReads):
         out = []
         for e in entries:
             if e.location in won:
-                self._touched[e.key] = now
                 out.append(self._remember(e))
             else:  # another writer published it first: serve theirs
                 out.append(self._forget(e.key) or e)
@@ -298,8 +297,14 @@ class CacheWrites(CacheReads):
             if used + n <= limit:
                 self.index.incr(keys.BYTES, n)
                 self.index.set(token, n)
+                self.register_writer()
                 IN_FLIGHT[token] = (self.device, n)  # inside: no other writer sees the room without it
-                return None
+                fits = True
+            else:
+                fits = False
+        if fits:
+            self.registered_writer()
+            return None
         return limit
 
     def _release(self, token: str, n: int) -> None:

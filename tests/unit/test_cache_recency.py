@@ -1,0 +1,188 @@
+"""Last uses without a write per read (held in memory, one clock per pack, written in
+batches), and repair only after a writer crashed (issue 31)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fastload
+from fastload.cache import Cache, keys, reads
+from fastload.config import Settings
+
+
+def _settings(tmp_path: Path, **kw: object) -> Settings:
+    return Settings(cache_dir=tmp_path / "c", cache_limit_bytes=10**9, **kw)  # type: ignore[arg-type]
+
+
+def _fill(cache: Cache, n: int, size: int = 4096) -> list[str]:
+    names = [f"k{i:05d}" for i in range(n)]
+    cache.put_many([(k, os.urandom(size), f"mem://{k}", 0) for k in names])
+    return names
+
+
+def _changes(cache: Cache) -> int:
+    """Rows the index has written since its connection on this thread opened."""
+    return cache.index._con().total_changes
+
+
+def test_a_warm_pass_writes_one_row_per_pack_not_per_read(tmp_path: Path) -> None:
+    cache = Cache(_settings(tmp_path))
+    names = _fill(cache, 2000)
+    reader = Cache(_settings(tmp_path))  # a fresh process's view: nothing known, nothing held
+    before = _changes(reader)
+    out = np.empty(256 * 4096, np.uint8)
+    for i in range(0, len(names), 256):
+        assert not reader.read_into([(k, [(0, 4096, j * 4096)]) for j, k in enumerate(names[i : i + 256])], out)
+    assert reader.get(names[0]) is not None
+    assert _changes(reader) == before  # 2,001 reads, no write yet
+    reader.flush_recency()
+    packs = {e.clock for e in reader.entries()}
+    assert len(packs) == 1 and _changes(reader) - before == 1  # one pack: one clock row
+    assert reader.index.get(keys.last_use(packs.pop())) is not None
+
+
+def test_last_uses_are_written_once_enough_are_held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = Cache(_settings(tmp_path, pack_max_bytes=0))  # whole files: one clock per entry
+    names = _fill(cache, 40)
+    monkeypatch.setattr(reads, "RECENCY_FLUSH_KEYS", 16)
+    reader = Cache(_settings(tmp_path, pack_max_bytes=0))
+    for k in names[:15]:
+        assert reader.get(k) is not None
+    assert not reader.index.scan(keys.LAST_USE)
+    assert reader.get(names[15]) is not None  # the 16th held: all written in one go
+    assert len(reader.index.scan(keys.LAST_USE)) == 16 and not reader._held.clocks
+
+
+def test_last_uses_held_too_long_are_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = Cache(_settings(tmp_path, pack_max_bytes=0))
+    names = _fill(cache, 3)
+    reader = Cache(_settings(tmp_path, pack_max_bytes=0))
+    assert reader.get(names[0]) is not None
+    monkeypatch.setattr(reads.time, "time", lambda: reader._held.since + reads.RECENCY_FLUSH_S + 1)
+    assert reader.get(names[1]) is not None
+    assert {k for k, _ in reader.index.scan(keys.LAST_USE)} == {keys.last_use(names[0]), keys.last_use(names[1])}
+
+
+def test_close_writes_the_last_uses_held(tmp_path: Path) -> None:
+    cache = Cache(_settings(tmp_path, pack_max_bytes=0))
+    names = _fill(cache, 3)
+    reader = Cache(_settings(tmp_path, pack_max_bytes=0))
+    assert reader.get(names[2]) is not None
+    reader.close()
+    assert [k for k, _ in Cache(_settings(tmp_path)).index.scan(keys.LAST_USE)] == [keys.last_use(names[2])]
+
+
+def _read_in_child(settings: Settings, name: str) -> None:
+    assert Cache(settings).get(name) is not None  # returns without close(): exit must write it
+
+
+@pytest.mark.parametrize("how", ["multiprocessing", "interpreter"])
+def test_a_clean_exit_writes_the_last_uses_held(tmp_path: Path, how: str) -> None:
+    s = _settings(tmp_path, pack_max_bytes=0)
+    names = _fill(Cache(s), 2)
+    if how == "multiprocessing":  # a DataLoader worker ends this way: atexit never runs
+        p = multiprocessing.get_context("fork").Process(target=_read_in_child, args=(s, names[1]))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+    else:
+        code = f"from fastload.cache import Cache; from fastload.config import Settings; " \
+               f"assert Cache(Settings(cache_dir={str(s.cache_dir)!r})).get({names[1]!r}) is not None"
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert [k for k, _ in Cache(s).index.scan(keys.LAST_USE)] == [keys.last_use(names[1])]
+
+
+def test_eviction_keeps_the_pack_read_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastload.cache import packs
+
+    s = _settings(tmp_path).replace(cache_limit_bytes=120 * 4096 * 2)
+    monkeypatch.setattr(packs, "ROTATE_BYTES", 40 * 8192)  # three packs of 40 entries
+    cache = Cache(s)
+    names = [n for part in range(3) for n in _fill_named(cache, f"p{part}", 40)]
+    by_pack: dict[str, list[str]] = {}
+    for e in cache.entries():
+        by_pack.setdefault(e.clock, []).append(e.key)
+    assert len(by_pack) == 3
+    first = min(by_pack.values(), key=lambda ks: min(ks))  # the oldest pack
+    for k in first:
+        assert cache.get(k) is not None
+    cache.flush_recency()
+    cache.evict(cache.volume() - 40 * 8192)  # one pack's worth must go
+    kept = {e.key for e in cache.entries()}
+    assert set(first) <= kept  # read last: kept, although written first
+    assert len(kept) == 80 and len(names) == 120
+
+
+def _fill_named(cache: Cache, prefix: str, n: int) -> list[str]:
+    names = [f"{prefix}-{i:03d}" for i in range(n)]
+    for k in names:
+        cache.put(k, os.urandom(4096), url=f"mem://{k}")
+    return names
+
+
+# -- repair only after a crash ------------------------------------------------------
+
+
+def test_a_clean_writer_leaves_nothing_to_repair(tmp_path: Path) -> None:
+    s = _settings(tmp_path)
+    code = (f"from fastload.cache import Cache; from fastload.config import Settings; import os; "
+            f"Cache(Settings(cache_dir={str(s.cache_dir)!r})).put('a', os.urandom(5000), url='mem://a')")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    cache = Cache(s)
+    assert cache.index.scan(keys.WRITER) == [] and cache.get("a") is not None
+    assert cache.recover() is None
+
+
+def test_a_killed_writer_is_repaired_by_the_next_stage(tmp_path: Path) -> None:
+    s = _settings(tmp_path, pack_max_bytes=0)
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        from fastload.cache import Cache
+        from fastload.config import Settings
+        c = Cache(Settings(cache_dir={str(s.cache_dir)!r}, pack_max_bytes=0))
+        c.put("a", os.urandom(5000), url="mem://a")
+        (c.data_dir / "ab").mkdir(exist_ok=True)
+        (c.data_dir / "ab" / "orphan.flp").write_bytes(b"x" * 100)  # a payload a crash left unpublished
+        os.utime(c.data_dir / "ab" / "orphan.flp", (time.time() - 3600, time.time() - 3600))
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        cache = Cache(s)
+        assert cache.recover() is None  # alive: not a crash
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    assert [k for k, _ in cache.index.scan(keys.WRITER)] == [keys.writer(proc.pid)]
+    found = cache.recover()
+    assert found is not None and found["orphans"] == 1
+    assert not (cache.data_dir / "ab" / "orphan.flp").exists() and cache.get("a") is not None
+    assert cache.index.scan(keys.WRITER) == [] and cache.recover() is None  # repaired once
+
+
+def test_a_rerun_of_a_staged_dataset_does_not_scan_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for i in range(20):
+        (remote / f"f{i:02d}.bin").write_bytes(os.urandom(3000))
+    s = _settings(tmp_path)
+    fastload.stage(str(remote), settings=s, progress=False)
+    scans: list[str] = []
+    monkeypatch.setattr(Cache, "check", lambda self, *a, **k: scans.append("check") or {})
+    report = fastload.stage(str(remote), settings=s, progress=False)
+    assert report.skipped_blocks == 20 and scans == []
+    Cache(s).index.set(keys.writer(2**22 + 12345), time.time())  # a writer that is gone (no such PID)
+    fastload.stage(str(remote), settings=s, progress=False)
+    assert scans == ["check"]
