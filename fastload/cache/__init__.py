@@ -23,7 +23,7 @@ Layout under ``Settings.cache_dir`` (created with mode 0700)::
                                 than Settings.pack_max_bytes
     data/ab/<pid>-<nonce>.part  payload writes in progress
     data/packs/<pid>-<nonce>.pack  small payloads (codec.py format each), appended by
-                                process <pid> at 4 KiB-aligned offsets (packs.py)
+                                process <pid> at 64 B-aligned offsets (packs.py)
     tmp/            other temp files (diagnose's disk probe)
     evict.lock      flock taken while evicting (released by the kernel if we die)
 
@@ -49,7 +49,8 @@ Contracts (DESIGN.md, "Contracts that matter"):
   therefore always covers published entries plus writes in flight, and never
   passes the limit (a packed entry counts its aligned range, and dropping it
   punches that range's blocks out of the pack); payload bytes on disk exceed it
-  by at most the one entry an evictor has dropped but not yet freed (tests/reliability/
+  by at most the one entry an evictor has dropped but not yet freed, plus the
+  partly shared blocks at the ends of each pack's live entries (tests/reliability/
   test_concurrency.py: 4 processes x 2 workers). When a write would pass the
   limit, one process at a time (under ``evict.lock``) scans the index and
   deletes least-recently-used entries down to 90% of the limit. The scan costs

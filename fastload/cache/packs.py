@@ -50,7 +50,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fastload.cache.entry import PACK_ALIGN, aligned
+from fastload.cache.entry import aligned
 
 _log = logging.getLogger("fastload")
 
@@ -62,6 +62,7 @@ ROTATE_BYTES = 256 * 1024**2
 OPEN_MODE = 0o600
 SEALED_MODE = 0o700
 _KEEP_SIZE, _PUNCH_HOLE = 0x01, 0x02  # linux/falloc.h
+BLOCK = 4096  # what punching frees whole: ext4's and XFS's block, tmpfs's page
 
 
 def _bind_fallocate() -> Any:
@@ -103,6 +104,37 @@ def punch_at(path: Path, ranges: Iterable[tuple[int, int]]) -> None:
             punch(fd, offset, length)
     finally:
         os.close(fd)
+
+
+def release(path: Path, offset: int, length: int) -> None:
+    """Punch a dropped entry's ``[offset, offset + length)`` out of the pack at ``path``,
+    widened to whole :data:`BLOCK` s where the rest of a boundary block already reads as
+    zeros (a neighbour dropped before, padding).
+
+    Entries are 64 B aligned, so a range shares its first and last blocks with neighbours;
+    punching only the range would zero its part of them and keep both allocated until a
+    repair. Punching bytes that read as zeros changes nothing a reader can see, and frees
+    the block. The last block is widened only when the file already extends past it: a
+    pack is appended in order, so bytes there are final, never a write still to come.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        start, end = offset, offset + length
+        head, tail = start - start % BLOCK, -(-end // BLOCK) * BLOCK
+        if head < start and _zeros(os.pread(fd, start - head, head), start - head):
+            start = head
+        if end < tail <= os.fstat(fd).st_size and _zeros(os.pread(fd, tail - end, end), tail - end):
+            end = tail
+        punch(fd, start, end - start)
+    finally:
+        os.close(fd)
+
+
+def _zeros(data: bytes, n: int) -> bool:
+    return len(data) == n and not data.strip(b"\0")
 
 
 def owner(name: str) -> str:
@@ -251,7 +283,7 @@ class PackWriter:
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, OPEN_MODE)
         try:
-            punch(fd, 0, PACK_ALIGN)  # beyond the end of an empty file: a probe that changes nothing
+            punch(fd, 0, BLOCK)  # beyond the end of an empty file: a probe that changes nothing
         except OSError as err:
             os.close(fd)
             path.unlink(missing_ok=True)

@@ -90,7 +90,7 @@ class CacheRepair(CacheBase):
             (self.data_dir / e.path).unlink(missing_ok=True)
             return
         try:
-            packs.punch_at(self.data_dir / e.path, [(e.offset, e.charged)])
+            packs.release(self.data_dir / e.path, e.offset, e.charged)
         except OSError as err:  # the probe found punching works here; say so if it stopped
             _log.warning("cache pack %s: could not free %d B at %d (%s); `fastload cache` (check) recounts",
                          e.path, e.charged, e.offset, err)

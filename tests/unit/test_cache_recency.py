@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import fastload
+from fastload import codec
 from fastload.cache import Cache, keys, reads
+from fastload.cache.entry import aligned
 from fastload.config import Settings
 
 
@@ -105,8 +107,9 @@ def test_a_clean_exit_writes_the_last_uses_held(tmp_path: Path, how: str) -> Non
 def test_eviction_keeps_the_pack_read_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fastload.cache import packs
 
-    s = _settings(tmp_path).replace(cache_limit_bytes=120 * 4096 * 2)
-    monkeypatch.setattr(packs, "ROTATE_BYTES", 40 * 8192)  # three packs of 40 entries
+    each = aligned(4096 + codec.HEADER_BYTES)  # a 4 KiB payload's range in a pack
+    s = _settings(tmp_path).replace(cache_limit_bytes=120 * each)
+    monkeypatch.setattr(packs, "ROTATE_BYTES", 40 * each)  # three packs of 40 entries
     cache = Cache(s)
     names = [n for part in range(3) for n in _fill_named(cache, f"p{part}", 40)]
     by_pack: dict[str, list[str]] = {}
@@ -117,7 +120,7 @@ def test_eviction_keeps_the_pack_read_last(tmp_path: Path, monkeypatch: pytest.M
     for k in first:
         assert cache.get(k) is not None
     cache.flush_recency()
-    cache.evict(cache.volume() - 40 * 8192)  # one pack's worth must go
+    cache.evict(cache.volume() - 40 * each)  # one pack's worth must go
     kept = {e.key for e in cache.entries()}
     assert set(first) <= kept  # read last: kept, although written first
     assert len(kept) == 80 and len(names) == 120
