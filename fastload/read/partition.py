@@ -15,6 +15,8 @@ Vocabulary:
 * *key*: what names an item across runs and machines (its canonical URL for a
   fastload dataset, else its index); *size*: its bytes (1 each when unknown).
 * *move*: an item whose node differs between two node counts (:func:`moved`).
+* *block*: items of the visiting order ranked and placed together; a node is
+  *closed* to a block when not even its smallest item fits, else *open*.
 
 How items are assigned: rendezvous (highest-random-weight) hashing with bounded
 loads. Each (key, node) pair gets a pseudo-random weight; items are visited in an
@@ -24,16 +26,25 @@ the least loaded one, so no part exceeds its share by more than one item). Addin
 or removing a node changes only the items whose best node was the one added or
 removed, plus those pushed by the room bound: about the least share any split must
 move (``tests/unit/test_partition.py`` holds 2 -> 3 -> 2 nodes under 1.2 x it).
+
+Memory (issue 31): weights exist for one block at a time (about 2**18 pairs), never
+for the whole dataset. A block's leading items that go to their best open node with
+room are placed at once; the first that cannot be is placed alone, by the rule above.
+assign() thus holds about 40 bytes per item beyond its inputs: 10M items over 32
+nodes peak at 309 MB traced, against 5.6 GB for the (item, node) arrays before, with
+the same parts (``tests/unit/test_partition_memory.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import sqlite3
 from collections.abc import Sequence, Sized
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -46,6 +57,8 @@ __all__ = ["Topology", "assign", "dataset_weights", "log_move", "moved", "node_i
 
 _log = logging.getLogger("fastload")
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_HASH_CHUNK = 1 << 16  # keys hashed per join: ~3 MB of digests in flight
+_BLOCK_CELLS = 1 << 18  # (item, node) weights ranked at once: 2 MB per array, whatever the item count
 
 
 @dataclass(frozen=True)
@@ -126,20 +139,56 @@ def topology(world_size: int, rank: int, nodes: int | None = None, node_rank: in
 
 
 def _hashes(keys: Sequence[str]) -> np.ndarray:
-    # blake2b, not hash(): the same on every machine and in every run.
-    return np.array(
-        [int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8).digest(), "little") for k in keys],
-        dtype=np.uint64,
-    )
+    """Each key's 64-bit hash (blake2b, not hash(): the same on every machine and in every run)."""
+    # Digests are packed a chunk at a time into one uint64 array: a Python int per key
+    # costs ~12 x the array's 8 bytes (issue 31).
+    out = np.empty(len(keys), dtype=np.uint64)
+    it, start = iter(keys), 0
+    while chunk := b"".join(hashlib.blake2b(k.encode(), digest_size=8).digest() for k in islice(it, _HASH_CHUNK)):
+        digests = np.frombuffer(chunk, dtype="<u8")  # int.from_bytes(digest, "little"), as before
+        out[start : start + len(digests)] = digests
+        start += len(digests)
+    return out
 
 
 def _weights(hashes: np.ndarray, nodes: int) -> np.ndarray:
     """The (item, node) rendezvous weights: splitmix64 of each key hash mixed with the node."""
     with np.errstate(over="ignore"):
         z = hashes[:, None] ^ (np.arange(1, nodes + 1, dtype=np.uint64)[None, :] * _GOLDEN)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+        return z
+
+
+def _ranks(hashes: np.ndarray, nodes: int) -> np.ndarray:
+    """The weights as the ranking compares them: as float64, so weights that round alike tie.
+
+    Ties go to the lower node. The order must never change (every rank, and every
+    cache split over it, relies on it): ``tests/unit/test_partition_memory.py``
+    pins it against the first implementation, ties included.
+    """
+    return _weights(hashes, nodes).astype(np.float64)
+
+
+def _item_bytes(sizes: Sequence[int], n: int) -> tuple[np.ndarray, int]:
+    """Each of the first ``n`` items' bytes (``int(size)``, negatives as 0) as int64, and the total of all sizes."""
+    if len(sizes) < n:
+        raise ConfigError(f"{n} keys but {len(sizes)} sizes; fix: pass one size per key")
+    arr = np.asarray(sizes)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":  # floats, huge ints, strings: as int() reads each
+        try:
+            arr = np.fromiter((int(s) for s in sizes), dtype=np.int64, count=len(sizes))
+        except OverflowError as err:
+            raise ConfigError(f"a size does not fit 64 bits; fix: pass sizes in bytes below {2**63}") from err
+    elif arr.dtype.kind == "u" and len(arr) and int(arr.max()) >= 2**63:
+        raise ConfigError(f"size {int(arr.max())} does not fit 64 bits; fix: pass sizes in bytes below {2**63}")
+    weight = np.maximum(arr, 0).astype(np.int64, copy=False)  # a new array: the caller's stays as it was
+    if weight.sum(dtype=np.float64) >= 2.0**62:  # loads and running sums stay exact in int64
+        raise ConfigError(f"sizes total {weight.sum(dtype=np.float64):.3g} B, beyond 2**62; fix: pass sizes in bytes")
+    return weight[:n], int(weight.sum())
 
 
 def assign(keys: Sequence[str], sizes: Sequence[int], nodes: int) -> np.ndarray:
@@ -150,22 +199,70 @@ def assign(keys: Sequence[str], sizes: Sequence[int], nodes: int) -> np.ndarray:
     owner = np.zeros(n, dtype=np.int64)
     if nodes == 1 or n == 0:
         return owner
+    weight, total = _item_bytes(sizes, n)
+    # An int load fits below the float total / nodes exactly when it fits below its floor.
+    room = math.floor(total / nodes)
     hashes = _hashes(keys)
-    # Best node first; ties (equal weights) broken by node number.
-    prefs = np.argsort(-_weights(hashes, nodes).astype(np.float64), axis=1, kind="stable").tolist()
-    weight = [max(int(s), 0) for s in sizes]
-    room = sum(weight) / nodes
-    load = [0] * nodes
-    for i in np.argsort(hashes, kind="stable").tolist():
-        s = weight[i]
-        for j in prefs[i]:
-            if load[j] + s <= room:
-                break
+    order = np.argsort(hashes, kind="stable")
+    load = np.zeros(nodes, dtype=np.int64)
+    most = max(_BLOCK_CELLS // nodes, 1)
+    step, pos = most, 0
+    while pos < n:
+        idx = order[pos : pos + step]
+        nodes_of, placed = _place_block(hashes[idx], weight[idx], load, room)
+        owner[idx[:placed]] = nodes_of[:placed]
+        pos += placed
+        if placed < len(idx):  # its best open node has no room: the rules, one item at a time
+            i = idx[placed]
+            owner[i] = _place_one(hashes[i : i + 1], int(weight[i]), load, room)
+            pos += 1
+            step = max(step // 2, 1)  # near full nodes this happens often: smaller blocks waste less
         else:
-            j = min(prefs[i], key=lambda k: load[k])
-        owner[i] = j
-        load[j] += s
+            step = min(step * 2, most)
     return owner
+
+
+def _place_block(hashes: np.ndarray, weight: np.ndarray, load: np.ndarray, room: int) -> tuple[np.ndarray, int]:
+    """Place the leading items of a block (in visiting order) that go to their best open node.
+
+    A node is *closed* when even the block's smallest item would overflow it; loads only
+    grow, so it stays closed for the whole block. Each item's best open node is where
+    the one-at-a-time rule puts it, as long as that node still has room for it after the
+    block's earlier items. Returns each item's best open node and how many leading items
+    were placed (their bytes added to ``load``).
+    """
+    closed = load + weight.min() > room
+    if closed.all():  # no node has room: every item needs the least-loaded rule
+        return np.zeros(0, dtype=np.int64), 0
+    ranks = _ranks(hashes, len(load))
+    if closed.any():
+        ranks[:, closed] = -1.0  # below every weight (>= 0)
+    best = ranks.argmax(axis=1)  # the first of equal maxima: the lower node, as in the ranking
+    del ranks
+    added = np.zeros_like(load)
+    np.add.at(added, best, weight)
+    if (load + added <= room).all():  # the usual case: every node has room for all it is given
+        load += added
+        return best, len(best)
+    rows = np.arange(len(best))
+    running = np.zeros((len(best), len(load)), dtype=np.int64)
+    running[rows, best] = weight
+    np.cumsum(running, axis=0, out=running)  # each node's bytes from the block so far
+    fits = load[best] + running[rows, best] <= room
+    placed = len(best) if fits.all() else int(fits.argmin())
+    if placed:
+        load += running[placed - 1]
+    return best, placed
+
+
+def _place_one(hashes: np.ndarray, size: int, load: np.ndarray, room: int) -> int:
+    """Place one item: its best node with room, else the least loaded (first in its ranking)."""
+    prefs = np.argsort(-_ranks(hashes, len(load))[0], kind="stable")
+    loads = load[prefs]
+    fits = loads + size <= room
+    j = int(prefs[fits.argmax()] if fits.any() else prefs[loads.argmin()])
+    load[j] += size
+    return j
 
 
 def node_items(owner: np.ndarray, node_rank: int) -> list[int]:
