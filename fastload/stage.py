@@ -235,6 +235,12 @@ def stage(
         report.skipped_blocks -= min(len(bad), report.skipped_blocks)
         _fetch_blocks(reader, bad, report, _show(progress), "refetching")
     report.stored_bytes = _stored(reader, items)
+    if writable and not part and isinstance(url, str):  # `fastload info` then reads its figures without counting
+        summaries = reader.identity.summaries()
+        sizes = reader.identity.block_sizes(summaries)
+        mine = next((s for s in summaries if (s["root"], s["pattern"]) == (root, pattern)), None)
+        if mine is None or not reader.identity.current(mine, sizes):
+            reader.identity.summarise(root, pattern, items, sizes)
     # The index's log folded into its file: a staged cache then reads whole from a
     # read-only mount too (docs/cache.md, "Full and read-only disks").
     reader.cache.compact()

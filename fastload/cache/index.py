@@ -32,7 +32,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-from fastload.cache import migrate
+from fastload.cache import keys, migrate
 from fastload.errors import CacheError
 
 _log = logging.getLogger("fastload")
@@ -229,6 +229,13 @@ class IndexReads:
             rows = con.execute(f"SELECT key, value FROM {TABLE} WHERE key >= ? AND key < ?", (namespace, end)).fetchall()
         return [(k, decode(v)) for k, v in rows]
 
+    def names(self, namespace: str) -> list[str]:
+        """Every key that starts with ``namespace``, without the values (see :meth:`scan`)."""
+        end = namespace[:-1] + chr(ord(namespace[-1]) + 1)
+        con = self._con()
+        with FORK_GATE.shared():
+            return [k for (k,) in con.execute(f"SELECT key FROM {TABLE} WHERE key >= ? AND key < ?", (namespace, end))]
+
     def iterkeys(self, reverse: bool = False) -> Iterator[str]:
         """Every key, oldest first (newest first with ``reverse``); read whole inside the gate."""
         con = self._con()
@@ -299,6 +306,8 @@ class GatedIndex(IndexReads):
                         con.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (key TEXT PRIMARY KEY NOT NULL, value)")
                         rows = migrate.old_rows(self.directory)
                         con.executemany(_ADD, [(k, encode(v)) for k, v in rows])
+                        if not rows:  # a new cache starts its totals at 0; a migrated one is counted once (repair.py)
+                            con.executemany(_ADD, [(k, 0) for k in keys.TOTALS])
                         con.execute(f"PRAGMA user_version = {_SCHEMA}")
                         if rows:
                             _log.info("cache index %s: %d records migrated from the old index", self.path, len(rows))

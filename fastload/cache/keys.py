@@ -23,7 +23,16 @@ key                        value                                      written by
 ``p:m:<root>\\x1f<pat.>``   staging of that manifest under way (time)  stage.py
 ``x:<url>\\x1f<size>\\x1f<ver>``  a tar shard's member index             TarDataset
 ``n:<root>``               nodes the dataset was last split over      fastload.read.partition
+``s:<root>\x1f<pattern>``  a manifest's summary: {"items",            Identity.save_manifest,
+                           "remote_bytes", "block_bytes", "created";  Identity.summarise
+                           once counted: "cached_items",
+                           "stored_bytes", "changes"}
 ``bytes``                  bytes counted against the limit            reserve, drop, check
+``entries``, ``stored``,   the entries' count and their stored and    publish, drop, check
+``raw``                    raw bytes (`fastload info` reads these)
+``changes``                entries published or dropped, over the     publish, drop
+                           cache's life (a summary counted at the
+                           same value is exact still)
 ``corrupt``                bad entries dropped, over the cache's life the cache's reads
 =========================  =========================================  ==================
 """
@@ -41,7 +50,13 @@ MANIFEST = "m:"
 STAGING = "p:"
 TAR_INDEX = "x:"
 PARTITION = "n:"
+SUMMARY = "s:"
 BYTES = "bytes"
+ENTRIES = "entries"
+STORED = "stored"
+RAW = "raw"
+CHANGES = "changes"
+TOTALS = (ENTRIES, STORED, RAW)
 CORRUPT = "corrupt"
 _SEP = "\x1f"
 
@@ -95,9 +110,14 @@ def manifest(root: str, pattern: str | None) -> str:
 
 
 def manifest_parts(name: str) -> tuple[str, str | None]:
-    """``(root, pattern)`` of manifest key ``name`` (pattern None when there was none)."""
-    root, _, pattern = name[len(MANIFEST) :].partition(_SEP)
+    """``(root, pattern)`` of manifest (or summary) key ``name`` (pattern None when there was none)."""
+    root, _, pattern = name[2:].partition(_SEP)
     return root, pattern or None
+
+
+def summary(root: str, pattern: str | None) -> str:
+    """The index key of the summary of the manifest of ``root`` listed with ``pattern``."""
+    return SUMMARY + manifest(root, pattern)[len(MANIFEST) :]
 
 
 def staging(root: str, pattern: str | None) -> str:

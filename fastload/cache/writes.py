@@ -158,6 +158,7 @@ class CacheWrites(CacheReads):
                         won.add(e.location)
                     else:
                         lost += e.charged
+                self._count([e for e in entries if e.location in won], 1)
                 # Reserved as packed but written whole (packs unusable): the difference goes back.
                 excess = total - sum(e.charged for e in entries)
                 if excess:

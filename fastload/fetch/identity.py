@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from fastload.cache import Cache, entry_key, keys
+from fastload.cache import Cache, Entry, entry_key, keys
 from fastload.config import Settings, format_size
 from fastload.source import RemoteItem, glob_to_regex, nothing_matched
 
@@ -116,12 +116,78 @@ class Identity:
     # -- manifests --------------------------------------------------------------
 
     def save_manifest(self, root: str, pattern: str | None, items: builtins.list[RemoteItem]) -> None:
-        """Record a listing and pin each item's fingerprint."""
+        """Record a listing, its summary, and pin each item's fingerprint."""
         index = self.cache.index
+        created = time.time()
         with index.transact():
-            index.set(keys.manifest(root, pattern), {"created": time.time(), "items": [i.to_json() for i in items],
+            index.set(keys.manifest(root, pattern), {"created": created, "items": [i.to_json() for i in items],
                                                      "block_bytes": self.block_bytes})
+            index.set(keys.summary(root, pattern), _summary(items, self.block_bytes, created))
             self.pin(items)
+
+    def summaries(self) -> builtins.list[dict[str, Any]]:
+        """Every recorded manifest's summary (root, pattern, items, remote_bytes, block_bytes,
+        created; cached_items, stored_bytes, changes and sizes once counted), without reading
+        the manifests' items: one small row each. A manifest recorded before summaries were
+        kept gets one here (its items read once)."""
+        index = self.cache.index
+        out = {}
+        for name, rec in index.scan(keys.SUMMARY):
+            out[keys.manifest_parts(name)] = rec
+        for name in index.names(keys.MANIFEST):
+            root_pattern = keys.manifest_parts(name)
+            if root_pattern not in out and (m := index.get(name)) is not None:
+                out[root_pattern] = rec = _summary([RemoteItem.from_json(r) for r in m["items"]],
+                                                   m.get("block_bytes"), m.get("created", 0.0))
+                if self.cache.unwritable is None:
+                    index.set(keys.summary(*root_pattern), rec)
+        return [{"root": root, "pattern": pattern, **rec} for (root, pattern), rec in out.items()]
+
+    def block_sizes(self, summaries: builtins.list[dict[str, Any]]) -> builtins.set[int]:
+        """The block sizes a dataset's cached share is counted under: this reader's and every
+        one a listing was recorded with. A dataset staged with --block-size counted as 0/800
+        under the default one alone (issue 24; tests/unit/test_block_sizes.py)."""
+        return {self.block_bytes} | {s["block_bytes"] for s in summaries if s.get("block_bytes")}
+
+    def current(self, summary: dict[str, Any], sizes: builtins.set[int]) -> bool:
+        """Whether ``summary``'s cached figures still stand: counted under ``sizes``, with nothing
+        published or dropped since."""
+        return summary.get("changes") == self.cache.totals()[keys.CHANGES] and summary.get("sizes") == sorted(sizes)
+
+    def summarise(self, root: str, pattern: str | None, items: builtins.list[RemoteItem] | None,
+                  sizes: builtins.set[int]) -> dict[str, Any]:
+        """Count how much of a recorded dataset is cached under any of ``sizes`` (block sizes),
+        record it in its summary, and return the summary.
+
+        Exact, at a cost that grows with the dataset's items, not the cache's entries (one
+        index query per 500 keys). The summary keeps the cache's ``changes`` counter as it
+        was before the count: while it still reads the same, nothing was published or
+        dropped since, and the figures stand (`fastload info` reads them without counting).
+
+        Args:
+            items: The dataset's items when the caller has them; None reads its manifest.
+        """
+        index = self.cache.index
+        changes = self.cache.totals()[keys.CHANGES]  # before the count: a change during it makes it stale
+        if items is None:
+            m = index.get(keys.manifest(root, pattern))
+            items = [RemoteItem.from_json(r) for r in m["items"]] if m is not None else []
+        whole = [False] * len(items)
+        stored: dict[str, int] = {}
+        for bs in sorted(sizes):
+            per_item = [_keys_of(item, bs) for item in items]
+            recs = index.get_many([keys.entry(k) for ks in per_item for k in ks])
+            for i, ks in enumerate(per_item):
+                hits = [k for k in ks if keys.entry(k) in recs]
+                whole[i] = whole[i] or len(hits) == len(ks)
+                for k in hits:
+                    stored[k] = Entry.from_record(k, recs[keys.entry(k)]).stored
+        rec = index.get(keys.summary(root, pattern)) or _summary(items, None, time.time())
+        rec = {**rec, "cached_items": sum(whole), "stored_bytes": sum(stored.values()), "changes": changes,
+               "sizes": sorted(sizes)}
+        if self.cache.unwritable is None:
+            index.set(keys.summary(root, pattern), rec)
+        return {"root": root, "pattern": pattern, **rec}
 
     def manifest(self, root: str, pattern: str | None) -> builtins.list[RemoteItem] | None:
         """The items of the listing recorded for exactly ``root`` and ``pattern``; None when there is none."""
@@ -198,3 +264,14 @@ class Identity:
                     root, pattern = keys.manifest_parts(k)
                     out.append({"root": root, "pattern": pattern, **rec})
         return out
+
+
+def _summary(items: builtins.list[RemoteItem], block_bytes: int | None, created: float) -> dict[str, Any]:
+    return {"items": len(items), "remote_bytes": sum(i.size for i in items if i.size > 0), "block_bytes": block_bytes,
+            "created": created}
+
+
+def _keys_of(item: RemoteItem, block_bytes: int) -> builtins.list[str]:
+    """The cache keys of every block of ``item`` under ``block_bytes``."""
+    n = max(1, -(-item.size // block_bytes))
+    return [entry_key(item.url, item.size, item.version, b, block_bytes) for b in range(n)]

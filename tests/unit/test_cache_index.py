@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import fastload
-from fastload.cache import Cache
+from fastload.cache import keys, Cache
 from fastload.cache.index import INDEX_FILE
 from fastload.cache.migrate import OLD_FILE
 from fastload.config import Settings
@@ -23,6 +23,9 @@ def settings(tmp_path: Path) -> Settings:
 def test_index_writes_keep_their_meaning(settings: Settings) -> None:
     cache = Cache(settings)
     index = cache.index
+    assert sorted(index.iterkeys()) == sorted(keys.TOTALS)  # a new cache starts its totals at 0
+    assert [index.get(k) for k in keys.TOTALS] == [0, 0, 0]
+    index.clear()
     assert index.incr("n") == 1 and index.incr("n", 5) == 6 and index.incr("m", -2, default=10) == 8
     assert index.add("a", (1, "x")) and not index.add("a", (2, "y")) and index.get("a") == (1, "x")
     index.set("a", {"k": [1.5, None]})

@@ -189,3 +189,73 @@ def test_a_rerun_of_a_staged_dataset_does_not_scan_the_cache(tmp_path: Path, mon
     Cache(s).index.set(keys.writer(2**22 + 12345), time.time())  # a writer that is gone (no such PID)
     fastload.stage(str(remote), settings=s, progress=False)
     assert scans == ["check"]
+
+
+# -- totals and summaries: `fastload info` without a scan ------------------------------
+
+
+def test_the_index_keeps_totals_through_publish_drop_and_repair(tmp_path: Path) -> None:
+    cache = Cache(_settings(tmp_path))
+    assert cache.totals() == {"entries": 0, "stored": 0, "raw": 0, "changes": 0}
+    _fill(cache, 10, size=5000)
+    assert cache.drop("k00003")
+    live = list(cache.entries())
+    want = {"entries": 9, "stored": sum(e.stored for e in live), "raw": 45_000, "changes": 11}
+    assert cache.totals() == want
+    cache.index.set(keys.STORED, 1)  # a count gone wrong: a repair recounts it
+    cache.check()
+    assert cache.totals() == want
+    for name in keys.TOTALS:  # a cache from before totals were kept: counted once, then kept
+        cache.index.delete(name)
+    assert cache.totals() == want and cache.index.get(keys.ENTRIES) == 9
+
+
+def test_info_reads_recorded_figures_and_counts_again_after_a_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastload.cli import dataset_summaries
+
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for i in range(30):
+        (remote / f"f{i:02d}.bin").write_bytes(os.urandom(4096))
+    s = _settings(tmp_path)
+    fastload.stage(str(remote), settings=s, progress=False)
+
+    def no_scan(self: Cache) -> None:
+        raise AssertionError("info scanned every entry")
+
+    counted: list[str] = []
+    real = fastload.fetch.identity.Identity.summarise
+    monkeypatch.setattr(Cache, "entries", no_scan)
+    monkeypatch.setattr(fastload.fetch.identity.Identity, "summarise",
+                        lambda self, root, *a: counted.append(root) or real(self, root, *a))
+    info = dataset_summaries(s)
+    (d,) = info["datasets"]
+    assert (info["entries"], d["items"], d["cached_items"], d["remote_bytes"]) == (30, 30, 30, 30 * 4096)
+    assert d["stored_bytes"] == info["stored_bytes"] and counted == []  # figures recorded by the stage
+    monkeypatch.undo()
+    victim = next(iter(Cache(s).entries()))
+    assert Cache(s).drop(victim.key)
+    monkeypatch.setattr(Cache, "entries", no_scan)
+    monkeypatch.setattr(fastload.fetch.identity.Identity, "summarise",
+                        lambda self, root, *a: counted.append(root) or real(self, root, *a))
+    (d,) = dataset_summaries(s)["datasets"]
+    assert d["cached_items"] == 29 and len(counted) == 1  # counted again: something was dropped
+    (d,) = dataset_summaries(s)["datasets"]
+    assert d["cached_items"] == 29 and len(counted) == 1  # and recorded: not counted a third time
+
+
+def test_info_reports_the_blocks_the_payloads_hold(tmp_path: Path) -> None:
+    from fastload.cli import dataset_summaries
+
+    s = _settings(tmp_path)
+    cache = Cache(s)
+    _fill(cache, 200)
+    for i in range(100):
+        assert cache.drop(f"k{i:05d}")  # holes punched in the pack: they take no blocks
+    files = [p for p in (s.cache_dir / "data").rglob("*") if p.is_file()]
+    info = dataset_summaries(s)
+    assert info["disk_bytes"] == sum(p.stat().st_blocks * 512 for p in files)
+    assert info["stored_bytes"] == sum(e.stored for e in cache.entries())
+    # The pack's length is 200 entries; its blocks hold the live 100, plus at most its two end blocks.
+    assert info["stored_bytes"] <= info["disk_bytes"] <= info["stored_bytes"] + 100 * 64 + 2 * 4096
+    assert info["index_bytes"] >= (s.cache_dir / "index" / "fastload.db").stat().st_size
