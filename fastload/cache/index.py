@@ -236,6 +236,15 @@ class IndexReads:
         with FORK_GATE.shared():
             return [k for (k,) in con.execute(f"SELECT key FROM {TABLE} WHERE key >= ? AND key < ?", (namespace, end))]
 
+    def sample(self, namespace: str, n: int) -> list[str]:
+        """Up to ``n`` keys of ``namespace`` drawn at random (a scan of the namespace: seconds at millions)."""
+        end = namespace[:-1] + chr(ord(namespace[-1]) + 1)
+        con = self._con()
+        with FORK_GATE.shared():
+            rows = con.execute(f"SELECT key FROM {TABLE} WHERE key >= ? AND key < ? ORDER BY random() LIMIT ?",
+                               (namespace, end, n))
+            return [k for (k,) in rows]
+
     def iterkeys(self, reverse: bool = False) -> Iterator[str]:
         """Every key, oldest first (newest first with ``reverse``); read whole inside the gate."""
         con = self._con()

@@ -131,6 +131,11 @@ def _cache(c: dict[str, Any]) -> list[str]:
         lines.append(f"  state       {st['path']}: {st['entries']} entries, {format_size(st['stored_bytes'])} of "
                      f"{format_size(st['limit_bytes'])} limit, {st['manifests']} dataset(s), "
                      f"{st['corrupt_dropped']} corrupt dropped{url}")
+    ix = c.get("index", {})
+    if ix:
+        lines.append(f"  index       {_why(ix)}" if _why(ix) else
+                     f"  index       {fmt_rate(ix['lookups_per_s'])} look-ups/s ({ix['looked_up']} of "
+                     f"{ix['entries']:,} entries, batches of {ix['batch']}, one thread)")
     if _why(dk):
         lines.append(f"  disk        {_why(dk)}")
     else:

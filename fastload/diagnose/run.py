@@ -179,6 +179,7 @@ def run_diagnose(opts: Options, progress: Callable[[str], None] | None = None) -
         "disk": guarded("disk", lambda: disk.probe_disk(settings, nbytes=budget.disk_bytes, piece_bytes=piece,
                                                         threads=max(4, 2 * cores), budget_s=budget.disk_s)),
         "state": guarded("cache_state", lambda: disk.cache_state(settings, opts.url, opts.storage_options)),
+        "index": guarded("cache_index", lambda: disk.probe_index(settings)),
     }
     inputs = build_inputs(report, opts, settings)
     report["verdict"] = make_verdict(inputs).as_dict()
@@ -247,6 +248,7 @@ def build_inputs(report: dict[str, Any], opts: Options, settings: Settings) -> I
     why = {
         "storage": _reason(store),
         "cache_disk": _reason(cache.get("disk", {})),
+        "cache_index": _reason(cache.get("index", {})),
         "cache_decode": _reason(comp.get("payload_decode", {})),
         "cpu_decode": _reason(comp.get("cpu_decode", {})),
         "link": _reason(links),
@@ -273,6 +275,8 @@ def build_inputs(report: dict[str, Any], opts: Options, settings: Settings) -> I
         storage_one_conn_bps=_get(store, "one_connection_bps"),
         storage_ttfb_s=None if ttfb is None else ttfb / 1e3,
         cache_disk_bps=_get(cache, "disk", "random_cold_bps"),
+        cache_index_lookups_s=_get(cache, "index", "lookups_per_s"),
+        cache_entries=_get(cache, "index", "entries"),
         cache_decode_bps_per_core=(_get(comp, "payload_decode", payload_row) or {}).get("decode_bps_per_core"),
         cpu_decode_per_core=_get(comp, "cpu_decode", "decode_resize_per_core"),
         h2d_bps=dev0.get("h2d_pinned_bps"),

@@ -11,6 +11,8 @@ op               ceiling                                                 epochs
 ===============  ======================================================  ===========
 ``storage``      remote bytes/s at the saturating concurrency / size     cold [1]_
 ``cache_disk``   local cache disk bytes/s / size                         warm
+``cache_index``  the cache index's look-ups/s (one per sample, measured  warm
+                 on the cache as it is: its entries, its disk)
 ``cache_decode`` payload decode (LZ4 or raw + xxh3) bytes/s x cores      warm
 ``cpu_decode``   JPEG decode img/s per core x cores (decode on CPU)      all
 ``link``         pinned H2D bytes/s / bytes sent per sample              all
@@ -48,6 +50,7 @@ _ITEMSIZE = {"fp32": 4, "fp16": 2, "uint8": 1}
 CLASS_OF = {
     "storage": "storage",
     "cache_disk": "disk",
+    "cache_index": "index",
     "cache_decode": "cpu",
     "cpu_decode": "cpu",
     "link": "link",
@@ -104,6 +107,8 @@ class Inputs:
     storage_one_conn_bps: float | None = None
     storage_ttfb_s: float | None = None
     cache_disk_bps: float | None = None
+    cache_index_lookups_s: float | None = None  # the cache's own index, one process (GIL-bound)
+    cache_entries: int | None = None
     cache_decode_bps_per_core: float | None = None
     cpu_decode_per_core: float | None = None
     h2d_bps: float | None = None
@@ -131,7 +136,7 @@ class Regime:
 
     name: str
     limit: str | None  # op name
-    bottleneck: str | None  # class: storage, disk, cpu, link, gpu, compute
+    bottleneck: str | None  # class: storage, disk, index, cpu, link, gpu, compute
     samples_per_s: float | None
     sentence: str
 
@@ -221,6 +226,9 @@ def _ops(x: Inputs) -> list[Op]:
     warm_in_path = not _streams(x)
     rate = x.cache_disk_bps / size if x.cache_disk_bps else None
     add("cache_disk", "cache disk read", rate, f"{fmt_bps(x.cache_disk_bps)}", "warm", warm_in_path)
+    entries = f" over {x.cache_entries:,} entries" if x.cache_entries is not None else ""
+    add("cache_index", "cache index look-up", x.cache_index_lookups_s,
+        f"{fmt_rate(x.cache_index_lookups_s)} look-ups/s{entries}", "warm", warm_in_path)
     rate = x.cache_decode_bps_per_core * x.cpu_cores / size if x.cache_decode_bps_per_core else None
     add("cache_decode", "cache payload decode", rate,
         f"{fmt_bps(x.cache_decode_bps_per_core)}/core x {x.cpu_cores}", "warm", warm_in_path)
@@ -289,6 +297,10 @@ def _sentence(x: Inputs, ops: list[Op], s: Op | None, regime: str) -> str:
         return f"storage-bound: {fmt_bps(x.storage_bps)} from {where}{conn} caps {size} samples at {rate} img/s"
     if s.name == "cache_disk":
         return f"disk-bound: the cache disk reads {fmt_bps(x.cache_disk_bps)}, capping {size} samples at {rate} img/s"
+    if s.name == "cache_index":
+        entries = f" of {x.cache_entries:,} entries" if x.cache_entries is not None else ""
+        return (f"index-bound: the cache's index{entries} answers {fmt_rate(x.cache_index_lookups_s)} look-ups/s, "
+                f"one per sample, capping warm epochs at {rate} img/s")
     if s.name == "cache_decode":
         return (f"CPU-bound: payload decode at {fmt_bps(x.cache_decode_bps_per_core)} per core x "
                 f"{x.cpu_cores} cores caps {size} samples at {rate} img/s")
@@ -369,6 +381,13 @@ def _advice(x: Inputs, ops: list[Op], s: Op, regime: str, warm: Op | None) -> li
             out.append(Advice("cache", "off (read the remote directly)",
                               f"the remote ({fmt_bps(x.storage_bps)}) is faster than the cache disk "
                               f"({fmt_bps(x.cache_disk_bps)}), so caching slows later epochs down"))
+    elif s.name == "cache_index":
+        out.append(Advice("data layout", "tar shards of 64 MB or more (fastload.TarDataset)",
+                          f"each sample costs one index look-up ({fmt_rate(x.cache_index_lookups_s)}/s here); a shard's "
+                          "samples share its blocks' few look-ups"))
+        out.append(Advice("DataLoader", "num_workers >= 2",
+                          "look-ups run in Python under one process's GIL: more read threads do not add to them, "
+                          "worker processes do"))
     elif s.name == "cache_decode":
         out.append(Advice("FASTLOAD_LZ4_LEVEL / payloads", "raw (incompressible data) or LZ4 inflated on the GPU",
                           f"decoding cached payloads on {x.cpu_cores} cores caps at {rate} img/s"))

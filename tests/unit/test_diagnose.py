@@ -35,7 +35,7 @@ from fastload.diagnose.report import render
 from fastload.diagnose.storage import probe_storage, saturating
 
 HAS_CUDA = torch.cuda.is_available()
-OPS = {"storage", "cache_disk", "cache_decode", "cpu_decode", "link", "gpu_decode", "model"}
+OPS = {"storage", "cache_disk", "cache_index", "cache_decode", "cpu_decode", "link", "gpu_decode", "model"}
 
 
 def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, dict[str, Any]]:
@@ -450,3 +450,23 @@ def test_the_kind_of_data_is_read_from_its_first_bytes():
     assert data_kind(b"\x93NUMPY\x01\x00v\x00{'descr'") == "npy"
     assert data_kind(bytes(range(256)) * 2) == "binary"
     assert data_kind(b"hello, world\n") == "text"
+
+
+def test_the_index_probe_times_look_ups_of_the_caches_own_entries(tmp_path: Path) -> None:
+    import os
+
+    from fastload.cache import Cache
+    from fastload.config import Settings
+    from fastload.diagnose import disk as disk_probe
+
+    s = Settings(cache_dir=tmp_path / "c")
+    assert disk_probe.probe_index(s)["status"] == "skipped"  # no cache yet: and none is made
+    assert not (tmp_path / "c").exists()
+    cache = Cache(s)
+    cache.put_many([(f"k{i:04d}", os.urandom(100), f"mem://{i}", 0) for i in range(50)])
+    few = disk_probe.probe_index(s)
+    assert few["status"] == "skipped" and "50 entries" in few["reason"]
+    cache.put_many([(f"m{i:04d}", os.urandom(100), f"mem://m{i}", 0) for i in range(450)])
+    got = disk_probe.probe_index(s, sample=300)
+    assert got["status"] == "ok" and (got["entries"], got["looked_up"]) == (500, 300)
+    assert got["lookups_per_s"] > 0

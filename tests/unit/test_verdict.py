@@ -30,6 +30,8 @@ def fast(**changes: object) -> Inputs:
         storage_one_conn_bps=2 * GB,
         storage_ttfb_s=0.001,
         cache_disk_bps=5 * GB,
+        cache_index_lookups_s=200_000,
+        cache_entries=1_000_000,
         cache_decode_bps_per_core=5 * GB,
         cpu_decode_per_core=2000,
         h2d_bps=25 * GB,
@@ -106,6 +108,26 @@ def test_shaped_link_rates_give_different_verdicts():
     assert at_100m.cold.bottleneck == "storage" and at_100m.cold.samples_per_s == pytest.approx(126, rel=0.01)
     assert at_1g.cold.bottleneck == "cpu" and at_1g.cold.samples_per_s == pytest.approx(600)
     assert at_100m.op("storage").samples_per_s * 9 < at_1g.op("storage").samples_per_s
+
+
+# -- index --------------------------------------------------------------------------
+
+
+def test_a_slow_cache_index_is_named_not_the_disk():
+    # A loader ran at 9,800 samples/s on index work while the disk allowed 41,000 (issue 31).
+    v = make_verdict(fast(cache_index_lookups_s=9_800, cache_disk_bps=41_000 * 4096, sample_bytes=4096))
+
+    assert v.bottleneck == "index" and v.warm.limit == "cache_index"
+    assert v.warm.samples_per_s == pytest.approx(9_800)
+    assert v.headline.startswith("index-bound") and "1,000,000 entries" in v.headline
+    assert settings_of(v)["data layout"].startswith("tar shards")
+    assert v.op("cache_disk").samples_per_s == pytest.approx(41_000)
+
+
+def test_an_unmeasured_index_says_why():
+    v = make_verdict(fast(cache_index_lookups_s=None, why_missing={"cache_index": "the cache is empty"}))
+
+    assert v.bottleneck != "index" and "the cache is empty" in v.op("cache_index").detail
 
 
 # -- disk ---------------------------------------------------------------------------
