@@ -212,6 +212,17 @@ class IndexReads:
             rows = self._select_in("key, value", keys)
         return {k: decode(v) for k, v in rows}
 
+    def present(self, keys: Sequence[str]) -> builtins.set[str]:
+        """Those of ``keys`` that are present, in one query per ``_IN_CHUNK`` keys; no value decoded."""
+        with FORK_GATE.shared():
+            return {k for (k,) in self._select_in("key", keys)}
+
+    def select(self, expression: str, keys: Sequence[str]) -> dict[str, Any]:
+        """An SQL ``expression`` of the ``value`` column (e.g. entry.STORED_SQL) for those ``keys``
+        that are present, one query per ``_IN_CHUNK`` keys, not decoded (see :func:`decode`)."""
+        with FORK_GATE.shared():
+            return dict(self._select_in(f"key, {expression}", keys))
+
     def _select_in(self, columns: str, keys: Sequence[str]) -> list[Any]:
         """``SELECT columns`` of the rows of ``keys`` present, one query per ``_IN_CHUNK`` keys."""
         con, rows = self._con(), []

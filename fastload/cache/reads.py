@@ -20,7 +20,7 @@ from typing import Any
 from fastload import codec
 from fastload.cache import gather, keys
 from fastload.cache.disk import cannot_write
-from fastload.cache.entry import Entry
+from fastload.cache.entry import STORED_SQL, Entry
 from fastload.cache.held import hook_exit
 from fastload.cache.repair import CacheRepair
 from fastload.errors import CodecError
@@ -63,6 +63,23 @@ class CacheReads(CacheRepair):
             for name, rec in self.index.get_many([keys.entry(k) for k in todo]).items():
                 self._remember(Entry.from_record(name[len(keys.ENTRY) :], rec))
         return [memo.get(k) for k in names]
+
+    def present(self, names: Sequence[str]) -> set[str]:
+        """Those cache keys the index holds (known here, else one query per 500), decoding no
+        record: staging checks a dataset's entries this way (a rerun of 100k spent ~1.5 s
+        decoding records it only needed to find)."""
+        memo = self._memo
+        found = {k for k in names if k in memo}
+        todo = [keys.entry(k) for k in dict.fromkeys(names) if k not in found]
+        cut = len(keys.ENTRY)
+        return found | {name[cut:] for name in self.index.present(todo)}
+
+    def stored_bytes(self, names: Sequence[str]) -> int:
+        """The stored bytes of those cache keys the index holds (one query per 500 not known here)."""
+        memo = self._memo
+        total = sum(memo[k].stored for k in set(names) if k in memo)
+        todo = [keys.entry(k) for k in dict.fromkeys(names) if k not in memo]
+        return total + sum(self.index.select(STORED_SQL, todo).values())
 
     @property
     def known(self) -> Mapping[str, Entry]:

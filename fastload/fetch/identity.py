@@ -20,7 +20,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from fastload.cache import Cache, Entry, entry_key, keys
+from fastload.cache import Cache, entry_key, keys
+from fastload.cache.entry import STORED_SQL
 from fastload.config import Settings, format_size
 from fastload.source import RemoteItem, glob_to_regex, nothing_matched
 
@@ -176,12 +177,12 @@ class Identity:
         stored: dict[str, int] = {}
         for bs in sorted(sizes):
             per_item = [_keys_of(item, bs) for item in items]
-            recs = index.get_many([keys.entry(k) for ks in per_item for k in ks])
+            columns = index.select(STORED_SQL, [keys.entry(k) for ks in per_item for k in ks])
             for i, ks in enumerate(per_item):
-                hits = [k for k in ks if keys.entry(k) in recs]
+                hits = [k for k in ks if keys.entry(k) in columns]
                 whole[i] = whole[i] or len(hits) == len(ks)
                 for k in hits:
-                    stored[k] = Entry.from_record(k, recs[keys.entry(k)]).stored
+                    stored[k] = columns[keys.entry(k)]
         rec = index.get(keys.summary(root, pattern)) or _summary(items, None, time.time())
         rec = {**rec, "cached_items": sum(whole), "stored_bytes": sum(stored.values()), "changes": changes,
                "sizes": sorted(sizes)}

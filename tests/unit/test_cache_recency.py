@@ -259,3 +259,17 @@ def test_info_reports_the_blocks_the_payloads_hold(tmp_path: Path) -> None:
     # The pack's length is 200 entries; its blocks hold the live 100, plus at most its two end blocks.
     assert info["stored_bytes"] <= info["disk_bytes"] <= info["stored_bytes"] + 100 * 64 + 2 * 4096
     assert info["index_bytes"] >= (s.cache_dir / "index" / "fastload.db").stat().st_size
+
+
+def test_stored_sizes_read_in_sql_agree_with_the_records(tmp_path: Path) -> None:
+    from fastload.cache.entry import STORED_SQL
+
+    cache = Cache(_settings(tmp_path))
+    cache.put_many([(f"p{i}", os.urandom(1000 + i), f"mem://p{i}", 0) for i in range(5)])  # packed
+    cache.put("big", os.urandom(3 << 20), url="mem://big")  # a file of its own (a record of the old shape)
+    live = list(cache.entries())
+    assert {e.offset is None for e in live} == {True, False}
+    got = cache.index.select(STORED_SQL, [keys.entry(e.key) for e in live])
+    assert got == {keys.entry(e.key): e.stored for e in live}
+    assert Cache(_settings(tmp_path)).stored_bytes([e.key for e in live] + ["absent"]) == sum(e.stored for e in live)
+    assert Cache(_settings(tmp_path)).present(["p1", "big", "absent"]) == {"p1", "big"}
