@@ -164,6 +164,9 @@ def stage(
     """
     settings = settings or Settings.from_env()
     reader = Reader(settings, storage_options)
+    # Staging writes a dataset once and reads nothing back: remembering its entries, keys and
+    # pins cost ~0.5 KB per object of RSS (2.5 KB per object in all at 100k; issue 31).
+    reader.cache.memo_max = reader.identity.keys_max = 0
     t0 = time.perf_counter()
     # Dry runs need every size now; real runs complete sizeless (HTTP) items
     # inside the fetch workers, so HEADs overlap with transfers.

@@ -69,10 +69,10 @@ Source; imported by fastload.fetch, fastload.read, the faces and the CLI.
 
 from __future__ import annotations
 
+from fastload.cache.base import MEMO_MAX
 from fastload.cache.disk import cannot_write
 from fastload.cache.entry import Entry, record
 from fastload.cache.keys import entry_key
-from fastload.cache.reads import MEMO_MAX
 from fastload.cache.repair import LOW_WATERMARK
 from fastload.cache.writes import CacheWrites
 

@@ -27,6 +27,8 @@ from fastload.errors import CacheError, CacheFullError, CacheReadOnlyError
 
 _log = logging.getLogger("fastload")
 
+MEMO_MAX = 1 << 20  # entries remembered per Cache (about 300 B each)
+
 # Reservations this process holds for writes in flight (token -> (file system, bytes)); any
 # other reservation under our PID was left behind by a failed release (a full disk) and is
 # stale. Their bytes are not on the disk yet, so the disk's free space does not show them:
@@ -107,6 +109,9 @@ class CacheBase:
         # name carries a nonce and every read checks its bytes, so a memo gone stale
         # (evicted, refetched elsewhere) finds its file missing and is looked up again.
         self._memo: dict[str, Entry] = {}
+        # Entries remembered at most; 0 remembers none: staging, which reads nothing back,
+        # kept 224 B per object of its dataset in it (issue 31).
+        self.memo_max = MEMO_MAX
         self._dirs: set[str] = set()  # data/ fan-out folders known to exist
         self.corrupt_seen = 0
 

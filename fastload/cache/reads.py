@@ -28,7 +28,6 @@ from fastload.stats import current_collector
 
 _log = logging.getLogger("fastload")
 
-MEMO_MAX = 1 << 20  # entries remembered per Cache (about 300 B each)
 # Last uses are held in memory, one per clock (a pack, or a whole-file entry: Entry.clock),
 # and written in one transaction once this many are held, or once the oldest held is this
 # old (and at close and at a clean exit). A write per read (at most one per entry per 10 s
@@ -58,11 +57,14 @@ class CacheReads(CacheRepair):
         benchmarks/peers/results/profile.md).
         """
         memo = self._memo
-        todo = [k for k in dict.fromkeys(names) if k not in memo]
+        found = {k: memo[k] for k in names if k in memo}
+        todo = [k for k in dict.fromkeys(names) if k not in found]
         if todo:
+            cut = len(keys.ENTRY)
             for name, rec in self.index.get_many([keys.entry(k) for k in todo]).items():
-                self._remember(Entry.from_record(name[len(keys.ENTRY) :], rec))
-        return [memo.get(k) for k in names]
+                # From this dict, not the memo: the memo may be cleared (MEMO_MAX) or off (staging).
+                found[name[cut:]] = self._remember(Entry.from_record(name[cut:], rec))
+        return [found.get(k) for k in names]
 
     def present(self, names: Sequence[str]) -> set[str]:
         """Those cache keys the index holds (known here, else one query per 500), decoding no
@@ -87,8 +89,10 @@ class CacheReads(CacheRepair):
         return self._memo
 
     def _remember(self, entry: Entry) -> Entry:
-        if len(self._memo) >= MEMO_MAX:
+        if len(self._memo) >= self.memo_max:
             self._memo.clear()  # bounded memory; the index still has every entry
+            if self.memo_max <= 0:
+                return entry
         self._memo[entry.key] = entry
         return entry
 

@@ -40,6 +40,9 @@ class Identity:
         # Pins read or written here (url -> size, version): a warm fastload.open asks the
         # index once per URL, as a dataset lists once. Another process's --refresh is seen by new readers.
         self._pins: dict[str, tuple[int, str]] = {}
+        # Keys and pins remembered at most (each); 0 remembers none: staging computes a key a
+        # few times per object and never reads a pin back, and kept ~300 B per object in them.
+        self.keys_max = KEYS_MAX
         self._warned_blocks = False  # _note_block_size, once
 
     # -- blocks -----------------------------------------------------------------
@@ -58,9 +61,11 @@ class Identity:
         # Remembered: a sha256 per block per read was a tenth of a warm epoch's time.
         key = self._keys.get((item, block))
         if key is None:
-            if len(self._keys) >= KEYS_MAX:
+            key = entry_key(item.url, item.size, item.version, block, self.block_bytes)
+            if len(self._keys) >= self.keys_max:
                 self._keys.clear()
-            key = self._keys[(item, block)] = entry_key(item.url, item.size, item.version, block, self.block_bytes)
+            if self.keys_max > 0:
+                self._keys[(item, block)] = key
         return key
 
     # -- pins -------------------------------------------------------------------
@@ -76,9 +81,10 @@ class Identity:
         return RemoteItem(url, int(pinned[0]), str(pinned[1]))
 
     def _remember(self, pins: Mapping[str, tuple[int, str]]) -> None:
-        if len(self._pins) + len(pins) > KEYS_MAX:
+        if len(self._pins) + len(pins) > self.keys_max:
             self._pins.clear()  # bounded memory; the index still has every pin
-        self._pins.update(pins)
+        if len(pins) <= self.keys_max:
+            self._pins.update(pins)
 
     def pins_of(self, items: builtins.list[RemoteItem]) -> dict[str, tuple[int, str]]:
         """The index rows that pin ``items`` (for :meth:`pin`, or a publishing transaction);

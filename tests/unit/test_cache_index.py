@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import fastload
-from fastload.cache import keys, Cache
+from fastload.cache import Cache, keys
 from fastload.cache.index import INDEX_FILE
 from fastload.cache.migrate import OLD_FILE
 from fastload.config import Settings

@@ -273,3 +273,34 @@ def test_stored_sizes_read_in_sql_agree_with_the_records(tmp_path: Path) -> None
     assert got == {keys.entry(e.key): e.stored for e in live}
     assert Cache(_settings(tmp_path)).stored_bytes([e.key for e in live] + ["absent"]) == sum(e.stored for e in live)
     assert Cache(_settings(tmp_path)).present(["p1", "big", "absent"]) == {"p1", "big"}
+
+
+@pytest.mark.parametrize("memo_max", [0, 3])
+def test_look_ups_past_the_memos_bound_still_find_every_entry(tmp_path: Path, memo_max: int) -> None:
+    names = _fill(Cache(_settings(tmp_path)), 10)
+    reader = Cache(_settings(tmp_path))
+    reader.memo_max = memo_max  # 3: cleared in the middle of one batch; 0: staging remembers nothing
+    got = reader.entries_for(names)
+    assert [e.key if e else None for e in got] == names  # a clear mid-batch once read as misses
+    assert len(reader.known) <= memo_max
+
+
+def test_staging_remembers_no_entry_key_or_pin_per_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastload.read.reader import Reader
+
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for i in range(40):
+        (remote / f"f{i:02d}.bin").write_bytes(os.urandom(2000))
+    readers: list[Reader] = []
+    real_init = Reader.__init__
+
+    def keep(self: Reader, *a: object, **k: object) -> None:
+        real_init(self, *a, **k)  # type: ignore[arg-type]
+        readers.append(self)
+
+    monkeypatch.setattr(Reader, "__init__", keep)
+    report = fastload.stage(str(remote), settings=_settings(tmp_path), progress=False)
+    assert report.fetched_blocks == 40
+    (reader,) = readers
+    assert len(reader.cache.known) == 0 and len(reader.identity._keys) == 0 and len(reader.identity._pins) == 0
