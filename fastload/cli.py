@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--workers", type=int, dest="workers", help=argparse.SUPPRESS)  # --max-requests' old name
     cache.add_argument("--level", type=int, choices=range(0, 13), metavar="0..12", help="0 = fast LZ4 (default), 1..12 = LZ4-HC")
     cache.add_argument("--block-size", type=_size_arg, help="cache large files in blocks of this size (default 8MiB)")
-    cache.add_argument("--dry-run", action="store_true", help="list and report the size against the cache limit; fetch nothing (an HTTP listing has no "
-                       "sizes: it costs a HEAD per object)")
+    cache.add_argument("--dry-run", action="store_true", help="list and report the size against the cache limit; fetch nothing (an HTTP listing whose "
+                       "pages show no exact sizes, as python -m http.server's, costs a HEAD per object)")
     cache.add_argument("--verify", action="store_true", help="re-check every entry's checksum; refetch bad ones")
     cache.add_argument("--refresh", action="store_true", help="re-list the remote instead of trusting the recorded manifest")
     cache.add_argument("--nodes", type=int, help="stage one node's part (partition='node') of a job on this many nodes; "

@@ -217,14 +217,18 @@ class FileDataset(_CachedDataset):
         return [i.url for i in self.items]
 
     def item_sizes(self) -> list[int]:
-        """Each sample's size in bytes, for node partitions; a sizeless listing costs one HEAD per
-        item, once (the sizes are recorded with the manifest), so every node splits alike."""
+        """Each sample's size in bytes, for node partitions: the listing's, an nginx or Apache index
+        page's exact ones included (Source.plan_sizes); the rest cost one HEAD per item, once (the
+        sizes are recorded with the manifest), so every node splits alike."""
         if self._unsized:  # what another process pinned meanwhile (a rank beside this one) needs no HEAD
             self._pinned([k for k, i in enumerate(self.items) if i.size < 0])
         if self._unsized:
             todo = [k for k, i in enumerate(self.items) if i.size < 0]
             src = self.reader.sources.of(self.items[todo[0]].url)
-            self._adopt(todo, src.complete_all([self.items[k] for k in todo]))
+            sizes, headed = src.plan_sizes([self.items[k] for k in todo])
+            self._adopt([todo[j] for j in headed], list(headed.values()))
+            planned = dict(zip(todo, sizes))
+            return [planned.get(k, i.size) for k, i in enumerate(self.items)]
         return [i.size for i in self.items]
 
     def label_of(self, index: int) -> Any:

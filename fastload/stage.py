@@ -175,8 +175,13 @@ def stage(
     snapshot = reader.identity.recorded(root, pattern) if isinstance(url, str) and not refresh else None
     if snapshot is not None and part and any(i.size < 0 for i in snapshot):
         snapshot = None  # a node's part is split by bytes: the listing is completed below
-    # A node's part is split by bytes, so it needs every size first (as the sampler does).
-    items = snapshot if snapshot is not None else reader.list(url, pattern, refresh=refresh, complete=dry_run or part)
+    # A node's part is split by bytes, so it needs every size first (as the sampler does): the
+    # listing's, an nginx or Apache index page's exact ones included; the rest cost a HEAD each.
+    items = snapshot if snapshot is not None else reader.list(url, pattern, refresh=refresh, complete=False)
+    plan = [i.plan_size for i in items]
+    if (dry_run or part) and items and min(plan) < 0:
+        plan, headed = reader.sources.of(items[0].url).plan_sizes(items)
+        items = [headed.get(k, i) for k, i in enumerate(items)]
     node = ""
     if part:
         from fastload.read import (
@@ -191,20 +196,21 @@ def stage(
                 f"staging one node's part needs nodes= and node_rank= in [0, nodes) (got {nodes}, {node_rank}), "
                 "and torchrun's or Slurm's environment does not give them; fix: pass both (--nodes, --node-rank)"
             )
-        owner = partition.assign([i.url for i in items], [i.size for i in items], nodes)
-        items = [items[k] for k in partition.node_items(owner, node_rank)]
+        owner = partition.assign([i.url for i in items], plan, nodes)
+        kept = partition.node_items(owner, node_rank)
+        items, plan = [items[k] for k in kept], [plan[k] for k in kept]
         node = f"{node_rank}/{nodes}"
     # The limit in force: --cache-limit, capped so the disk keeps its reserve free (fastload/cache/writes.py).
     limit = reader.cache.limit_bytes()
     report = StageReport(url=root, items=len(items), cache_limit_bytes=limit, node=node)
     if snapshot is not None and isinstance(url, str):
         _compare_with_remote(reader, url, pattern, snapshot, report)
-    known = [i for i in items if i.size >= 0]
-    report.remote_bytes = sum(i.size for i in known)
+    known = [size for size in plan if size >= 0]
+    report.remote_bytes = sum(known)
     report.fits = report.remote_bytes <= limit
     if dry_run:
         report.dry_run = True
-        report.blocks = sum(len(reader.identity.blocks(i)) for i in items)
+        report.blocks = sum(max(1, -(-size // settings.block_bytes)) for size in plan)
         report.stored_bytes = _stored(reader, items)
         report.seconds = time.perf_counter() - t0
         return report

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fsspec.utils import glob_translate
@@ -18,13 +18,28 @@ class RemoteItem:
 
     Attributes:
         url: Canonical URL with its protocol (``s3://b/k``, ``file:///p``, ``http://h/p``).
-        size: Size in bytes.
+        size: Size in bytes; -1 until known with the object's version (an HTTP listing).
         version: ETag, generation or mtime as a string; "" when the store has none.
+        index_size: The exact size an HTTP index page showed for an object whose ``size`` is
+            not known yet (-1: none shown). The page gives no version, and a size without
+            one would name a cache entry that no answer can check (tests/integration/
+            test_torn_objects.py), so it only plans (:attr:`plan_size`); never compared, hashed or recorded.
     """
 
     url: str
     size: int
     version: str
+    index_size: int = field(default=-1, compare=False, repr=False)
+
+    @property
+    def plan_size(self) -> int:
+        """The size to plan with (node parts, dry runs, the cache limit): ``size``, else
+        ``index_size``; -1 when neither is known (then it costs a HEAD or a first GET).
+
+        >>> RemoteItem("http://h/a.jpg", -1, "", index_size=3000).plan_size
+        3000
+        """
+        return self.size if self.size >= 0 else self.index_size
 
     def to_json(self) -> list[Any]:
         return [self.url, self.size, self.version]

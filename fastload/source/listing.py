@@ -64,6 +64,11 @@ def http_find(src: Source, pattern: str | None) -> tuple[RemoteItem | dict[str, 
 
     A folder's index page (Python's "Directory listing for", nginx's "Index of")
     is never an item: an empty folder lists as empty, not as one HTML file.
+
+    Items come sizeless (their size and version come together, from a first GET or a HEAD);
+    the exact size an nginx or Apache index page shows goes along as ``index_size``
+    (fastload.transport.answers.page_links), so planning by bytes sends no HEAD
+    (:meth:`fastload.source.Source.plan_sizes`).
     """
     timeout_s, limit = src.settings.request_timeout_s, src.host_limit
 
@@ -86,20 +91,21 @@ def http_find(src: Source, pattern: str | None) -> tuple[RemoteItem | dict[str, 
     if not folder:
         return src.info(src.url), 0
     base = root.final if root.final.endswith("/") else root.final + "/"
-    files: set[str] = set()
+    files: dict[str, int] = {}  # URL -> the size its page showed, -1 for none
     seen = {base}
     level = [root]
     while level:
         subfolders: set[str] = set()
         for page in level:
             got_files, got_dirs = page_links(page.final, page.text or "")
-            files |= got_files
+            files.update(got_files)
             subfolders |= got_dirs - seen
         seen |= subfolders
         todo = sorted(subfolders)
         answers = pages(src, todo, limit) if todo else []
         level = [get_page(url) if isinstance(got, BaseException) else got for url, got in zip(todo, answers)]
-    return {u[len(base) :] if u.startswith(base) else u: RemoteItem(u, -1, "") for u in files}, len(seen) - 1
+    return {u[len(base) :] if u.startswith(base) else u: RemoteItem(u, -1, "", size) for u, size in files.items()}, \
+        len(seen) - 1
 
 def pages(src: Source, urls: list[str], limit: HostLimit | None) -> list[Any]:
     """One GET of each folder page, together, a failure in its place: on libcurl where this

@@ -22,6 +22,7 @@ from fastload.cli import main as cli_main
 from fastload.config import Settings
 from fastload.errors import EmptyDatasetError
 from fastload.read.reader import Reader
+from fastload.source import Source
 
 pytestmark = pytest.mark.integration
 
@@ -202,3 +203,19 @@ def test_a_listing_with_one_request_allowed_in_flight_completes(
     items = Reader(settings).list(base + "/data/", "**/*.jpg", complete=False)
     assert sorted(i.url[len(base) + 6 :] for i in items) == sorted(files)
     assert rec.peak == 1
+
+
+def test_python_server_pages_show_no_sizes_so_planning_heads_each_file(
+    tmp_path: Path, py_server: Callable[..., tuple[str, _Recorder]], settings: Settings
+) -> None:
+    # http.server lists names only: its items have no index_size, and planning by bytes
+    # costs a HEAD each (nginx's pages cost none: tests/integration/test_http_listing_sizes.py).
+    files = _nested(tmp_path / "www", classes=3)
+    base, rec = py_server(tmp_path / "www")
+    src = Source(base + "/", settings=settings)
+    items = src.list("**/*.jpg", complete=False)
+    assert [i.index_size for i in items] == [-1] * len(files)
+    sizes, headed = src.plan_sizes(items)
+    assert sizes == [len(files[i.url[len(base) + 1 :]]) for i in items]
+    assert sorted(p for m, p, c in rec.log if m == "HEAD") == sorted(f"/{rel}" for rel in files)
+    assert sorted(headed) == list(range(len(files))) and all(i.version for i in headed.values())

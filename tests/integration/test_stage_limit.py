@@ -30,13 +30,24 @@ def _requests(server: _servers.NginxServer, method: str) -> int:
     return sum(1 for line in log.splitlines() if f'"{method} ' in line and ".bin HTTP" in line)
 
 
-@pytest.fixture()
-def http_folder(tmp_path: Path, nginx_server: Callable[..., Any]) -> _servers.NginxServer:
+def _folder(tmp_path: Path, nginx_server: Callable[..., Any], locations: str = "") -> _servers.NginxServer:
     www = tmp_path / "www"
     for i in range(N):
         (www / f"c{i % 4}").mkdir(parents=True, exist_ok=True)
         (www / f"c{i % 4}" / f"{i:04d}.bin").write_bytes(os.urandom(SIZE))
-    return nginx_server(www)
+    return nginx_server(www, locations=locations)
+
+
+@pytest.fixture()
+def http_folder(tmp_path: Path, nginx_server: Callable[..., Any]) -> _servers.NginxServer:
+    """nginx's folder pages with autoindex_exact_size off: they show "12K", so the listing has no sizes."""
+    return _folder(tmp_path, nginx_server, "location ~ /$ { autoindex on; autoindex_exact_size off; }")
+
+
+@pytest.fixture()
+def sized_folder(tmp_path: Path, nginx_server: Callable[..., Any]) -> _servers.NginxServer:
+    """nginx as configured by default: its folder pages show each file's exact size."""
+    return _folder(tmp_path, nginx_server)
 
 
 def test_a_sizeless_listing_stops_once_the_sizes_learned_pass_the_limit(
@@ -54,6 +65,17 @@ def test_a_sizeless_listing_stops_once_the_sizes_learned_pass_the_limit(
     fit = -(-(10**6) // (CHUNK * SIZE))
     assert gets <= (fit + Settings.stage_threads) * CHUNK < N, gets
     assert _requests(http_folder, "HEAD") == 0
+
+
+def test_exact_sizes_on_the_index_pages_refuse_before_any_request(
+    sized_folder: _servers.NginxServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for args in (["--dry-run"], []):
+        code = main(["cache", sized_folder.url + "/", "--cache-limit", "1MB", "--cache-dir", str(tmp_path / "c"),
+                     "--no-progress", *args])
+        out, err = capsys.readouterr()
+        assert code == 1 and ("does NOT fit" in out if args else f"is {N * SIZE // 10**6} MB but the cache limit is 1 MB" in err)
+    assert (_requests(sized_folder, "HEAD"), _requests(sized_folder, "GET")) == (0, 0)
 
 
 def test_dry_run_over_http_costs_a_head_per_object_as_its_help_says(
