@@ -18,8 +18,9 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -36,6 +37,7 @@ from fastload.errors import (
 )
 from fastload.read.reader import Reader
 from fastload.source import RemoteItem
+from fastload.source.listing import LISTING_PROGRESS
 
 T = TypeVar("T")
 _log = logging.getLogger("fastload")
@@ -177,7 +179,11 @@ def stage(
         snapshot = None  # a node's part is split by bytes: the listing is completed below
     # A node's part is split by bytes, so it needs every size first (as the sampler does): the
     # listing's, an nginx or Apache index page's exact ones included; the rest cost a HEAD each.
-    items = snapshot if snapshot is not None else reader.list(url, pattern, refresh=refresh, complete=False)
+    if snapshot is not None:
+        items = snapshot
+    else:
+        with _listing_line(root, _show(progress)):
+            items = reader.list(url, pattern, refresh=refresh, complete=False)
     plan = [i.plan_size for i in items]
     if (dry_run or part) and items and min(plan) < 0:
         plan, headed = reader.sources.of(items[0].url).plan_sizes(items)
@@ -309,6 +315,31 @@ def _too_big(report: StageReport, settings: Settings, sized: int | None = None) 
         f"dataset {report.url} is {size} but {why}; fix: {fix}, stage a subset with "
         "--pattern, or skip staging and let training stream it"
     )
+
+
+@contextmanager
+def _listing_line(root: str, show: bool) -> Iterator[None]:
+    """While listing, one stderr line saying how far it got (objects, folders), at most twice a
+    second: a million objects list for tens of seconds, and said nothing."""
+    if not show:
+        yield
+        return
+    last = [0.0, 0]
+
+    def note(files: int, folders: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 0.5:
+            last[0], last[1] = now, files
+            sys.stderr.write(f"\rlisting {root}: {files:,} objects in {folders:,} folders")
+            sys.stderr.flush()
+
+    token = LISTING_PROGRESS.set(note)
+    try:
+        yield
+    finally:
+        LISTING_PROGRESS.reset(token)
+        if last[0]:
+            sys.stderr.write("\n")
 
 
 def _show(progress: bool | None) -> bool:

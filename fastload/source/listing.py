@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any, Protocol, TypeVar
 
 import fsspec
@@ -26,6 +27,19 @@ from fastload.transport.curl import CurlRoute
 from fastload.transport.hostlimit import SLOT_WAIT_S, HostLimit
 
 T = TypeVar("T")
+
+
+# Told how far a listing has got (objects, folders), after each level of folder pages
+# (HTTP) or each round of pages (S3, GCS); None: nobody asked. A context variable, so
+# only the caller that set it (`fastload cache` with its progress bar) hears of it; a
+# listing through fsspec's own find reports nothing until it ends.
+LISTING_PROGRESS: ContextVar[Callable[[int, int], None] | None] = ContextVar("listing_progress", default=None)
+
+
+def _progress(files: int, folders: int) -> None:
+    note = LISTING_PROGRESS.get()
+    if note is not None:
+        note(files, folders)
 
 
 class Source(Protocol):
@@ -101,6 +115,7 @@ def http_find(src: Source, pattern: str | None) -> tuple[RemoteItem | dict[str, 
             files.update(got_files)
             subfolders |= got_dirs - seen
         seen |= subfolders
+        _progress(len(files), len(seen) - 1)
         todo = sorted(subfolders)
         answers = pages(src, todo, limit) if todo else []
         level = [get_page(url) if isinstance(got, BaseException) else got for url, got in zip(todo, answers)]
@@ -166,6 +181,7 @@ def store_find(src: Source, route: StoreRoute, pattern: str | None) -> tuple[dic
             level += [(sub, None) for sub in page.prefixes]
             if page.token:
                 level.append((prefix, page.token))
+        _progress(len(files), folders)
         todo = level
     if not files and not folders and root != key:
         return None  # an object's own URL, or nothing: the filesystem's info says which
