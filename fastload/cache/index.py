@@ -240,12 +240,14 @@ class IndexReads:
             rows = con.execute(f"SELECT key, value FROM {TABLE} WHERE key >= ? AND key < ?", (namespace, end)).fetchall()
         return [(k, decode(v)) for k, v in rows]
 
-    def names(self, namespace: str) -> list[str]:
-        """Every key that starts with ``namespace``, without the values (see :meth:`scan`)."""
+    def names(self, namespace: str, limit: int = -1) -> list[str]:
+        """The keys that start with ``namespace`` (``limit`` at most; -1: all), without the
+        values (see :meth:`scan`)."""
         end = namespace[:-1] + chr(ord(namespace[-1]) + 1)
         con = self._con()
         with FORK_GATE.shared():
-            return [k for (k,) in con.execute(f"SELECT key FROM {TABLE} WHERE key >= ? AND key < ?", (namespace, end))]
+            rows = con.execute(f"SELECT key FROM {TABLE} WHERE key >= ? AND key < ? LIMIT ?", (namespace, end, limit))
+            return [k for (k,) in rows]
 
     def sample(self, namespace: str, n: int) -> list[str]:
         """Up to ``n`` keys of ``namespace`` drawn at random (a scan of the namespace: seconds at millions)."""

@@ -111,7 +111,7 @@ class Identity:
     def pinned(self, items: builtins.list[RemoteItem]) -> builtins.list[RemoteItem]:
         """``items``, those without a size filled in from their pins where pinned (one index query)."""
         need = [keys.pin(i.url) for i in items if i.size < 0]
-        if not need:
+        if not need or not self.cache.index.names(keys.PIN, limit=1):  # none pinned yet: a first listing
             return items
         pins = self.cache.index.get_many(need)
         out = []
