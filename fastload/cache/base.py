@@ -109,8 +109,8 @@ class CacheBase:
         # name carries a nonce and every read checks its bytes, so a memo gone stale
         # (evicted, refetched elsewhere) finds its file missing and is looked up again.
         self._memo: dict[str, Entry] = {}
-        # Entries remembered at most; 0 remembers none: staging, which reads nothing back,
-        # kept 224 B per object of its dataset in it (issue 31).
+        # Entries remembered at most (0: none). The Fetcher reads the memo to see blocks this
+        # process stored since a caller missed (fetch/fetcher.py), so a process that fetches keeps it.
         self.memo_max = MEMO_MAX
         self._dirs: set[str] = set()  # data/ fan-out folders known to exist
         self.corrupt_seen = 0

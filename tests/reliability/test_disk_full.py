@@ -266,11 +266,16 @@ print(n)
 
 def _fill(disk: Path) -> None:
     """Fill ``disk`` to its last block from outside fastload, as a checkpoint writer does."""
-    with open(disk / "checkpoint.bin", "ab") as f:
+    f = open(disk / "checkpoint.bin", "ab")  # noqa: SIM115 - closed below, where a full disk may refuse the flush
+    try:
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+    except OSError:
+        pass
+    finally:
         try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
+            f.close()  # its buffer may hold what the last write could not place: the disk is full, as meant
         except OSError:
             pass
     assert os.statvfs(disk).f_bavail == 0

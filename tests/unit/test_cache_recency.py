@@ -285,7 +285,7 @@ def test_look_ups_past_the_memos_bound_still_find_every_entry(tmp_path: Path, me
     assert len(reader.known) <= memo_max
 
 
-def test_staging_remembers_no_entry_key_or_pin_per_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_staging_remembers_no_key_or_pin_per_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fastload.read.reader import Reader
 
     remote = tmp_path / "remote"
@@ -303,4 +303,4 @@ def test_staging_remembers_no_entry_key_or_pin_per_object(tmp_path: Path, monkey
     report = fastload.stage(str(remote), settings=_settings(tmp_path), progress=False)
     assert report.fetched_blocks == 40
     (reader,) = readers
-    assert len(reader.cache.known) == 0 and len(reader.identity._keys) == 0 and len(reader.identity._pins) == 0
+    assert len(reader.identity._keys) == 0 and len(reader.identity._pins) == 0
