@@ -27,10 +27,13 @@ runs the read side, from ``read_batch`` down, on its own)::
 
 Modules:
 
-* :mod:`~fastload.fetch.fetcher`: :class:`Fetcher`, the table of fetches in flight, the
-  completion of sizeless items, stores and returns what it fetched;
-* :mod:`~fastload.fetch.ahead`: :data:`AHEAD_ITEMS` (the one fetch-ahead depth) and the
-  announcement of index batches, here or to worker processes;
+* :mod:`~fastload.fetch.fetcher`: :class:`Fetcher`: complete sizeless items, fetch
+  blocks (a whole object streamed where a server ignores Range), store and return them;
+* :mod:`~fastload.fetch.base`: the Fetcher's parts: the per-process table of fetches in
+  flight and the node-wide markers (fastload/cache/flights.py): mark, wait, land, store;
+* :mod:`~fastload.fetch.ahead`: :data:`AHEAD_ITEMS` (the one fetch-ahead depth), the
+  announcement of index batches, here or to worker processes, and ``FetcherAhead``
+  (first blocks fetched ahead, taken by reads, stored early while another process waits);
 * :mod:`~fastload.fetch.identity`: block identity (cache keys, block spans, pins,
   manifests), shared with the Reader.
 

@@ -2,14 +2,15 @@
 
 One :class:`Fetcher` per :class:`~fastload.read.reader.Reader`, made with the Reader's
 parts (its Sources, Cache and Identity), never the Reader itself. It holds the one table
-of fetches in flight, keyed by (URL, block): a block is fetched once however many
-threads (or fetches ahead) want it, and a sizeless item is completed once (key
-(URL, COMPLETING)) however many threads complete it at once. Its callers are the
-Reader's misses (datasets, ``fastload.open``, the pipelines' payloads) and staging. It stores what it fetched
-with one :meth:`~fastload.cache.Cache.put_many` per call and returns those bytes,
-so a cold read never goes back to disk for them. How many requests are in flight
-is not decided here: every request holds a slot of its host's limit
-(:mod:`fastload.transport.hostlimit`).
+of fetches in flight (:mod:`fastload.fetch.base`: per process, and across the node through
+markers). Its callers are the Reader's misses (datasets, ``fastload.open``, the pipelines'
+payloads) and staging. It stores what it fetched with one
+:meth:`~fastload.cache.Cache.put_many` per call and returns those bytes, so a cold read
+never goes back to disk for them. How many requests are in flight is not decided here:
+every request holds a slot of its host's limit (:mod:`fastload.transport.hostlimit`).
+
+Fetches ahead (started before their reads, :mod:`fastload.fetch.ahead`) are taken here by
+the reads that reach them.
 
 Sizeless items (an HTTP listing) are completed here too, in one of two ways
 (:meth:`Fetcher.complete`): from their pins, else by the GET of their first block
@@ -19,140 +20,24 @@ Sizeless items (an HTTP listing) are completed here too, in one of two ways
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, cast
 
-from fastload.cache import Cache
-from fastload.config import Settings
-from fastload.errors import CacheFullError, CacheLimitError, RemoteChangedError, StoppedError
-from fastload.fetch.ahead import AHEAD_ITEMS
-from fastload.fetch.identity import Identity
-from fastload.source import RemoteItem, Source
-from fastload.source.sources import Sources
+from fastload.errors import RemoteChangedError
+from fastload.fetch.ahead import AHEAD_FLIGHTS, AHEAD_ITEM_BYTES, FetcherAhead
+from fastload.fetch.base import COMPLETING, Block, Flight, Gate
+from fastload.source import RemoteItem
 from fastload.stats import record_cache
-from fastload.transport import curl
 
-_log = logging.getLogger("fastload")
+__all__ = ["AHEAD_FLIGHTS", "AHEAD_ITEM_BYTES", "COMPLETING", "Fetcher"]
 
-# First blocks fetched ahead per Fetcher, at most (memory bound): the announced depth
-# (AHEAD_ITEMS), and as many again for the batches drawn while those are still being read.
-AHEAD_FLIGHTS = 2 * AHEAD_ITEMS
-AHEAD_ITEM_BYTES = 1 << 20  # larger objects are not fetched ahead: their transfer, not latency, dominates
 STREAM_BATCH_BYTES = 2 << 20  # blocks of a streamed whole object stored together (memory bound: _fetch_whole)
 
-COMPLETING = -1  # the in-flight table's "block" of a sizeless item being completed (its first GET)
 
-Block = tuple[RemoteItem, int]
-Gate = Callable[[Callable[[], Any]], Any]  # runs a cache write, or refuses it (staging's stop)
-
-
-def _now(write: Callable[[], Any]) -> Any:
-    return write()
-
-
-class _Flight:
-    """One fetch in flight: a block being fetched by a thread, or a first block fetched ahead."""
-
-    __slots__ = ("ahead", "future", "item")
-
-    def __init__(self, item: RemoteItem, future: Future[Any], ahead: bool) -> None:
-        self.item = item
-        self.future = future
-        self.ahead = ahead  # a Source.start_first_many future (finish it with Source.finish_first)
-
-
-class Fetcher:
-    """Fetches blocks from ``sources`` into ``cache``: one table in flight, stores them, returns their bytes.
-
-    It holds no reference to its Reader (the Reader owns it), so a dropped Reader is
-    freed, its cache's files closed, at once: a cache left open kept
-    `mount -o remount,ro` failing (tests/reliability/test_disk_full.py).
-    """
-
-    def __init__(self, settings: Settings, cache: Cache, identity: Identity, sources: Sources) -> None:
-        self.settings = settings
-        self.cache = cache
-        self.identity = identity
-        self.sources = sources
-        self.stop = sources.stop
-        self.misses = 0  # blocks fetched here (each a cache miss)
-        self._warned_streaming = False
-        self._lock = threading.Lock()
-        self._flights: dict[tuple[str, int], _Flight] = {}
-        self._pid = os.getpid()
-
-    def _table(self) -> dict[tuple[str, int], _Flight]:
-        if self._pid != os.getpid():  # a forked child: the parent's futures never finish here
-            self._lock, self._flights, self._pid = threading.Lock(), {}, os.getpid()
-        return self._flights
-
-    @property
-    def ahead_bytes(self) -> int:
-        """Bytes fetched ahead per object: its first block, at most AHEAD_ITEM_BYTES."""
-        return min(self.settings.block_bytes, AHEAD_ITEM_BYTES)
-
-    # -- ahead ----------------------------------------------------------------------
-
-    def ahead(self, items: Sequence[RemoteItem]) -> int:
-        """Start fetching the first block of items that will be read soon; returns how many started.
-
-        Advisory: a read that finds its item's fetch under way takes it instead of
-        requesting again. Only objects of at most ``AHEAD_ITEM_BYTES`` (or of unknown
-        size) are fetched ahead, at most ``AHEAD_FLIGHTS`` at a time, so memory stays bounded.
-        """
-        limit = self.ahead_bytes
-        if self.stop.is_set():
-            return 0  # stopping: no request starts (staging's Ctrl-C)
-        with self._lock:
-            table = self._table()
-            room = AHEAD_FLIGHTS - sum(1 for f in table.values() if f.ahead)
-            # Not one being completed either: that GET brings its first block.
-            todo = [i for i in items if (i.url, 0) not in table and (i.url, COMPLETING) not in table
-                    and i.size <= limit][: max(0, room)]
-        known, key = self.cache.known, self.identity.key
-        todo = [i for i in todo if i.size < 0 or key(i, 0) not in known]  # cached here already
-        sized = [i for i in todo if i.size >= 0]
-        if sized:  # cached by another process: nothing to fetch either
-            entries = self.cache.entries_for([key(i, 0) for i in sized])
-            cached = {i.url for i, e in zip(sized, entries) if e is not None}
-            todo = [i for i in todo if i.url not in cached]
-        groups: dict[int, tuple[Source, list[RemoteItem]]] = {}  # one call per Source: one wake-up of its loop
-        for item in todo:
-            src = self.sources.of(item.url)
-            groups.setdefault(id(src), (src, []))[1].append(item)
-        started = 0
-        for src, group in groups.values():
-            try:
-                futures = src.start_first_many(group, limit)
-            except StoppedError:
-                break  # stopped meanwhile
-            if futures is None:
-                continue  # this store cannot fetch these ahead: reads fetch as they go
-            with self._lock:
-                table = self._table()
-                for item, future in zip(group, futures):
-                    if table.setdefault((item.url, 0), _Flight(item, future, True)).future is not future:
-                        future.cancel()  # a read registered its own fetch meanwhile
-                    else:
-                        started += 1
-        return started
-
-    def _take_ahead(self, item: RemoteItem) -> Future[Any] | None:
-        """The fetch ahead of ``item``'s first block, now the caller's to finish; None if there is none."""
-        with self._lock:
-            flight = self._table().get((item.url, 0))
-            if flight is None or not flight.ahead:
-                return None
-            del self._flights[(item.url, 0)]
-        if flight.item != item and not (flight.item.size < 0 and flight.item.url == item.url):
-            flight.future.cancel()  # started for another identity of the object
-            return None
-        return flight.future
+class Fetcher(FetcherAhead):
+    """Fetches blocks from ``sources`` into ``cache``: one table in flight, stores them, returns their bytes."""
 
     # -- sizeless items -------------------------------------------------------------
 
@@ -179,6 +64,7 @@ class Fetcher:
         out = list(items)
         if not todo:
             return out, {}
+        self._harvest()
         checks = todo if heads == "all" else []
         if heads != "all":
             # A sizeless item fetched ahead had no pin when its fetch started (Dataset.fetch_ahead
@@ -199,47 +85,82 @@ class Fetcher:
         if not rest:
             return out, {}
         # The one table covers completions too: an item another thread is completing is
-        # waited for, not requested again (tests/integration/test_fetch.py counts the GETs).
+        # waited for, not requested again (tests/integration/test_fetch.py counts the GETs), and
+        # so is one whose first block another thread fetches (or stores on arrival: _harvest).
         waits: dict[int, Future[Any]] = {}
+        firsts: dict[int, Future[Any]] = {}
+        carried: list[int] = []  # fetched ahead here: taken, marker and all (_take_ahead)
         with self._lock:
             table = self._table()
             for k in rest:
                 flight = table.get((items[k].url, COMPLETING))
-                if flight is None:
-                    table[(items[k].url, COMPLETING)] = _Flight(items[k], Future(), False)
-                else:
+                first = table.get((items[k].url, 0))
+                if flight is not None:
                     waits[k] = flight.future
-        rest = [k for k in rest if k not in waits]
-        t0 = time.perf_counter()
+                elif first is not None and not first.ahead:
+                    firsts[k] = first.future
+                else:
+                    table[(items[k].url, COMPLETING)] = Flight(items[k], Future(), False)
+                    if first is not None:
+                        carried.append(k)
+        rest = [k for k in rest if k not in waits and k not in firsts]
+        fresh: dict[str, bytes] = {}
+        landed: set[int] = set()
+
+        def recheck(ks: list[int]) -> list[int]:
+            # Completed by another process since the look above: pinned, its first block cached.
+            t0, found = time.perf_counter(), []
+            for k, item in zip(ks, self.identity.pinned([items[k] for k in ks])):
+                key = self.identity.key(item, 0) if item.size >= 0 else ""
+                data = self.cache.get(key) if key else None
+                if data is not None:
+                    out[k], fresh[key] = item, data
+                    found.append(k)
+            if found:
+                record_cache(True, len(found), sum(len(fresh[self.identity.key(out[k], 0)]) for k in found), t0)
+            return found
+
+        def here(ks: list[int]) -> None:
+            t0 = time.perf_counter()
+            got = self._first_blocks([items[k] for k in ks])
+            self._count_misses(len(got), sum(len(d) for _, d in got), t0)
+            # The pins land in the transaction that publishes the blocks (one transaction, not
+            # two: 7% of a cold epoch's CPU), so no cached block is ever left without its pin,
+            # which would be cached but not found again (tests/reliability/test_train_kill.py).
+            self._store([((item, 0), data) for item, data in got], strict, gate, pins=self.identity.pins_of([i for i, _ in got]))
+            for k, (item, data) in zip(ks, got):
+                out[k] = item
+                fresh[self.identity.key(item, 0)] = data
+
+        def land(ks: list[int]) -> None:
+            self._land([((items[k].url, COMPLETING), (out[k], fresh[self.identity.key(out[k], 0)])) for k in ks], None)
+            landed.update(ks)
+
         try:
-            got = self._first_blocks([items[k] for k in rest])
+            marked = [k for k in rest if k not in carried]
+            self._once_per_node(marked, [(items[k].url, COMPLETING) for k in marked], recheck, here, land, carried)
         except BaseException as err:
-            self._land([((items[k].url, COMPLETING), None) for k in rest], err)
+            self._land([((items[k].url, COMPLETING), None) for k in rest if k not in landed], err)
             raise
-        self._land([((items[k].url, COMPLETING), pair) for k, pair in zip(rest, got)], None)
-        self._count_misses(len(got), sum(len(d) for _, d in got), t0)
-        # The pins land in the transaction that publishes the blocks (one transaction, not
-        # two: 7% of a cold epoch's CPU), so no cached block is ever left without its pin,
-        # which would be cached but not found again (tests/reliability/test_train_kill.py).
-        self._store([((item, 0), data) for item, data in got], strict, gate, pins=self.identity.pins_of([i for i, _ in got]))
-        fresh = {}
-        for k, (item, data) in zip(rest, got):
-            out[k] = item
-            fresh[self.identity.key(item, 0)] = data
         for k, future in waits.items():
             item, data = future.result(timeout=self.settings.fetch_wait_s)  # the completing thread's error, if it failed
             out[k] = item
             fresh[self.identity.key(item, 0)] = data
+        again = []
+        for k, future in firsts.items():
+            data = future.result(timeout=self.settings.fetch_wait_s)  # the fetching thread's error, if it failed
+            pinned = self.identity.pin_of(items[k].url)  # pinned as it was stored
+            if pinned is None or len(data) != min(self.settings.block_bytes, pinned.size):
+                again.append(k)  # another identity's block: completed on its own
+                continue
+            out[k] = pinned
+            fresh[self.identity.key(pinned, 0)] = data
+        if again:
+            done, more = self.complete([items[k] for k in again], heads=heads, strict=strict, gate=gate)
+            for k, item in zip(again, done):
+                out[k] = item
+            fresh.update(more)
         return out, fresh
-
-    def _settle(self, futures: list[Future[Any]]) -> None:
-        """Wait for a chunk's fetches ahead together: until all are done, the Reader stops,
-        or their requests' timeout passes (Source.finish_first then takes each, done or not).
-
-        Waiting on each in turn woke the read thread once per object as its answer came
-        in, a thread switch and a GIL handoff each; this wakes it once per chunk.
-        """
-        curl.settle(futures, self.stop, self.settings.first_wait_s)
 
     def _first_blocks(self, items: list[RemoteItem]) -> list[tuple[RemoteItem, bytes]]:
         """Source.fetch_first of each, from fetches started ahead where there are some."""
@@ -273,8 +194,9 @@ class Fetcher:
         """The bytes of each (sized) block, fetched once whoever asks, stored, and returned.
 
         A block another thread is fetching is waited for (bounded by the request
-        timeout and retries); the rest go out together (one Source.fetch_many call,
-        whose requests overlap on fsspec's event loop) and are stored by one
+        timeout and retries), and so is one another process is fetching (its marker:
+        then it is read from the cache); the rest go out together (one Source.fetch_many
+        call, whose requests overlap on fsspec's event loop) and are stored by one
         Cache.put_many. Counts one miss per block fetched here.
 
         Args:
@@ -283,8 +205,9 @@ class Fetcher:
         Raises:
             RemoteChangedError: The remote's object is gone or changed size since it was listed.
         """
+        self._harvest()
         mine: list[int] = []
-        ahead: dict[int, Future[Any]] = {}
+        ahead: dict[int, Flight] = {}
         waits: dict[int, Future[Any]] = {}
         known = self.cache.known
         with self._lock:
@@ -292,49 +215,56 @@ class Fetcher:
             for k, (item, block) in enumerate(blocks):
                 flight = table.get((item.url, block))
                 if flight is None:
-                    table[(item.url, block)] = _Flight(item, Future(), False)
+                    table[(item.url, block)] = Flight(item, Future(), False)
                     mine.append(k)
                 elif flight.ahead:
                     mine.append(k)  # finished below, by this caller
-                    table[(item.url, block)] = _Flight(item, Future(), False)
+                    mine_now = table[(item.url, block)] = Flight(item, Future(), False)
+                    mine_now.slot, flight.slot = flight.slot, None  # its marker stays held until stored
                     if flight.item == item or (flight.item.size < 0 and flight.item.url == item.url):
-                        ahead[k] = flight.future
+                        ahead[k] = flight
                     else:
                         flight.future.cancel()
                 else:
                     waits[k] = flight.future
         out: list[bytes | None] = [None] * len(blocks)
+        landed: set[int] = set()
+
+        def recheck(ks: list[int]) -> list[int]:
+            # Stored by another process since the caller missed: read it, do not fetch again.
+            names = [self.identity.key(*blocks[k]) for k in ks]
+            t0, found = time.perf_counter(), []
+            for k, name, entry in zip(ks, names, self.cache.entries_for(names)):
+                if entry is not None and (data := self.cache.get(name)) is not None:
+                    out[k] = data
+                    found.append(k)
+            if found:
+                record_cache(True, len(found), sum(len(out[k] or b"") for k in found), t0)
+            return found
+
+        def here(ks: list[int]) -> None:
+            self._fetch_mine(blocks, ks, {k: ahead[k] for k in ks if k in ahead}, out, strict, gate)
+
+        def land(ks: list[int]) -> None:
+            self._land([((blocks[k][0].url, blocks[k][1]), out[k]) for k in ks], None)
+            landed.update(ks)
+
         try:
             # Stored by this process since the caller missed: read it, do not fetch again.
             for k in [k for k in mine if k not in ahead and self.identity.key(*blocks[k]) in known]:
                 out[k] = self.cache.get(self.identity.key(*blocks[k]))
-            self._fetch_mine(blocks, [k for k in mine if out[k] is None], ahead, out, strict, gate)
+            land([k for k in mine if out[k] is not None])
+            rest = [k for k in mine if out[k] is None and k not in ahead]
+            self._once_per_node(rest, [(blocks[k][0].url, blocks[k][1]) for k in rest], recheck, here, land,
+                                carried=list(ahead))
         except BaseException as err:
-            self._land([((blocks[k][0].url, blocks[k][1]), out[k]) for k in mine], err)
+            self._land([((blocks[k][0].url, blocks[k][1]), out[k]) for k in mine if k not in landed], err)
             raise
-        self._land([((blocks[k][0].url, blocks[k][1]), out[k]) for k in mine], None)
         for k, future in waits.items():
             out[k] = future.result(timeout=self.settings.fetch_wait_s)  # the fetching thread's error, if it failed
         return cast("list[bytes]", out)  # every block was this caller's (fetched above) or waited for
 
-    def _land(self, flights: Sequence[tuple[tuple[str, int], Any]], err: BaseException | None) -> None:
-        """Resolve this caller's flights (table key, result or None): the result for the threads
-        waiting on them, else ``err``."""
-        with self._lock:
-            table = self._table()
-            for key, result in flights:
-                flight = table.pop(key, None)
-                if flight is None or flight.future.done():
-                    continue
-                if result is not None:
-                    flight.future.set_result(result)
-                else:
-                    url, block = key
-                    what = "not completed" if block == COMPLETING else f"block {block} was not fetched"
-                    flight.future.set_exception(err or RemoteChangedError(f"{url}: {what}"))
-                    flight.future.exception()  # retrieved: a waiter may never come
-
-    def _fetch_mine(self, blocks: Sequence[Block], mine: list[int], ahead: dict[int, Future[Any]],
+    def _fetch_mine(self, blocks: Sequence[Block], mine: list[int], ahead: dict[int, Flight],
                     out: list[bytes | None], strict: bool, gate: Gate | None) -> None:
         if not mine:
             return
@@ -342,11 +272,11 @@ class Fetcher:
         spans = {k: self.identity.span(*blocks[k]) for k in mine}
         fetched: dict[int, bytes | Exception] = {}
         streamed: set[int] = set()
-        self._settle(list(ahead.values()))
-        for k, future in ahead.items():
+        self._settle([f.future for f in ahead.values()])
+        for k, flight in ahead.items():
             item = blocks[k][0]
             try:
-                fetched[k] = self.sources.of(item.url).finish_first(item, self.ahead_bytes, future)[1]
+                fetched[k] = self.sources.of(item.url).finish_first(item, self.ahead_bytes, flight.future)[1]
             except Exception as err:
                 fetched[k] = err
         rest = [k for k in mine if k not in fetched]
@@ -440,7 +370,7 @@ class Fetcher:
                 table = self._table()
                 claimed = {b for b in self.identity.blocks(item) if b not in wanted and (item.url, b) not in table}
                 for b in claimed:
-                    table[(item.url, b)] = _Flight(item, Future(), False)
+                    table[(item.url, b)] = Flight(item, Future(), False)
         got: dict[int, bytes] = {}
         seen: set[int] = set()
         batch: list[tuple[Block, bytes]] = []
@@ -483,36 +413,3 @@ class Fetcher:
             raise
         return got
 
-    def _store(self, fetched: list[tuple[Block, bytes]], strict: bool, gate: Gate | None,
-               pins: dict[str, Any] | None = None) -> None:
-        """Cache fetched blocks in one batch; a cache that cannot hold them streams (or, strict, raises)."""
-        batch = [(self.identity.key(item, block), data, item.url, block) for (item, block), data in fetched]
-        if not batch:
-            return
-        try:
-            (gate or _now)(lambda: self.cache.put_many(batch, rows=pins))
-        except CacheLimitError:
-            raise
-        except CacheFullError as err:
-            if strict:  # staging exists to cache: a full disk ends it (tests/reliability/test_disk_full.py)
-                raise
-            what = f"{batch[0][2]} ({err}); serving it" if len(batch) == 1 else f"{batch[0][2]} and {len(batch) - 1} more ({err}); serving them"
-            self.warn_streaming(f"cache cannot store {what} without caching")
-
-    def _count_misses(self, items: int, nbytes: int, t0: float) -> None:
-        self.misses += items
-        record_cache(False, items, nbytes, t0)
-
-    def warn_streaming(self, why: str) -> None:
-        """Warn once that this Fetcher serves data its cache cannot hold."""
-        if not self._warned_streaming:
-            self._warned_streaming = True
-            _log.warning("fastload is streaming: %s", why)
-
-    def in_flight(self) -> dict[str, int]:
-        """Fetches in flight now: ``ahead`` (first blocks fetched ahead, not yet taken by a read)
-        and ``fetching`` (blocks and completions a read is waiting for)."""
-        with self._lock:
-            flights = list(self._table().values())
-        ahead = sum(1 for f in flights if f.ahead)
-        return {"ahead": ahead, "fetching": len(flights) - ahead}

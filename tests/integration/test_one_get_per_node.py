@@ -1,0 +1,81 @@
+"""Two processes of a node reading one dataset into one cache folder at once send one GET per object.
+
+Each process has its own table of fetches in flight; the markers (fastload.cache.flights) are
+what they see of each other's. Before them, two readers started together sent 1.1-2.0x the
+objects' GETs (a reader finds the other's fetch neither in flight in its own table nor cached
+yet), beside a CPU hog too. Counted in nginx's access log. The readers are
+tests/integration/one_get_script.py, started together by a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = Path(__file__).with_name("one_get_script.py")
+OBJECTS, SIZE = 200, 50_000
+
+
+def _gets(server: Any) -> int:
+    log = (server.workdir / "access.log").read_text()
+    return sum(1 for line in log.splitlines() if '"GET /obj_' in line)
+
+
+@pytest.mark.parametrize(("how", "orders", "hog"), [
+    ("batches", ("up", "up"), False),  # read_batch: sizeless items completed by their first GETs
+    ("batches", ("up", "up"), True),  # ... beside a CPU hog on every core: the loaded case
+    ("ahead", ("up", "down"), False),  # fetch ahead, read in opposite orders: each reads what the other fetched ahead
+    ("loader", ("up", "up"), True),  # fastload.DataLoader (fetch ahead + read-ahead threads), loaded
+])
+def test_two_readers_started_together_send_one_get_per_object(
+    tmp_path: Path, nginx_server: Callable[..., Any], how: str, orders: tuple[str, str], hog: bool
+) -> None:
+    www = tmp_path / "www"
+    www.mkdir()
+    digests = {}
+    for k in range(OBJECTS):
+        data = os.urandom(SIZE)
+        (www / f"obj_{k:03d}.bin").write_bytes(data)
+        digests[f"obj_{k:03d}.bin"] = hashlib.sha256(data).hexdigest()
+    server = nginx_server(www)
+    go = tmp_path / "go"
+    readers = [
+        subprocess.Popen([sys.executable, str(SCRIPT), server.url + "/", str(tmp_path / "cache"), str(go),
+                          str(tmp_path / f"out{r}.json"), order, how], stderr=subprocess.PIPE, text=True)
+        for r, order in enumerate(orders)
+    ]
+    hogs: list[subprocess.Popen[bytes]] = []
+    try:
+        if hog:
+            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all((tmp_path / f"out{r}.json.ready").exists() or p.poll() is not None
+                                                       for r, p in enumerate(readers)):
+            time.sleep(0.05)
+        go.write_text("")
+        errors = [p.communicate(timeout=180)[1] for p in readers]
+    finally:
+        for p in hogs + readers:  # type: ignore[operator]
+            if p.poll() is None:
+                os.kill(p.pid, 9)
+                p.wait()
+    assert [p.returncode for p in readers] == [0, 0], errors
+    outs = [json.loads((tmp_path / f"out{r}.json").read_text()) for r in range(2)]
+    for out in outs:
+        assert {url.rsplit("/", 1)[1]: d for url, d in out["digests"].items()} == digests
+    assert not any("fetching them here" in e for e in errors)  # no wait ran out its bound
+    gets = _gets(server)
+    assert OBJECTS <= gets <= OBJECTS * 1.02, f"{gets} GETs for {OBJECTS} objects ({gets / OBJECTS:.2f}x)"
+    assert sum(o["fetched"] for o in outs) <= OBJECTS * 1.02
