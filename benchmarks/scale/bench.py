@@ -45,12 +45,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import hashlib
+import importlib.util
 import json
 import os
-import platform
-import re
 import shlex
 import shutil
 import signal
@@ -61,7 +59,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -482,21 +479,6 @@ def flatness(rows: list[dict[str, Any]]) -> None:
 # -- machine ----------------------------------------------------------------------------
 
 
-def _cmd_text(cmd: list[str]) -> str:
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return (done.stdout + done.stderr).strip()
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _source_digest() -> str:
     """sha256 of fastload/'s Python sources (path and bytes): which code ran, without git."""
     h = hashlib.sha256()
@@ -506,26 +488,16 @@ def _source_digest() -> str:
 
 
 def machine_info(work: Path) -> dict[str, Any]:
-    from fastload import _servers
-
-    lscpu = dict((k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in _cmd_text(["lscpu"]).splitlines()) if v)
-    meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
-    mem = re.search(r"MemTotal:\s+(\d+) kB", meminfo)
-    nginx = _servers.find_nginx()
-    return {
-        "cpu_model": lscpu.get("Model name") or platform.processor(),
-        "cpus": os.cpu_count(),
-        "ram_gib": round(int(mem.group(1)) / 1024**2, 1) if mem else None,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "fastload_sources_sha256": _source_digest(),
-        "torch": _version("torch"),
-        "fsspec": _version("fsspec"),
-        "nginx": _cmd_text([nginx, "-v"]).replace("nginx version: ", "") if nginx else None,
-        "work_fs": _cmd_text(["findmnt", "-n", "-o", "SOURCE,FSTYPE", "-T", str(work)]) or None,
-        "loadavg_at_start": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-    }
+    """The cache bench's machine facts (benchmarks/cache/bench.py: CPU, RAM, OS, versions, the work
+    folder's file system, load), plus torch's version and a digest of the sources that ran."""
+    spec = importlib.util.spec_from_file_location("fastload_bench_cache_for_scale", HERE.parent / "cache" / "bench.py")
+    if spec is None or spec.loader is None:
+        raise ImportError("cannot load benchmarks/cache/bench.py")
+    cache_bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = cache_bench
+    spec.loader.exec_module(cache_bench)
+    return {**cache_bench.machine_info(work), "torch": cache_bench._version("torch"),
+            "fastload_sources_sha256": _source_digest()}
 
 
 # -- report ----------------------------------------------------------------------------
