@@ -32,6 +32,15 @@ def _fill(cache: Cache, n: int, size: int = 4096) -> list[str]:
     return names
 
 
+def _remote(tmp_path: Path, n: int, size: int) -> Path:
+    """A folder of ``n`` random files of ``size`` bytes: a dataset to stage."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for i in range(n):
+        (remote / f"f{i:02d}.bin").write_bytes(os.urandom(size))
+    return remote
+
+
 def _changes(cache: Cache) -> int:
     """Rows the index has written since its connection on this thread opened."""
     return cache.index._con().total_changes
@@ -176,10 +185,7 @@ def test_a_killed_writer_is_repaired_by_the_next_stage(tmp_path: Path) -> None:
 
 
 def test_a_rerun_of_a_staged_dataset_does_not_scan_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    remote = tmp_path / "remote"
-    remote.mkdir()
-    for i in range(20):
-        (remote / f"f{i:02d}.bin").write_bytes(os.urandom(3000))
+    remote = _remote(tmp_path, 20, 3000)
     s = _settings(tmp_path)
     fastload.stage(str(remote), settings=s, progress=False)
     scans: list[str] = []
@@ -213,10 +219,7 @@ def test_the_index_keeps_totals_through_publish_drop_and_repair(tmp_path: Path) 
 def test_info_reads_recorded_figures_and_counts_again_after_a_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fastload.cli import dataset_summaries
 
-    remote = tmp_path / "remote"
-    remote.mkdir()
-    for i in range(30):
-        (remote / f"f{i:02d}.bin").write_bytes(os.urandom(4096))
+    remote = _remote(tmp_path, 30, 4096)
     s = _settings(tmp_path)
     fastload.stage(str(remote), settings=s, progress=False)
 
@@ -288,10 +291,7 @@ def test_look_ups_past_the_memos_bound_still_find_every_entry(tmp_path: Path, me
 def test_staging_remembers_no_key_or_pin_per_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fastload.read.reader import Reader
 
-    remote = tmp_path / "remote"
-    remote.mkdir()
-    for i in range(40):
-        (remote / f"f{i:02d}.bin").write_bytes(os.urandom(2000))
+    remote = _remote(tmp_path, 40, 2000)
     readers: list[Reader] = []
     real_init = Reader.__init__
 
