@@ -326,12 +326,12 @@ def _listing_line(root: str, show: bool) -> Iterator[None]:
     if not show:
         yield
         return
-    last = [0.0, 0]
+    last = [0.0]  # when the line was last written
 
     def note(files: int, folders: int) -> None:
         now = time.monotonic()
         if now - last[0] >= 0.5:
-            last[0], last[1] = now, files
+            last[0] = now
             sys.stderr.write(f"\rlisting {root}: {files:,} objects in {folders:,} folders")
             sys.stderr.flush()
 

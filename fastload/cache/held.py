@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastload.cache import keys
-from fastload.cache.index import INDEX_FILE, TABLE
+from fastload.cache.index import INDEX_FILE, TABLE, UPSERT
 
 _log = logging.getLogger("fastload")
 
@@ -74,8 +74,7 @@ def finish_all() -> None:
             continue  # the folder is gone, or cannot be written: nothing to keep
         try:
             con.execute("BEGIN IMMEDIATE")
-            con.executemany(f"INSERT INTO {TABLE}(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
-                            "value = excluded.value", [(keys.last_use(c), t) for c, t in held.clocks.items()])
+            con.executemany(UPSERT, [(keys.last_use(c), t) for c, t in held.clocks.items()])
             if held.writer:
                 con.execute(f"DELETE FROM {TABLE} WHERE key = ?", (keys.writer(os.getpid()),))
             con.execute("COMMIT")

@@ -171,7 +171,7 @@ TABLE = "idx"
 _IN_CHUNK = 500  # keys per SELECT ... IN (...): below SQLite's oldest variable limit (999)
 _SCHEMA = 1  # PRAGMA user_version once the table exists and an old index was migrated
 _GET = f"SELECT value FROM {TABLE} WHERE key = ?"
-_SET = f"INSERT INTO {TABLE}(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value"
+UPSERT = f"INSERT INTO {TABLE}(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value"
 _ADD = f"INSERT OR IGNORE INTO {TABLE}(key, value) VALUES (?, ?)"
 
 
@@ -234,29 +234,24 @@ class IndexReads:
     def scan(self, namespace: str) -> list[tuple[str, Any]]:
         """Every ``(key, value)`` whose key starts with ``namespace`` (keys.py), in one query
         over the key's index: a look-up per key cost 13 s of a rerun at 100k entries (issue 31)."""
-        end = namespace[:-1] + chr(ord(namespace[-1]) + 1)  # the first key past the namespace
-        con = self._con()
-        with FORK_GATE.shared():
-            rows = con.execute(f"SELECT key, value FROM {TABLE} WHERE key >= ? AND key < ?", (namespace, end)).fetchall()
-        return [(k, decode(v)) for k, v in rows]
+        return [(k, decode(v)) for k, v in self._in_namespace("key, value", namespace)]
 
     def names(self, namespace: str, limit: int = -1) -> list[str]:
         """The keys that start with ``namespace`` (``limit`` at most; -1: all), without the
         values (see :meth:`scan`)."""
-        end = namespace[:-1] + chr(ord(namespace[-1]) + 1)
-        con = self._con()
-        with FORK_GATE.shared():
-            rows = con.execute(f"SELECT key FROM {TABLE} WHERE key >= ? AND key < ? LIMIT ?", (namespace, end, limit))
-            return [k for (k,) in rows]
+        return [k for (k,) in self._in_namespace("key", namespace, limit=limit)]
 
     def sample(self, namespace: str, n: int) -> list[str]:
         """Up to ``n`` keys of ``namespace`` drawn at random (a scan of the namespace: seconds at millions)."""
-        end = namespace[:-1] + chr(ord(namespace[-1]) + 1)
+        return [k for (k,) in self._in_namespace("key", namespace, "ORDER BY random()", n)]
+
+    def _in_namespace(self, columns: str, namespace: str, order: str = "", limit: int = -1) -> list[Any]:
+        """``SELECT columns`` of the rows whose key starts with ``namespace``: a range of the key's index."""
+        end = namespace[:-1] + chr(ord(namespace[-1]) + 1)  # the first key past the namespace
         con = self._con()
         with FORK_GATE.shared():
-            rows = con.execute(f"SELECT key FROM {TABLE} WHERE key >= ? AND key < ? ORDER BY random() LIMIT ?",
-                               (namespace, end, n))
-            return [k for (k,) in rows]
+            return con.execute(f"SELECT {columns} FROM {TABLE} WHERE key >= ? AND key < ? {order} LIMIT ?",
+                               (namespace, end, limit)).fetchall()
 
     def iterkeys(self, reverse: bool = False) -> Iterator[str]:
         """Every key, oldest first (newest first with ``reverse``); read whole inside the gate."""
@@ -387,7 +382,7 @@ class GatedIndex(IndexReads):
             return cur.fetchall(), cur.rowcount
 
     def set(self, key: str, value: Any) -> None:
-        self._one(_SET, (key, encode(value)))
+        self._one(UPSERT, (key, encode(value)))
 
     def add(self, key: str, value: Any) -> bool:
         """Store ``value`` unless ``key`` is present; whether it was stored."""
@@ -409,7 +404,7 @@ class GatedIndex(IndexReads):
     def set_many(self, items: Mapping[str, Any]) -> None:
         """Set each key to its value, in one statement."""
         with self._txn():
-            self._con().executemany(_SET, [(k, encode(v)) for k, v in items.items()])
+            self._con().executemany(UPSERT, [(k, encode(v)) for k, v in items.items()])
 
     def add_many(self, items: Sequence[tuple[str, Any]]) -> builtins.set[str]:
         """Add each ``(key, value)`` whose key is absent (first wins within ``items`` too); the keys added."""

@@ -175,7 +175,6 @@ def cache_state(settings: Settings, url: str | None = None, storage_options: dic
                   "loader.stats().cache_hit_rate reports a running loader's")
     from fastload.cache import keys
     from fastload.read.reader import Reader
-    from fastload.source import RemoteItem
 
     reader = Reader(settings, storage_options)
     try:
@@ -189,8 +188,7 @@ def cache_state(settings: Settings, url: str | None = None, storage_options: dic
                 want = reader.manifest_root(url)
             except Exception as err:  # an unusable URL is reported by the storage section
                 return skipped(f"cannot name {url} in the cache: {err}")
-            items = [RemoteItem.from_json(r) for s in summaries if s["root"] == want
-                     for r in (cache.index.get(keys.manifest(want, s["pattern"])) or {"items": []})["items"]]
+            items = [i for s in summaries if s["root"] == want for i in reader.identity.manifest(want, s["pattern"]) or []]
             url_items = len(items)
             if items:
                 step = max(1, len(items) // max_items)
