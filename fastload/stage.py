@@ -36,6 +36,7 @@ from fastload.errors import (
     FastloadError,
     StoppedError,
 )
+from fastload.fetch.identity import ITEMS_PER_PASS
 from fastload.read.reader import Reader
 from fastload.source import RemoteItem
 from fastload.source.listing import LISTING_PROGRESS
@@ -404,9 +405,6 @@ class _Cached:
     @property
     def items(self) -> int:
         return len(self.whole)
-
-
-ITEMS_PER_PASS = 10_000  # items whose keys are computed and looked up at a time: memory bounded at any N
 
 
 def _summarised(reader: Reader, root: str, pattern: str | None, items: list[RemoteItem], nbytes: int) -> _Cached | None:

@@ -28,6 +28,9 @@ from fastload.source import RemoteItem, glob_to_regex, nothing_matched
 _log = logging.getLogger("fastload")
 
 KEYS_MAX = 1 << 20  # cache keys (and pins) remembered per Identity: bounded memory
+# Items whose pins or keys are built and looked up at a time: recording or counting a
+# listing of 100k held ~600 B per item at once (its pin rows, their look-up, their encoding).
+ITEMS_PER_PASS = 10_000
 
 
 class Identity:
@@ -103,10 +106,11 @@ class Identity:
         (tests/unit/test_reader_pins.py).
         """
         index = self.cache.index
-        pins = self.pins_of(items)
-        recorded = index.get_many(builtins.list(pins))
         with index.transact():
-            index.set_many({name: value for name, value in pins.items() if recorded.get(name) != value})
+            for first in range(0, len(items), ITEMS_PER_PASS):
+                pins = self.pins_of(items[first : first + ITEMS_PER_PASS])
+                recorded = index.get_many(builtins.list(pins))
+                index.set_many({name: value for name, value in pins.items() if recorded.get(name) != value})
 
     def pinned(self, items: builtins.list[RemoteItem]) -> builtins.list[RemoteItem]:
         """``items``, those without a size filled in from their pins where pinned (one index query)."""
@@ -179,18 +183,23 @@ class Identity:
         if items is None:
             m = index.get(keys.manifest(root, pattern))
             items = [RemoteItem.from_json(r) for r in m["items"]] if m is not None else []
-        whole = [False] * len(items)
-        stored: dict[str, int] = {}
-        for bs in sorted(sizes):
-            per_item = [_keys_of(item, bs) for item in items]
-            columns = index.select(STORED_SQL, [keys.entry(k) for ks in per_item for k in ks])
-            for i, ks in enumerate(per_item):
-                hits = [k for k in ks if keys.entry(k) in columns]
-                whole[i] = whole[i] or len(hits) == len(ks)
-                for k in hits:
-                    stored[k] = columns[keys.entry(k)]
+        cached_items = stored_bytes = 0
+        for first in range(0, len(items), ITEMS_PER_PASS):
+            part = items[first : first + ITEMS_PER_PASS]
+            whole = [False] * len(part)
+            stored: dict[str, int] = {}  # an entry counted once, whichever block size names it
+            for bs in sorted(sizes):
+                per_item = [_keys_of(item, bs) for item in part]
+                columns = index.select(STORED_SQL, [keys.entry(k) for ks in per_item for k in ks])
+                for i, ks in enumerate(per_item):
+                    hits = [k for k in ks if keys.entry(k) in columns]
+                    whole[i] = whole[i] or len(hits) == len(ks)
+                    for k in hits:
+                        stored[k] = columns[keys.entry(k)]
+            cached_items += sum(whole)
+            stored_bytes += sum(stored.values())
         rec = index.get(keys.summary(root, pattern)) or _summary(items, None, time.time())
-        rec = {**rec, "cached_items": sum(whole), "stored_bytes": sum(stored.values()), "changes": changes,
+        rec = {**rec, "cached_items": cached_items, "stored_bytes": stored_bytes, "changes": changes,
                "sizes": sorted(sizes)}
         if self.cache.unwritable is None:
             index.set(keys.summary(root, pattern), rec)
