@@ -281,8 +281,10 @@ def stage(
             mine = reader.identity.summarise(root, pattern, items, sizes)
     # Counted under this reader's block size alone, the summary's stored bytes are the dataset's:
     # not counted a second time.
-    whole = mine is not None and mine.get("sizes") == [settings.block_bytes] and mine.get("cached_items") == len(items)
-    report.stored_bytes = mine["stored_bytes"] if whole else cached.stored + _stored(reader, rest)
+    if mine is not None and mine.get("sizes") == [settings.block_bytes] and mine.get("cached_items") == len(items):
+        report.stored_bytes = mine["stored_bytes"]
+    else:
+        report.stored_bytes = cached.stored + _stored(reader, rest)
     # The index's log folded into its file: a staged cache then reads whole from a
     # read-only mount too (docs/cache.md, "Full and read-only disks").
     reader.cache.compact()
@@ -429,14 +431,15 @@ def _summarised(reader: Reader, root: str, pattern: str | None, items: list[Remo
 def _cached(reader: Reader, items: list[RemoteItem]) -> _Cached:
     """Which sized items the cache holds whole, and their stored bytes: one index query per 500
     keys, each key computed once, no record decoded (entry.STORED_SQL)."""
-    out, identity = _Cached(), reader.identity
+    whole: set[int] = set()
+    out, identity = _Cached(whole), reader.identity
     for first in range(0, len(items), ITEMS_PER_PASS):
         part = items[first : first + ITEMS_PER_PASS]
         names = [[keys.entry(identity.key(item, b)) for b in identity.blocks(item)] for item in part]
         stored = reader.cache.index.select(STORED_SQL, [n for block_names in names for n in block_names])
         for k, (item, block_names) in enumerate(zip(part, names)):
             if all(n in stored for n in block_names):
-                out.whole.add(first + k)
+                whole.add(first + k)
                 out.blocks += len(block_names)
                 out.nbytes += item.size
                 out.stored += sum(stored[n] for n in block_names)

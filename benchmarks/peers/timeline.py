@@ -19,7 +19,7 @@ process's rusage, the sampler included). ``--pythonpath A,B`` alternates checkou
 one link session, so before/after runs see the same link and load.
 
 The instruments wrap fastload internals by name (``Source._http_list``,
-``listing.pages``, ``aio.http_get_first``, ``HostLimit._release`` and ``account``, ``Fetcher._store``); one
+``listing.start_pages`` and ``page_of``, ``aio.http_get_first``, ``HostLimit._release`` and ``account``, ``Fetcher._store``); one
 that no longer exists is reported as missing, not guessed. They cost the epoch
 a little CPU (the byte sampler runs every 5 ms), so compare runs of this tool
 with each other, not with bench.py's figures.
@@ -178,14 +178,26 @@ def _instrument(events: dict[str, float], requests: list[Any], limits: list[Any]
             limits.append((now, self.limit, self.in_flight))
         return run
 
+    started: dict[int, float] = {}  # a folder page's GET (by id) -> when it went out
+
     def pages(inner: Any) -> Any:
-        # One level's pages go out together (libcurl or aiohttp): each is timed as the level.
+        # Folder pages go out as the pages linking them are read (listing.crawl): each is
+        # timed from its start to when the crawl takes its answer (page_of).
         def run(self: Any, urls: Any, *args: Any, **kwargs: Any) -> Any:
             t = clock()
+            out = inner(self, urls, *args, **kwargs)
+            started.update((id(f), t) for f in out)
+            return out
+        return run
+
+    def page_taken(inner: Any) -> Any:
+        def run(got: Any) -> Any:
+            t = started.pop(id(got), None)
             try:
-                return inner(self, urls, *args, **kwargs)
+                return inner(got)
             finally:
-                requests.extend((t, clock(), -1) for _ in urls)
+                if t is not None:
+                    requests.append((t, clock(), -1))
         return run
 
     def handed(inner: Any) -> Any:  # first blocks handed to libcurl: when the first batch of them was
@@ -204,7 +216,8 @@ def _instrument(events: dict[str, float], requests: list[Any], limits: list[Any]
         return run
 
     wrap(listing_mod, "http_find", listing)
-    wrap(listing_mod, "pages", pages)
+    wrap(listing_mod, "start_pages", pages)
+    wrap(listing_mod, "page_of", page_taken)
     wrap(curl.CurlRoute, "start", handed)
     wrap(aio, "http_get_first", timed)
     wrap(hostlimit.HostLimit, "_release", release)

