@@ -27,7 +27,8 @@ from fastload.errors import CacheError, CacheFullError, CacheReadOnlyError
 
 _log = logging.getLogger("fastload")
 
-MEMO_MAX = 1 << 20  # entries remembered per Cache (about 300 B each)
+MEMO_MAX = 1 << 20  # entries remembered per Cache (about 440 B each, its key shared with the caller's)
+MEMO_EVICT = 8  # at MEMO_MAX, the memo forgets its oldest 1/MEMO_EVICT (reads.py _remember)
 
 # Reservations this process holds for writes in flight (token -> (file system, bytes)); any
 # other reservation under our PID was left behind by a failed release (a full disk) and is

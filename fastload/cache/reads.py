@@ -10,6 +10,7 @@ reported as a miss, so the caller refetches it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sqlite3
@@ -19,6 +20,7 @@ from typing import Any
 
 from fastload import codec
 from fastload.cache import gather, keys
+from fastload.cache.base import MEMO_EVICT
 from fastload.cache.disk import cannot_write
 from fastload.cache.entry import STORED_SQL, Entry
 from fastload.cache.held import hook_exit
@@ -57,14 +59,21 @@ class CacheReads(CacheRepair):
         benchmarks/peers/results/profile.md).
         """
         memo = self._memo
-        found = {k: memo[k] for k in names if k in memo}
-        todo = [k for k in dict.fromkeys(names) if k not in found]
+        found = [memo.get(k) for k in names]
+        # Keyed by the caller's own strings (Identity's keys), and remembered under them: the
+        # memo's key is then the very object the next look-up brings, found by identity rather
+        # than compared character by character in a second string. Read at random over 100k
+        # entries, each object a look-up touches is a cache miss: memo look-ups cost about twice
+        # their cost at 10k per key (issue 31; tests/unit/test_cache_memo.py).
+        todo = {keys.entry(k): k for k, e in zip(names, found) if e is None}
         if todo:
-            cut = len(keys.ENTRY)
-            for name, rec in self.index.get_many([keys.entry(k) for k in todo]).items():
-                # From this dict, not the memo: the memo may be cleared (MEMO_MAX) or off (staging).
-                found[name[cut:]] = self._remember(Entry.from_record(name[cut:], rec))
-        return [found.get(k) for k in names]
+            got = {}
+            for name, rec in self.index.get_many(list(todo)).items():
+                key = todo[name]
+                # From this dict, not the memo: the memo may be full (MEMO_MAX) or off (staging).
+                got[key] = self._remember(Entry.from_record(key, rec))
+            found = [e if e is not None else got.get(k) for k, e in zip(names, found)]
+        return found
 
     def present(self, names: Sequence[str]) -> set[str]:
         """Those cache keys the index holds (known here, else one query per 500), decoding no
@@ -89,11 +98,17 @@ class CacheReads(CacheRepair):
         return self._memo
 
     def _remember(self, entry: Entry) -> Entry:
-        if len(self._memo) >= self.memo_max:
-            self._memo.clear()  # bounded memory; the index still has every entry
+        memo = self._memo
+        if len(memo) >= self.memo_max:
             if self.memo_max <= 0:
                 return entry
-        self._memo[entry.key] = entry
+            # The oldest eighth goes, not the whole memo: emptied at its bound, a dataset larger
+            # than the memo found none of a batch known for the next MEMO_MAX entries, and its
+            # fetch ahead then held a marker and queried the index for every item
+            # (tests/unit/test_cache_memo.py).
+            for key in list(itertools.islice(memo, max(1, self.memo_max // MEMO_EVICT))):
+                del memo[key]
+        memo[entry.key] = entry
         return entry
 
     def _forget(self, key: str) -> Entry | None:
