@@ -26,6 +26,7 @@ from fastload.cache.base import MEMO_EVICT
 from fastload.cache.entry import STORED_SQL
 from fastload.config import Settings, format_size
 from fastload.source import RemoteItem, glob_to_regex, nothing_matched
+from fastload.source.listing import no_collection
 
 _log = logging.getLogger("fastload")
 
@@ -217,7 +218,8 @@ class Identity:
         manifest = self.cache.index.get(keys.manifest(root, pattern))
         if manifest is None:
             return None
-        items = [RemoteItem.from_json(r) for r in manifest["items"]]
+        with no_collection():  # a record per row: see the listing's own (fastload.source.listing)
+            items = [RemoteItem.from_json(r) for r in manifest["items"]]
         self._note_block_size(manifest, items)
         return items
 
