@@ -223,6 +223,13 @@ class FetcherAhead(FetcherBase):
                     and i.size <= limit][: max(0, room)]
         known, key = self.cache.known, self.identity.key
         todo = [i for i in todo if i.size < 0 or key(i, 0) not in known]  # cached here already
+        # Cached, though not known here (a DataLoader worker's memo starts empty): looked up
+        # before any marker is taken, so a warm read takes none. Two lock calls per item
+        # made an item unknown here cost ~50 us against ~15 known (100k staged, num_workers=2).
+        sized = [i for i in todo if i.size >= 0]
+        if sized:
+            stored = {i.url for i, e in zip(sized, self.cache.entries_for([key(i, 0) for i in sized])) if e is not None}
+            todo = [i for i in todo if i.url not in stored]
         slots = {i.url: slot(i.url, 0) for i in todo}
         for url, mine in zip(list(slots), self.markers.hold(list(slots.values()))):
             if not mine:

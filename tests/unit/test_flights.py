@@ -266,3 +266,28 @@ def test_a_dropped_reader_drops_its_markers_and_closes_their_files(tmp_path: Pat
     gc.collect()
     assert _ask(tmp_path / "cache", s)[0] is True
     assert _marker_files(tmp_path / "cache" / "flights") == []
+
+
+def test_a_fetch_ahead_of_items_cached_by_another_process_takes_no_marker(tmp_path: Path) -> None:
+    # A DataLoader worker's memo starts empty: what another process cached is found in the
+    # index before any marker is taken (two lock calls an item made a warm read cost ~3x).
+    (tmp_path / "src").mkdir()
+    items = local_items(tmp_path / "src", 6)
+    settings = Settings(cache_dir=tmp_path / "cache")
+    out = np.zeros(600, dtype=np.uint8)
+    Reader(settings).read_into([(item, 0, 100, 100 * k) for k, item in enumerate(items)], out)
+    worker = Reader(settings)
+    held: list[Any] = []
+    real = worker.fetcher.markers.hold
+
+    def hold(slots: list[Any]) -> Any:
+        held.extend(slots)
+        return real(slots)
+
+    worker.fetcher.markers.hold = hold  # type: ignore[method-assign]
+    assert worker.fetcher.ahead(items) == 0
+    assert held == []
+    (tmp_path / "src2").mkdir()
+    fresh = local_items(tmp_path / "src2", 2)
+    worker.fetcher.ahead(fresh)  # not cached: a marker each, as before
+    assert held == [slot(i.url, 0) for i in fresh]
