@@ -206,7 +206,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_clear(args: argparse.Namespace) -> int:
     from fastload.cache import keys
     from fastload.read.reader import Reader
-    from fastload.source import RemoteItem
 
     reader = Reader(_settings(args))
     if args.url is None:
@@ -220,13 +219,12 @@ def cmd_clear(args: argparse.Namespace) -> int:
     # Its objects' entries of every block size and version: dropping only the keys of this
     # run's block size said "cleared: 0 entries" and orphaned a dataset staged with
     # --block-size (issue 24; tests/unit/test_block_sizes.py).
-    urls = {RemoteItem.from_json(row).url for m in mine for row in m["items"]}
+    urls = {item.url for m in mine for item in m["items"]}
     dropped = reader.cache.drop_entries([e for e in reader.cache.entries() if e.url in urls])
     for url in urls:
         reader.cache.index.pop(keys.pin(url), None)
     for m in mine:
-        reader.cache.index.pop(keys.manifest(m["root"], m["pattern"]), None)
-        reader.cache.index.pop(keys.summary(m["root"], m["pattern"]), None)
+        reader.identity.forget_manifest(m["root"], m["pattern"])
     _emit(args, {"cleared": root, "entries": dropped}, f"cleared {root}: {dropped} entries")
     return EXIT_OK
 

@@ -18,8 +18,11 @@ key                        value                                      written by
                            crashed (repair.py ``recover``)
 ``r:<pid>:<nonce>``        bytes reserved by a write in flight        the cache's reserve
 ``u:<url>``                a pin: (size, version) of a remote object  Identity.pin
-``m:<root>\\x1f<pattern>``  a manifest: {"created", "items",          Identity.save_manifest
-                           "block_bytes"} (absent: recorded before)
+``m:<root>\\x1f<pattern>``  a manifest: {"created", "chunks",         Identity.save_manifest
+                           "count", "block_bytes"}; one recorded
+                           before chunks holds its rows ("items")
+``l:<root>\\x1f<pat.>\\x1f<n>``  chunk n of a manifest's rows (10,000      Identity.save_manifest
+                           [url, size, version] each)
 ``p:m:<root>\\x1f<pat.>``   staging of that manifest under way (time)  stage.py
 ``x:<url>\\x1f<size>\\x1f<ver>``  a tar shard's member index             TarDataset
 ``n:<root>``               nodes the dataset was last split over      fastload.read.partition
@@ -47,6 +50,7 @@ RESERVATION = "r:"
 WRITER = "w:"
 PIN = "u:"
 MANIFEST = "m:"
+MANIFEST_CHUNK = "l:"
 STAGING = "p:"
 TAR_INDEX = "x:"
 PARTITION = "n:"
@@ -107,6 +111,16 @@ def pin(url: str) -> str:
 def manifest(root: str, pattern: str | None) -> str:
     """The index key of the manifest of ``root`` listed with ``pattern``."""
     return f"{MANIFEST}{root}{_SEP}{pattern or ''}"
+
+
+def manifest_chunks(root: str, pattern: str | None) -> str:
+    """The namespace of the chunks of the manifest of ``root`` listed with ``pattern``."""
+    return f"{MANIFEST_CHUNK}{root}{_SEP}{pattern or ''}{_SEP}"
+
+
+def manifest_chunk(root: str, pattern: str | None, n: int) -> str:
+    """The index key of chunk ``n`` of that manifest (zero-padded: the keys sort in chunk order)."""
+    return f"{manifest_chunks(root, pattern)}{n:08d}"
 
 
 def manifest_parts(name: str) -> tuple[str, str | None]:

@@ -18,13 +18,14 @@ import builtins
 import itertools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from fastload.cache import Cache, entry_key, keys
 from fastload.cache.base import MEMO_EVICT
 from fastload.cache.entry import STORED_SQL
 from fastload.config import Settings, format_size
+from fastload.errors import CacheError
 from fastload.source import RemoteItem, glob_to_regex, nothing_matched
 from fastload.source.listing import no_collection
 
@@ -135,14 +136,54 @@ class Identity:
     # -- manifests --------------------------------------------------------------
 
     def save_manifest(self, root: str, pattern: str | None, items: builtins.list[RemoteItem]) -> None:
-        """Record a listing, its summary, and pin each item's fingerprint."""
+        """Record a listing, its summary, and pin each item's fingerprint.
+
+        Its rows go in chunks of ITEMS_PER_PASS, one index row each, under a small head row.
+        One row of all of them held ~240 B per item at once while it was encoded and bound
+        (100k, tracemalloc), and at ten million objects it would pass SQLite's limit on one
+        value (SQLITE_MAX_LENGTH, 1e9 bytes) and not be recorded at all.
+        """
         index = self.cache.index
         created = time.time()
+        chunks = range(0, len(items), ITEMS_PER_PASS)
         with index.transact():
-            index.set(keys.manifest(root, pattern), {"created": created, "items": [i.to_json() for i in items],
+            self._drop_chunks(root, pattern)
+            for n, first in enumerate(chunks):
+                index.set(keys.manifest_chunk(root, pattern, n),
+                          [i.to_json() for i in items[first : first + ITEMS_PER_PASS]])
+            index.set(keys.manifest(root, pattern), {"created": created, "chunks": len(chunks), "count": len(items),
                                                      "block_bytes": self.block_bytes})
             index.set(keys.summary(root, pattern), _summary(items, self.block_bytes, created))
             self.pin(items)
+
+    def forget_manifest(self, root: str, pattern: str | None) -> None:
+        """Drop a recorded listing: its head, its chunks and its summary."""
+        index = self.cache.index
+        with index.transact():
+            self._drop_chunks(root, pattern)
+            index.delete(keys.manifest(root, pattern))
+            index.delete(keys.summary(root, pattern))
+
+    def _drop_chunks(self, root: str, pattern: str | None) -> None:
+        for name in self.cache.index.names(keys.manifest_chunks(root, pattern)):
+            self.cache.index.delete(name)
+
+    def _rows(self, root: str, pattern: str | None, head: dict[str, Any]) -> Iterator[builtins.list[Any]]:
+        """The rows of a manifest, chunk by chunk (a manifest recorded before chunks: its own)."""
+        if "items" in head:
+            yield from head["items"]
+            return
+        index = self.cache.index
+        names = sorted(index.names(keys.manifest_chunks(root, pattern)))
+        if len(names) != head.get("chunks"):  # written in one transaction: only a foreign hand gets here
+            raise CacheError(f"the recorded listing of {root} ({pattern or 'all'}) has {len(names)} of its "
+                             f"{head.get('chunks')} chunks; fix: `fastload cache {root} --refresh` records it again")
+        for name in names:
+            yield from index.get(name) or []
+
+    def _items(self, root: str, pattern: str | None, head: dict[str, Any]) -> builtins.list[RemoteItem]:
+        with no_collection():  # a record per row: see the listing's own (fastload.source.listing)
+            return [RemoteItem.from_json(r) for r in self._rows(root, pattern, head)]
 
     def summaries(self) -> builtins.list[dict[str, Any]]:
         """Every recorded manifest's summary (root, pattern, items, remote_bytes, block_bytes,
@@ -156,8 +197,8 @@ class Identity:
         for name in index.names(keys.MANIFEST):
             root_pattern = keys.manifest_parts(name)
             if root_pattern not in out and (m := index.get(name)) is not None:
-                out[root_pattern] = rec = _summary([RemoteItem.from_json(r) for r in m["items"]],
-                                                   m.get("block_bytes"), m.get("created", 0.0))
+                out[root_pattern] = rec = _summary(self._items(*root_pattern, m), m.get("block_bytes"),
+                                                   m.get("created", 0.0))
                 if self.cache.unwritable is None:
                     index.set(keys.summary(*root_pattern), rec)
         return [{"root": root, "pattern": pattern, **rec} for (root, pattern), rec in out.items()]
@@ -190,7 +231,7 @@ class Identity:
         changes = self.cache.totals()[keys.CHANGES]  # before the count: a change during it makes it stale
         if items is None:
             m = index.get(keys.manifest(root, pattern))
-            items = [RemoteItem.from_json(r) for r in m["items"]] if m is not None else []
+            items = self._items(root, pattern, m) if m is not None else []
         cached_items = stored_bytes = 0
         for first in range(0, len(items), ITEMS_PER_PASS):
             part = items[first : first + ITEMS_PER_PASS]
@@ -218,8 +259,7 @@ class Identity:
         manifest = self.cache.index.get(keys.manifest(root, pattern))
         if manifest is None:
             return None
-        with no_collection():  # a record per row: see the listing's own (fastload.source.listing)
-            items = [RemoteItem.from_json(r) for r in manifest["items"]]
+        items = self._items(root, pattern, manifest)
         self._note_block_size(manifest, items)
         return items
 
@@ -258,11 +298,12 @@ class Identity:
         parts = (path if sep else scheme).split("/")
         for depth in range(len(parts), 0, -1):
             above = "/".join(parts[:depth])
-            manifest = self.cache.index.get(keys.manifest(f"{scheme}://{above}" if sep else above, None))
+            folder = f"{scheme}://{above}" if sep else above
+            manifest = self.cache.index.get(keys.manifest(folder, None))
             if manifest is None:
                 continue
             rels: dict[str, RemoteItem] = {}
-            for row in manifest["items"]:
+            for row in self._rows(folder, None, manifest):
                 item = RemoteItem.from_json(row)
                 if item.url == root:  # the root is one object: itself, whatever the pattern (as Source.list)
                     return [item]
@@ -279,15 +320,15 @@ class Identity:
         return None
 
     def manifests(self) -> builtins.list[dict[str, Any]]:
-        """Every recorded manifest: root, pattern, created, items."""
+        """Every recorded manifest: root, pattern, created, items (RemoteItems)."""
         out = []
         index = self.cache.index
-        for k in list(index.iterkeys()):
-            if keys.of(keys.MANIFEST, k) is not None:
-                rec = index.get(k)
-                if rec is not None:
-                    root, pattern = keys.manifest_parts(k)
-                    out.append({"root": root, "pattern": pattern, **rec})
+        for k in index.names(keys.MANIFEST):
+            rec = index.get(k)
+            if rec is not None:
+                root, pattern = keys.manifest_parts(k)
+                out.append({"root": root, "pattern": pattern, "created": rec.get("created"),
+                            "items": self._items(root, pattern, rec)})
         return out
 
 
