@@ -27,7 +27,6 @@ from typing import Any, TypeVar
 from tqdm import tqdm
 
 from fastload.cache import keys
-from fastload.cache.entry import STORED_SQL
 from fastload.config import Settings, format_size
 from fastload.errors import (
     CacheFullError,
@@ -36,7 +35,7 @@ from fastload.errors import (
     FastloadError,
     StoppedError,
 )
-from fastload.fetch.identity import ITEMS_PER_PASS
+from fastload.fetch.identity import CachedItems
 from fastload.read.reader import Reader
 from fastload.source import RemoteItem
 from fastload.source.listing import LISTING_PROGRESS
@@ -168,11 +167,9 @@ def stage(
     """
     settings = settings or Settings.from_env()
     reader = Reader(settings, storage_options)
-    # Staging computes a key a few times per object and reads no pin back: remembering them
-    # cost ~0.3 KB per object of RSS (2.5 KB per object in all at 100k; issue 31). The cache's
-    # entry memo stays, bounded to the latest writes: the Fetcher reads it to see blocks this
-    # process stored meanwhile (a whole object streamed from a server without Range stores all
-    # of its blocks at once); every entry written held ~390 B per object (100k, tracemalloc).
+    # No key memo (~0.3 KB per object at 100k; issue 31), and an entry memo of the latest writes
+    # only (every one held ~390 B per object): the Fetcher reads it to see blocks stored meanwhile
+    # (a whole object streamed from a server without Range stores all of its blocks at once).
     reader.identity.keys_max = 0
     reader.cache.memo_max = STAGING_MEMO
     t0 = time.perf_counter()
@@ -183,10 +180,10 @@ def stage(
     # The remote is listed again to compare with a recorded listing (_compare_with_remote) on a
     # thread of its own, from the start: it waits on the network while this one reads the
     # record and checks the cache (a rerun then costs little more than one listing).
-    listed = isinstance(url, str) and not refresh
-    again = _in_background(_list_again, reader, url, pattern) \
-        if listed and not part and reader.cache.index.present([keys.manifest(root, pattern)]) else None
-    snapshot = reader.identity.recorded(root, pattern) if listed else None
+    listed = url if isinstance(url, str) and not refresh else None  # a URL whose listing may be recorded
+    again = _list_later(reader, listed, pattern) \
+        if listed is not None and not part and reader.cache.index.present([keys.manifest(root, pattern)]) else None
+    snapshot = reader.identity.recorded(root, pattern) if listed is not None else None
     if snapshot is not None and part and any(i.size < 0 for i in snapshot):
         snapshot = None  # a node's part is split by bytes: the listing is completed below
     # A node's part is split by bytes, so it needs every size first (as the sampler does): the
@@ -221,15 +218,15 @@ def stage(
     # The limit in force: --cache-limit, capped so the disk keeps its reserve free (fastload/cache/writes.py).
     limit = reader.cache.limit_bytes()
     report = StageReport(url=root, items=len(items), cache_limit_bytes=limit, node=node)
-    if snapshot is not None and again is None:
-        again = _in_background(_list_again, reader, url, pattern)
+    if snapshot is not None and listed is not None and again is None:
+        again = _list_later(reader, listed, pattern)
     known = [size for size in plan if size >= 0]
     report.remote_bytes = sum(known)
     report.fits = report.remote_bytes <= limit
     if dry_run:
         report.dry_run = True
         report.blocks = sum(max(1, -(-size // settings.block_bytes)) for size in plan)
-        report.stored_bytes = _stored(reader, items)
+        report.stored_bytes = reader.identity.stored_bytes(items)
         _compare_with_remote(report, snapshot, again)
         report.seconds = time.perf_counter() - t0
         return report
@@ -237,10 +234,10 @@ def stage(
     # Every size known (a recorded listing, S3, GCS): the entries cached already are found in
     # one pass over the index, with their stored bytes, and only the rest go to the fetch
     # threads (a rerun of 100k spent 2.3 s passing cached chunks of 32 through them).
-    cached = _Cached()
+    cached = CachedItems()
     if all(i.size >= 0 for i in items):  # sizes an index page showed name no entry (RemoteItem.index_size)
-        recorded = _summarised(reader, root, pattern, items, report.remote_bytes) if snapshot is not None and not part else None
-        cached = recorded or _cached(reader, items)
+        recorded = reader.identity.counted_whole(root, pattern, items, report.remote_bytes) if snapshot is not None and not part else None
+        cached = recorded or reader.identity.cached_whole(items)
     # Before any request for an object: the sizes known say so already. A dataset cached
     # whole only needs checking, though another program took the room since.
     if not report.fits and (sizeless or cached.items < len(items)):
@@ -262,7 +259,7 @@ def stage(
         if not part and items != snapshot:
             reader.identity.save_manifest(root, pattern, items)
         reader.cache.index.delete(marker)
-    rest = [] if isinstance(cached.whole, range) else [i for k, i in enumerate(items) if k not in cached.whole]
+    rest = [items[k] for k in cached.missing(len(items))]
     report.remote_bytes = cached.nbytes + sum(i.size for i in rest)
     report.blocks = cached.blocks + sum(len(reader.identity.blocks(i)) for i in rest)
     if verify:
@@ -279,12 +276,11 @@ def stage(
         mine = next((s for s in summaries if (s["root"], s["pattern"]) == (root, pattern)), None)
         if mine is None or not reader.identity.current(mine, sizes):
             mine = reader.identity.summarise(root, pattern, items, sizes)
-    # Counted under this reader's block size alone, the summary's stored bytes are the dataset's:
-    # not counted a second time.
+    # Counted under this block size alone, the summary's stored bytes are the dataset's.
     if mine is not None and mine.get("sizes") == [settings.block_bytes] and mine.get("cached_items") == len(items):
         report.stored_bytes = mine["stored_bytes"]
     else:
-        report.stored_bytes = cached.stored + _stored(reader, rest)
+        report.stored_bytes = cached.stored + reader.identity.stored_bytes(rest)
     # The index's log folded into its file: a staged cache then reads whole from a
     # read-only mount too (docs/cache.md, "Full and read-only disks").
     reader.cache.compact()
@@ -295,13 +291,12 @@ def stage(
     return report
 
 
-def _in_background(fn: Callable[..., T], *args: Any) -> Future[T]:
-    """``fn(*args)`` on a thread of its own; its Future gives its error, if any, at ``result()``."""
+def _list_later(reader: Reader, url: str, pattern: str | None) -> Future[list[RemoteItem] | None]:
+    """:func:`_list_again` on a thread of its own (its error, if any, comes at ``result()``)."""
     pool = ThreadPoolExecutor(1, thread_name_prefix="fastload-stage")
-    try:
-        return pool.submit(fn, *args)
-    finally:
-        pool.shutdown(wait=False)
+    future = pool.submit(_list_again, reader, url, pattern)
+    pool.shutdown(wait=False)
+    return future
 
 
 def _list_again(reader: Reader, url: str, pattern: str | None) -> list[RemoteItem] | None:
@@ -390,70 +385,6 @@ def _show(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
 
 
-@dataclass
-class _Cached:
-    """What the cache held of a sized dataset before staging it (:func:`_cached`).
-
-    Attributes:
-        whole: Positions of the items whose every block is cached (a range when all are).
-        blocks: Those items' blocks.
-        nbytes: The remote bytes those blocks cover.
-        stored: The bytes their entries take in the cache.
-    """
-
-    whole: set[int] | range = field(default_factory=set)
-    blocks: int = 0
-    nbytes: int = 0
-    stored: int = 0
-
-    @property
-    def items(self) -> int:
-        return len(self.whole)
-
-
-def _summarised(reader: Reader, root: str, pattern: str | None, items: list[RemoteItem], nbytes: int) -> _Cached | None:
-    """The dataset's summary, where it says the recorded listing ``items`` is cached whole and
-    nothing was published or dropped since it was counted (``Identity.current``): a rerun of a
-    staged dataset then computes no key and looks up no entry (1.7 s at 100k); None otherwise."""
-    identity = reader.identity
-    summaries = identity.summaries()
-    mine = next((x for x in summaries if (x["root"], x["pattern"]) == (root, pattern)), None)
-    sizes = identity.block_sizes(summaries)
-    # Counted under this block size alone: its stored bytes are then exactly this reader's entries'.
-    if mine is None or sizes != {identity.block_bytes} or not identity.current(mine, sizes) \
-            or mine.get("cached_items") != len(items) or mine.get("items") != len(items):
-        return None
-    bb = identity.block_bytes
-    return _Cached(whole=range(len(items)), blocks=sum(max(1, -(-i.size // bb)) for i in items), nbytes=nbytes,
-                   stored=mine["stored_bytes"])
-
-
-def _cached(reader: Reader, items: list[RemoteItem]) -> _Cached:
-    """Which sized items the cache holds whole, and their stored bytes: one index query per 500
-    keys, each key computed once, no record decoded (entry.STORED_SQL)."""
-    whole: set[int] = set()
-    out, identity = _Cached(whole), reader.identity
-    for first in range(0, len(items), ITEMS_PER_PASS):
-        part = items[first : first + ITEMS_PER_PASS]
-        names = [[keys.entry(identity.key(item, b)) for b in identity.blocks(item)] for item in part]
-        stored = reader.cache.index.select(STORED_SQL, [n for block_names in names for n in block_names])
-        for k, (item, block_names) in enumerate(zip(part, names)):
-            if all(n in stored for n in block_names):
-                whole.add(first + k)
-                out.blocks += len(block_names)
-                out.nbytes += item.size
-                out.stored += sum(stored[n] for n in block_names)
-    return out
-
-
-def _stored(reader: Reader, items: list[RemoteItem]) -> int:
-    """The bytes the sized ``items``' entries take in the cache (keys computed a pass at a time)."""
-    identity = reader.identity
-    return sum(reader.cache.stored_bytes([identity.key(item, b) for item in items[k : k + ITEMS_PER_PASS]
-                                          if item.size >= 0 for b in identity.blocks(item)])
-               for k in range(0, len(items), ITEMS_PER_PASS))
-
-
 class _Progress:
     """Thread-safe counters plus the tqdm bar.
 
@@ -486,7 +417,7 @@ class _Progress:
             self.report.skipped_blocks += 1
             self._bytes(nbytes)
 
-    def skipped_whole(self, cached: _Cached) -> None:
+    def skipped_whole(self, cached: CachedItems) -> None:
         """Count items found cached whole before any task ran, in one update of the bar."""
         with self.lock:
             self.report.skipped_blocks += cached.blocks
@@ -560,7 +491,7 @@ BATCH_BYTES = 64 * 1024**2  # blocks one fetch call holds in memory, at most
 
 
 def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, show: bool, label: str,
-               heads: str, limit: int | None = None, cached: _Cached | None = None) -> list[RemoteItem]:
+               heads: str, limit: int | None = None, cached: CachedItems | None = None) -> list[RemoteItem]:
     """Complete, skip-or-fetch every block of every item through the fetch layer; returns completed items.
 
     CHUNK items per task: their sizeless ones are completed together (a GET each that
@@ -574,23 +505,23 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
     (CacheFullError): past the chunks that fit, at most one chunk per task in flight. It
     fetched all 800 objects of a 10 MB folder before saying it was over a 1 MB limit (issue 24).
 
-    ``cached``: the items found cached whole beforehand (:func:`_cached`): counted as skipped
+    ``cached``: the items found cached whole beforehand (Identity.cached_whole): counted as skipped
     at once, never passed to a task.
     """
     if not items:
         return []
     fetcher = reader.fetcher
     sized = all(i.size >= 0 for i in items)
-    cached = cached or _Cached()
+    cached = cached or CachedItems()
     progress = _Progress(report, sum(i.size for i in items) if sized else None, len(items), show, label)
     completed: list[RemoteItem | None] = [None] * len(items)
     progress.skipped_whole(cached)
-    if isinstance(cached.whole, range):  # all of it: nothing to fetch
+    rest = cached.missing(len(items))
+    if not rest:  # all of it cached: nothing to fetch
         progress.bar.close()
         return list(items)
     for i in cached.whole:
         completed[i] = items[i]
-    rest = [i for i in range(len(items)) if i not in cached.whole]
     stop = _Stop(reader.stop)
     per_call = max(1, BATCH_BYTES // reader.settings.block_bytes)
 

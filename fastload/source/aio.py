@@ -37,12 +37,9 @@ async def http_page(fs: Any, url: str, timeout_s: float) -> Page:
         return Page(final, size, None)
 
 
-async def http_pages(fs: Any, urls: list[str], timeout_s: float, limit: HostLimit | None) -> list[Any]:
-    """:func:`_http_page` of each, as many at once as the host's limit allows; a failure in its place."""
-    def request(url: str) -> Callable[[], Awaitable[Page]]:
-        return lambda: http_page(fs, url, timeout_s)
-
-    return await asyncio.gather(*(held(limit, request(u)) for u in urls), return_exceptions=True)
+async def held_page(fs: Any, url: str, timeout_s: float, limit: HostLimit | None) -> Page:
+    """:func:`http_page` in a slot of the host's limit (:func:`held`)."""
+    return await held(limit, lambda: http_page(fs, url, timeout_s))
 
 
 _IMPORT_LOCK = threading.Lock()

@@ -209,16 +209,12 @@ def pages(src: Source, urls: list[str], limit: HostLimit | None) -> list[Any]:
 def start_pages(src: Source, urls: list[str], limit: HostLimit | None) -> list[Any]:
     """One GET of each folder page started, as futures: on libcurl where this source routes there
     (fastload.transport.curl; no wait for aiohttp's import), else on fsspec's session, each
-    in a slot of the host's limit (:func:`fastload.source.aio.held`)."""
+    in a slot of the host's limit (:func:`fastload.source.aio.held_page`)."""
     timeout_s, route = src.settings.request_timeout_s, src.route
     src._stopped(urls[0])
     if route is None or limit is None or not src._curl_takes(limit):
         fs = src.fs
-
-        async def one(url: str) -> Page:
-            return await aio.held(limit, lambda: aio.http_page(fs, url, timeout_s))
-
-        return [asyncio.run_coroutine_threadsafe(one(url), fs.loop) for url in urls]
+        return [asyncio.run_coroutine_threadsafe(aio.held_page(fs, url, timeout_s, limit), fs.loop) for url in urls]
     return route.start_pages(urls, timeout_s, limit, src.stop)
 
 

@@ -305,7 +305,7 @@ def wait_any(futures: Sequence[Any], timeout_s: float) -> list[Any]:
     those done by then (often several: answers that came in while the caller was busy).
 
     A listing parses each folder page as it arrives, while the others transfer
-    (fastload.source.listing.Crawl); :func:`wait` returns only once all are done.
+    (fastload.source.listing.crawl); :func:`wait` returns only once all are done.
     """
     deadline = time.monotonic() + max(0.0, timeout_s)
     eng = _STATE.engine
