@@ -28,6 +28,7 @@ from fastload.errors import (
     RemoteChangedError,
     RemoteNotFoundError,
     SourceError,
+    SQLiteVersionError,
     StoppedError,
 )
 from fastload.fs import FastloadFileSystem, arrow_filesystem, open
@@ -78,6 +79,7 @@ __all__ = [
     "RemoteItem",
     "RemoteNotFoundError",
     "ResumableSampler",
+    "SQLiteVersionError",
     "Settings",
     "ShardedSampler",
     "Source",

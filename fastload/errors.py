@@ -42,6 +42,13 @@ class CacheError(FastloadError, OSError):
     """The local cache could not be used."""
 
 
+class SQLiteVersionError(FastloadError, RuntimeError):
+    """The SQLite library Python loads is older than the cache index runs on (``SQLITE_FLOOR``).
+
+    Not a :class:`CacheError` (an ``OSError``): the cache's open reads those as a disk that
+    refuses writes, and this is no disk's fault."""
+
+
 class CacheFullError(CacheError):
     """The cache limit or the disk cannot hold what was asked of it."""
 

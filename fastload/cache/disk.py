@@ -15,7 +15,9 @@ table (and SQLite its -shm file), so on a full disk (or a ``mount -o ro``)
 the same look-ups (:class:`~fastload.cache.index.IndexReads`), so every lookup the
 read path makes works; every write raises
 :class:`IndexUnwritable`, which callers treat as "cannot store" (reads served,
-new data streams), as they treat a full disk.
+new data streams), as they treat a full disk. A cache staged before issue 25 whose index
+cannot be migrated (that writes) is read in place: its old index
+(:mod:`fastload.cache.migrate`) through a view of the same name and columns (issue 32).
 
 Vocabulary: *read-only* = the file system refuses writes (``ST_RDONLY``,
 ``EROFS``); *full* = it has no space (``ENOSPC``). Messages name which.
@@ -33,7 +35,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fastload.cache.index import INDEX_FILE, TABLE, IndexReads
+from fastload.cache import migrate
+from fastload.cache.index import INDEX_FILE, TABLE, IndexReads, encode, require_sqlite
 
 # The default disk reserve (Settings.disk_reserve_bytes None): this fraction of the
 # cache's disk, at most RESERVE_MAX_BYTES, stays free however high the limit.
@@ -159,45 +162,94 @@ class ReadOnlyIndex(IndexReads):
     Args:
         directory: The index's folder (``<cache>/index``).
         reason: Why it is read-only, for messages ("the file system is read-only", ...).
+
+    Attributes:
+        old: Whether it reads an index of the old format in place (:meth:`_view_old`).
     """
 
     def __init__(self, directory: Path, reason: str) -> None:
+        require_sqlite()
         self.directory = directory
         self.reason = reason
-        self._db = directory / INDEX_FILE
-        if not self._db.exists():
-            raise FileNotFoundError(f"no cache index at {self._db}")
         self._local = threading.local()
         self._pid = os.getpid()
-        self._uri = self._pick_uri()
+        # The new index; else (never migrated: that writes) the old one, read in place.
+        self._db = directory / INDEX_FILE
+        self.old = False
+        uri = self._pick_uri(self._db, f"SELECT 1 FROM {TABLE} LIMIT 1")
+        if uri is None and (directory / migrate.OLD_FILE).exists():
+            self._db, self.old = directory / migrate.OLD_FILE, True
+            self._skips, self._skips_lock = migrate.Skips(self._db), threading.Lock()  # warned once per process
+            uri = self._pick_uri(self._db, migrate.SELECT + " LIMIT 1")
+        if uri is None:
+            raise FileNotFoundError(f"no cache index at {directory / INDEX_FILE} that can be read ({self._error})")
+        self._uri = uri
+        if self.old:
+            _log.info("cache index %s: of the format before issue 25, read in place (%s, so it is not migrated)",
+                      self._db, reason)
 
-    def _pick_uri(self) -> str:
+    def _pick_uri(self, db: Path, probe: str) -> str | None:
+        """The URI to open ``db`` read-only by, where ``probe`` runs (None: neither does)."""
         # mode=ro sees writes of other processes (WAL), but needs the -shm file to exist
         # or to be creatable; on a read-only mount neither holds, and nothing can change
         # under us there, so immutable=1 (no locks, no -shm) is exact.
-        for uri in (f"file:{self._db}?mode=ro", f"file:{self._db}?immutable=1"):
+        self._error: BaseException = FileNotFoundError(f"no file {db}")
+        if not db.exists():
+            return None
+        for uri in (f"file:{db}?mode=ro", f"file:{db}?immutable=1"):
             try:
                 con = sqlite3.connect(uri, uri=True, check_same_thread=False)
                 try:
-                    con.execute(f"SELECT 1 FROM {TABLE} LIMIT 1").fetchall()
+                    con.execute(probe).fetchall()
                 finally:
                     con.close()
-                wal = Path(f"{self._db}-wal")
+                wal = Path(f"{db}-wal")
                 if "immutable" in uri and wal.exists() and wal.stat().st_size:
                     _log.info("cache index %s: its write-ahead log was not checkpointed before the file system went "
-                              "read-only; the entries written last are not seen (they stream)", self._db)
+                              "read-only; the entries written last are not seen (they stream)", db)
                 return uri
             except sqlite3.Error as err:
-                last = err
-        raise last
+                self._error = err
+        return None
 
     def _con(self) -> sqlite3.Connection:
         if self._pid != os.getpid():  # a forked child opens its own connections
             self._local, self._pid = threading.local(), os.getpid()
         con = getattr(self._local, "con", None)
         if con is None:
-            con = self._local.con = sqlite3.connect(self._uri, uri=True, check_same_thread=False)
+            con = sqlite3.connect(self._uri, uri=True, check_same_thread=False)
+            if self.old:
+                self._view_old(con)
+            self._local.con = con
         return con
+
+    def _view_old(self, con: sqlite3.Connection) -> None:
+        """Show the old index as the new table: a TEMP view named ``idx`` (found before the
+        file's own tables) whose values :func:`migrate.record` reads a row at a time, as the
+        migration would have stored them; a record it refuses is absent, as if not migrated."""
+        con.text_factory = migrate.decode_text  # a key that is not UTF-8 fails its record, not the query
+
+        def column(*pairs: Any) -> Any:
+            # Each column comes as two arguments, (its text as a blob, else None; else the
+            # column): Python decodes a function's text arguments strictly, and one that is
+            # not UTF-8 would fail the whole query, not its record.
+            cols: list[Any] = [o if t is None else migrate.decode_text(t) for t, o in zip(pairs[::2], pairs[1::2])]
+            key, mode, filename, value = cols
+            try:
+                return encode(migrate.record(self.directory, key, mode, filename, value))
+            except Exception as err:  # SQLite would fail the whole query on a raise
+                with self._skips_lock:
+                    self._skips.add(key, err)
+                    if self._skips.n == 1:
+                        self._skips.report("not read")
+                return None
+
+        con.create_function("fastload_old_value", 8, column, deterministic=True)
+        value = "fastload_old_value({})".format(", ".join(
+            f"CASE WHEN typeof({c}) = 'text' THEN CAST({c} AS BLOB) END, CASE WHEN typeof({c}) != 'text' THEN {c} END"
+            for c in ("key", "mode", "filename", "value")))
+        con.execute(f"CREATE TEMP VIEW {TABLE}(key, value, rowid) AS SELECT key, {value}, rowid FROM main.{migrate.OLD_TABLE} "
+                    f"WHERE raw = 1 AND {value} IS NOT NULL")
 
     def close(self) -> None:
         con = getattr(self._local, "con", None)
