@@ -1,6 +1,8 @@
 """HTTP requests on fsspec's aiohttp session, as coroutines on fsspec's event loop.
 
-Every coroutine request holds a slot of its host's limit (:func:`held`). Also the
+Every coroutine request holds a slot of its host's limit (:func:`held`). Ranged GETs of any
+store whose answers show their version (HTTP here; S3 and GCS through s3fs and gcsfs,
+fastload.source.versioned) go through :func:`get_range`, which names the version expected. Also the
 import of fsspec's HTTP filesystem (and aiohttp) on a thread, ahead of its first use
 (:func:`import_http_ahead`).
 """
@@ -16,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastload.errors import StoppedError
+from fastload.source import versioned
 from fastload.transport.answers import Page, first_info
 from fastload.transport.hostlimit import HostLimit
 
@@ -111,16 +114,38 @@ async def http_get_first(fs: Any, url: str, nbytes: int, timeout_s: float) -> tu
 
 
 
-async def http_get_range(fs: Any, url: str, start: int, end: int | None, timeout_s: float) -> tuple[dict[str, Any], bytes]:
+def if_match(version: str) -> str | None:
+    """The ``If-Match`` value naming an HTTP object's ``version``, or None where the version may be no ETag.
+
+    A version is the first of an answer's generation, ETag, Content-MD5, Digest and Last-Modified
+    (fastload.source.items.version_of), stored without its quotes; only an ETag may be named, as any
+    other value would be refused with a 412 by a server that checks. So: none with a space (a date),
+    all digits (a generation), an "=" (a digest, a Content-MD5) or a weak ``W/`` (never matches).
+
+    >>> if_match("65a1b2c3-400000"), if_match("Tue, 14 Nov 2023 22:13:20 GMT"), if_match("1700000000000001")
+    ('"65a1b2c3-400000"', None, None)
+    """
+    if not version or version.isdigit() or version.startswith("W/") or any(c in version for c in ' \t",='):
+        return None
+    return f'"{version}"'
+
+
+async def http_get_range(fs: Any, url: str, start: int, end: int | None, timeout_s: float,
+                         version: str = "") -> tuple[dict[str, Any], bytes]:
     """A GET of ``url[start:end]`` (``end`` None: to the end) on fsspec's session: (HEAD-like
     info of the answer, body). Its size and version (:func:`first_info`) let the caller check
-    that the bytes come from the version it listed, which fsspec's ``_cat_file`` does not show."""
+    that the bytes come from the version it listed, which fsspec's ``_cat_file`` does not show.
+    An expected ``version`` that is an ETag is named (:func:`if_match`): a server that checks
+    answers 412, returned as fastload.source.versioned.refused's info."""
     import aiohttp
 
     session = await fs.set_session()
     ranged = {} if start == 0 and end is None else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
-    headers, kwargs = identity_get(fs, ranged)
+    expected = if_match(version)
+    headers, kwargs = identity_get(fs, {**ranged, **({"If-Match": expected} if expected else {})})
     async with session.get(fs.encode_url(url), headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s), **kwargs) as r:
+        if r.status == 412 and expected:
+            return versioned.refused(url, "HTTP 412 to If-Match")
         fs._raise_not_found_for_status(r, url)
         body = await r.read()
         return first_info(url, len(body), r.status, r.headers, body)
@@ -173,12 +198,23 @@ async def held(limit: HostLimit | None, request: Callable[[], Awaitable[T]]) -> 
         return result
 
 
+async def get_range(fs: Any, road: str, path: str, start: int, end: int | None, version: str,
+                    timeout_s: float) -> tuple[dict[str, Any], bytes]:
+    """``path[start:end]`` on ``road`` ("http", "s3", "gcs"), naming the expected ``version`` where the
+    store can check it: (info of the answer, with its size and version; body)."""
+    if road == "http":
+        return await http_get_range(fs, path, start, end, timeout_s, version)
+    get = versioned.s3_get_range if road == "s3" else versioned.gcs_get_range
+    return await asyncio.wait_for(get(fs, path, start, end, version), timeout_s)
+
+
 async def gather_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], timeout_s: float,
                          limit_of: Callable[[str], HostLimit | None], stop: threading.Event | None = None,
-                         answers: bool = False) -> list[Any]:
-    """Each ``(path, start, end)`` read together, a failure in its place; ``answers`` (HTTP):
-    each as :func:`http_get_range`'s (info, body), so the caller can check its version."""
-    async def one(path: str, start: int, end: int | None) -> Any:
+                         road: str = "", versions: list[str] | None = None) -> list[Any]:
+    """Each ``(path, start, end)`` read together, a failure in its place. On a ``road`` whose answers
+    show their version ("http", "s3", "gcs": :func:`get_range`), each is an (info, body) for the
+    caller to check against the expected one (``versions``, one per range), which each GET names."""
+    async def one(k: int, path: str, start: int, end: int | None) -> Any:
         # Bounded like Source.fetch's requests (asyncio's own timeout for stores that take no
         # kwarg); the timeout starts once the request holds its slot.
         limit = limit_of(fs.unstrip_protocol(path))
@@ -186,15 +222,15 @@ async def gather_ranges(fs: Any, ranges: list[tuple[str, int, int | None]], time
         def request() -> Awaitable[Any]:
             if stop is not None and stop.is_set():  # stopped while it waited for its slot: no request
                 raise StoppedError(f"{fs.unstrip_protocol(path)}: stopped before its request")
-            if answers:
-                return http_get_range(fs, path, start, end, timeout_s)
+            if road:
+                return get_range(fs, road, path, start, end, versions[k] if versions else "", timeout_s)
             if start == 0 and end is None:
                 return asyncio.wait_for(fs._cat_file(path), timeout_s)
             return asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout_s)
 
         return await held(limit, request)
 
-    return await asyncio.gather(*(one(*r) for r in ranges), return_exceptions=True)
+    return await asyncio.gather(*(one(k, *r) for k, r in enumerate(ranges)), return_exceptions=True)
 
 
 async def gather_first(fs: Any, urls: list[str], nbytes: int, timeout_s: float,

@@ -392,6 +392,7 @@ class Source(FsspecRoad):
         if not getattr(fs, "async_impl", False) or getattr(fs, "loop", None) is None:
             return None
         timeout_s = self.settings.request_timeout_s
+        road = self._road()  # each answer checked against its listed version (finish_first)
 
         def maker(item: RemoteItem) -> Callable[[], Coroutine[Any, Any, Any]]:
             if item.size < 0:
@@ -401,7 +402,7 @@ class Source(FsspecRoad):
 
                 return lambda: aio.held(self.limit_of(item.url), request)
             ranges: builtins.list[tuple[str, int, int | None]] = [(fs._strip_protocol(item.url), 0, min(nbytes, item.size))]
-            return lambda: aio.gather_ranges(fs, ranges, timeout_s, self.limit_of, self.stop, answers=self._http)
+            return lambda: aio.gather_ranges(fs, ranges, timeout_s, self.limit_of, self.stop, road=road, versions=[item.version])
 
         return submit_all(fs.loop, [maker(item) for item in items])
 
@@ -438,7 +439,7 @@ class Source(FsspecRoad):
                 done, data = item, res[0]
                 if isinstance(data, BaseException):
                     raise data
-                if isinstance(data, tuple):  # an HTTP answer: of the listed version, or RemoteChangedError
+                if isinstance(data, tuple):  # an answer with its version: of the listed one, or RemoteChangedError
                     data = fallback.checked(item, *data)
             if len(data) == min(nbytes, done.size):
                 return done, bytes(data)

@@ -122,3 +122,12 @@ def unchanged(listed: RemoteItem, now: RemoteItem) -> RemoteItem:
         )
     return listed
 
+
+
+def changed(listed: RemoteItem, why: str) -> RemoteChangedError:
+    """The error for a GET that named ``listed``'s version and was refused (``why``: a 412): the object
+    was rewritten since it was listed, maybe while it was read."""
+    return RemoteChangedError(
+        f"{listed.url}: remote now has another version than {listed.version!r} ({why}), {listed.size} B when listed; "
+        "the object changed; fix: `fastload cache --refresh` or refresh=True"
+    )

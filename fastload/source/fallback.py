@@ -25,8 +25,8 @@ import fsspec.asyn
 
 from fastload.config import Settings
 from fastload.errors import RemoteChangedError, StoppedError
-from fastload.source import aio
-from fastload.source.errors import unchanged
+from fastload.source import aio, versioned
+from fastload.source.errors import changed, unchanged
 from fastload.source.items import RemoteItem, version_of
 from fastload.transport.answers import VERSION_FIELDS
 from fastload.transport.failures import TruncatedBodyError
@@ -71,6 +71,7 @@ class _Source(Protocol):
     def fetch(self, url: str, start: int = 0, end: int | None = None, *, expect: int | None = None,
               listed: RemoteItem | None = None) -> bytes: ...
     def note_ranges(self, url: str, honoured: bool) -> None: ...
+    def _road(self) -> str: ...
 
 
 def forget_parent_loop(fs: Any) -> None:
@@ -191,9 +192,13 @@ class FsspecRoad:
         path = fs._strip_protocol(url)
         timeout_s = self.settings.request_timeout_s
 
+        road = self._road()
+        version = listed.version if listed is not None else ""
+
         def once() -> bytes:
-            if self._http and has_loop(fs):
-                info, data = self._sync(aio.http_get_range, fs, url, start, end, timeout_s, timeout_s=timeout_s)
+            if road:  # the answer's size and version: of the listed object, or RemoteChangedError
+                info, data = self._sync(aio.get_range, fs, road, url if self._http else path, start, end, version, timeout_s,
+                                        timeout_s=timeout_s)
                 data = checked(listed, info, data) if listed is not None else data
             elif has_loop(fs):  # cancellable on a stop
                 whole = start == 0 and end is None
@@ -208,6 +213,14 @@ class FsspecRoad:
             return bytes(data)
 
         return self._call(once, url)
+
+    def _road(self: _Source) -> str:
+        """How this source's GETs on the fsspec road show the version that answered (fastload.source.aio.get_range):
+        "http", "s3", "gcs", or "" (a store whose answers do not: local files, others)."""
+        fs = self.fs
+        if not has_loop(fs):
+            return ""
+        return "http" if self._http else versioned.road_of(fs)
 
     def fetch_many(self: _Source, ranges: builtins.list[tuple[str, int, int | None]],
                    listed: builtins.list[RemoteItem] | None = None) -> builtins.list[bytes | Exception]:
@@ -227,9 +240,10 @@ class FsspecRoad:
         results: builtins.list[Any] = [None] * len(ranges)
         if len(ranges) > 1 and getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
             paths = [(fs._strip_protocol(url), start, end) for url, start, end in ranges]
+            road = self._road()
             results = self._sync(aio.gather_ranges, fs, paths, self.settings.request_timeout_s, self.limit_of, self.stop,
-                                 answers=self._http)
-            if self._http:
+                                 road=road, versions=None if listed is None else [i.version for i in listed])
+            if road:
                 for i, res in enumerate(results):
                     if isinstance(res, tuple):
                         try:
@@ -319,11 +333,14 @@ class FsspecRoad:
 
 
 def checked(listed: RemoteItem, info: dict[str, Any], body: bytes) -> bytes:
-    """``body``, if the answer it came in (``info``: answers.first_info) is of ``listed``'s size and version.
+    """``body``, if the answer it came in (``info``: answers.first_info, fastload.source.versioned) is of
+    ``listed``'s size and version, and its store did not refuse the GET's condition (a 412).
 
     Raises:
         RemoteChangedError: It is not (errors.unchanged): a block of another version.
     """
+    if info.get(versioned.CHANGED):
+        raise changed(listed, info[versioned.CHANGED])
     if info.get("size") is not None:
         unchanged(listed, RemoteItem(listed.url, int(info["size"]), version_of(info)))
     return body
