@@ -7,7 +7,8 @@ and ``fastload/__init__.py``. Modules:
 * dataloader: the class, its arguments and index order; chain: one pass's iterators;
   iterator: the iterator the user holds (torch's surface, timing, live stats);
 * sampler: index order, ranks and node parts, resumable; resume / snapshot: the state
-  and a worker's part of it; readahead: the read_batch path's threads;
+  and a worker's part of it; received: what torch's worker messages tell the parent
+  besides the batch; readahead: the read_batch path's threads;
 * worker_stats: what workers ship with each batch; torch_surface: torch's classes as
   imported; patch: ``patch_torch()``; live: ``log_every=`` and ``summary_writer=``.
 

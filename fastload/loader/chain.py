@@ -220,11 +220,13 @@ def new_pass(loader: Any, torch_iter: Callable[[], Any]) -> Any:
     if undo_seed is not None and loader.num_workers == 0:  # (workers: in torch's _reset)
         undo_seed()  # the interrupted run drew no (new) base seed here
     progress = _Progress(start, gen_start, sampler_start)
+    if loader.num_workers == 0 and isinstance(loader.dataset, tud.IterableDataset):
+        progress.fetcher = getattr(source, "_dataset_fetcher", None)
     nxt: Callable[[], Any] = source.__next__
     plain = nxt
     tracker = None
     if loader.num_workers > 0:
-        tracker = resume.worker_states(loader, loaded, reused, start, progress, source)
+        tracker = resume.worker_states(loader, pending, loaded, reused, start, progress, source)
         # Before the prefetcher: it must see plain batches.
         nxt = Unwrap(
             nxt,

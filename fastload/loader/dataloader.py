@@ -390,9 +390,8 @@ class DataLoader(tud.DataLoader[T_co]):
         batch after the last one handed out; between epochs, the next epoch's start
         (its RNG states included, so they fix its order).
 
-        Raises:
-            LoaderError: Mid-epoch with ``in_order=False`` and workers, where the
-                batches handed out are not a prefix of the index order.
+        With ``in_order=False`` and workers it also names the batches already
+        delivered (they need not be the epoch's first ones); the resume skips exactly those.
         """
         return resume.save(self)
 
@@ -401,7 +400,11 @@ class DataLoader(tud.DataLoader[T_co]):
 
         Raises:
             ConfigError: The state comes from another version or another sharding.
-            LoaderError: A mid-epoch state for an IterableDataset without
-                ``state_dict()``/``load_state_dict()``, or saved by another number of workers.
+            LoaderError: A mid-epoch state of an IterableDataset saved by another number
+                of workers.
+
+        Warns:
+            UserWarning: A mid-epoch state of an IterableDataset with no state of its own
+                (no ``state_dict()``, nor its iterator): it is replayed from the epoch's start.
         """
         resume.load(self, state)

@@ -45,7 +45,7 @@ class _Calls(Iterator[Any]):
 class _Progress:
     """Where the most recent epoch stands, for state_dict()."""
 
-    __slots__ = ("yielded", "active", "gen_start", "sampler_start")
+    __slots__ = ("yielded", "active", "gen_start", "sampler_start", "fetcher")
 
     def __init__(
         self, start: int = 0, gen_start: list[torch.Tensor] | None = None, sampler_start: list[Any] | None = None
@@ -54,6 +54,9 @@ class _Progress:
         self.active = True
         self.gen_start = gen_start  # the tracked generators' states when the epoch began
         self.sampler_start = sampler_start  # stateful samplers' state_dict() then
+        # torch's fetcher of an IterableDataset (num_workers=0): its iterator's state and
+        # whether it ended are part of the position, also once the user dropped the pass.
+        self.fetcher: Any = None
 
 
 class _TimedCollate:

@@ -16,13 +16,23 @@ The parts:
 * stateful samplers (``state_dict``/``load_state_dict``): their state when the
   epoch began, loaded back before the order is regenerated;
 * with ``num_workers=0``: the dataset's state at ``state_dict()`` when it has
-  ``state_dict``/``load_state_dict``, likewise the iterator an IterableDataset's
-  ``iter()`` returned, and this process's ``random``, ``numpy`` and ``torch`` RNG
-  states (the dataset draws from them);
+  ``state_dict``/``load_state_dict`` (loaded before ``iter()``), likewise the iterator
+  an IterableDataset's ``iter()`` returned (loaded after it; a dataset whose
+  ``__iter__`` returns itself is its own iterator), and this process's ``random``,
+  ``numpy`` and ``torch`` RNG states (the dataset draws from them). At an epoch's end
+  the dataset's state is taken after its iterator finished;
 * with workers, each worker's snapshot (:mod:`fastload.loader.snapshot`: its RNG and
   dataset states, taken with its batches and restored in the worker with the same
   id); the resumed iterator hands its first index batch to the worker that was next
   (:func:`resumed_iterator`), so in-order delivery continues exactly where it stopped.
+  Persistent workers carry their end states into the next epoch (and into a state
+  saved between epochs);
+* an IterableDataset with no state at all (nor its iterator) is replayed: run again
+  from the epoch's start, dropping the samples already yielded (per worker), with one
+  warning;
+* out of order (``in_order=False`` with workers, map-style): ``out_of_order`` is
+  ``{"prefix", "extra"}``, every batch before ``prefix`` delivered and those at the
+  positions ``extra`` after it; the resumed order skips exactly those.
 
 RNG states are encoded as :mod:`fastload.loader.snapshot` describes (all lossless);
 the index order's RNG state (a :class:`fastload.loader.sampler.RngSnapshot`) is
@@ -33,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -40,11 +51,14 @@ import torch
 import torch.utils.data as tud
 
 from fastload.errors import ConfigError, LoaderError
+from fastload.loader.received import receiver
 from fastload.loader.sampler import RngSnapshot
 from fastload.loader.snapshot import (
     WorkerInit,
     WorkerStates,
+    dataset_state,
     decode_tensor,
+    drop,
     encode_tensor,
     iterator_state,
     rng_state,
@@ -87,16 +101,32 @@ def decode_rng(state: dict[str, Any]) -> RngSnapshot:
 
 
 def worker_states(
-    loader: Any, loaded: dict[str, Any] | None, reused: bool, start: int, progress: Any, source: Any
+    loader: Any,
+    pending: dict[str, Any] | None,
+    loaded: dict[str, Any] | None,
+    reused: bool,
+    start: int,
+    progress: Any,
+    source: Any,
 ) -> WorkerStates:
     """The tracker of a pass with workers: from the loaded states, or carried on by persistent workers."""
+    rec = receiver(source)
     if loaded is None and reused and loader._fl_workers is not None:
-        # The same workers go on: their states (and torch's seed) carry over.
-        loaded = {**loader._fl_workers.save(), "next": 0}
+        # The same workers go on: their end states (and torch's seed) carry over. A
+        # worker with no batch yet this epoch is saved with these, not with the
+        # state it had when the previous epoch ended (tests/unit/test_resume_cases.py, case 3).
+        loaded = {**loader._fl_workers.carry(), "next": 0}
+    rec.ended.clear()
     base_seed = loaded.get("base_seed") if loaded else None
     if base_seed is None:
         base_seed = getattr(source, "_base_seed", None)
-    return WorkerStates(loader.num_workers, loaded, start, lambda: progress.yielded, base_seed)
+    unordered = None
+    if not loader.in_order and not isinstance(loader.dataset, tud.IterableDataset):
+        ooo = pending.get("out_of_order") if pending is not None and pending.get("in_epoch") else None
+        unordered = (int(ooo["prefix"]), [int(e) for e in ooo["extra"]]) if ooo else (start, [])
+    return WorkerStates(
+        loader.num_workers, loaded, start, lambda: progress.yielded, base_seed, rec.ended, rec.last, unordered
+    )
 
 
 def resumed_iterator(loader: Any, first: int, undo: Callable[[], None] | None) -> Any:
@@ -158,11 +188,14 @@ def begin_epoch(
         for s, st in zip(samplers, pending.get("sampler_start") or ()):
             s.load_state_dict(st)
         if loader.num_workers == 0 and pending.get("dataset") is not None:
-            loader.dataset.load_state_dict(pending["dataset"])
+            loader.dataset.load_state_dict(pending["dataset"])  # before iter(): it may read it there
         caller = torch.get_rng_state()
         undo: Callable[[], None] | None = lambda: torch.set_rng_state(caller)  # noqa: E731
     else:
         undo = None
+        if pending is not None and loader.num_workers == 0 and pending.get("dataset") is not None:
+            # Its state after the finished epoch's iterator ended (it may count epochs there).
+            loader.dataset.load_state_dict(pending["dataset"])
         start = None if pending is None else pending.get("start_rng")
         if start is not None:
             torch.set_rng_state(decode_tensor(start["global"]))
@@ -181,11 +214,39 @@ def begin_epoch(
 
 
 def after_build(loader: Any, pending: dict[str, Any] | None, source: Any) -> None:
-    """Once torch's single-process iterator exists: its dataset iterator's saved state, if any."""
-    if pending is None or not pending.get("in_epoch") or pending.get("iterator") is None:
+    """Once torch's single-process iterator exists: its dataset iterator's saved state, or a replay.
+
+    The iterator's state is loaded after ``iter(dataset)``, which may reset it (a
+    dataset that is its own iterator). A dataset with no state is read again from
+    the epoch's start up to where the state was saved; the RNG states are put back
+    after, so the draws that follow are the interrupted run's.
+    """
+    if pending is None or not pending.get("in_epoch") or loader.num_workers != 0:
         return
-    if loader.num_workers == 0:
-        source._dataset_fetcher.dataset_iter.load_state_dict(pending["iterator"])
+    if not isinstance(loader.dataset, tud.IterableDataset):
+        return
+    fetcher = source._dataset_fetcher
+    it = fetcher.dataset_iter
+    if pending.get("ended"):
+        fetcher.ended = True  # saved after a short last batch: the epoch has nothing left
+    elif pending.get("iterator") is not None:
+        it.load_state_dict(pending["iterator"])
+    elif _replays(loader, pending):
+        saved = rng_state()
+        n = int(pending["batches_yielded"]) * _per_batch(loader)
+        drop(it, n)
+        set_rng_state(saved)
+
+
+def _per_batch(loader: Any) -> int:
+    return int(loader.batch_size) if loader._auto_collation and loader.batch_size else 1
+
+
+def _replays(loader: Any, state: dict[str, Any]) -> bool:
+    """Whether a mid-epoch ``state`` of an IterableDataset resumes by replay (no state of its own)."""
+    workers = state.get("workers") or {}
+    saved = [s for s in workers.get("states", []) if s and (s.get("iterator") is not None or s.get("dataset") is not None)]
+    return not (stateful(loader.dataset) or state.get("iterator") is not None or saved)
 
 
 def worker_plan(loader: Any, pending: dict[str, Any] | None) -> tuple[WorkerInit | None, int, dict[str, Any] | None]:
@@ -201,11 +262,25 @@ def worker_plan(loader: Any, pending: dict[str, Any] | None) -> tuple[WorkerInit
         loaded = None
     iterable = isinstance(loader.dataset, tud.IterableDataset)
     every = (loader.snapshot_every_n_steps or sys.maxsize) if iterable and not loader.persistent_workers else 1
-    per_batch = int(loader.batch_size) if loader._auto_collation and loader.batch_size else 1
+    per_batch = _per_batch(loader)
     if loaded is None:
         return WorkerInit(loader.worker_init_fn, None, every, per_batch), 0, None
     init = WorkerInit(loader.worker_init_fn, loaded["states"], every, per_batch, loaded.get("base_seed"))
     return init, int(loaded["next"]), loaded
+
+
+def _warn_replay(loader: Any, skip: int, workers: dict[str, Any] | None) -> None:
+    # As torchdata: slow but right. One warning per load, with the cost and the fix.
+    batches = sum(int(s.get("count", 0)) for s in workers["states"] if s) if workers else skip
+    where = f" across its {workers['num_workers']} worker processes" if workers else ""
+    warnings.warn(
+        f"fastload.DataLoader: {type(loader.dataset).__name__} (an IterableDataset) has no "
+        f"state_dict(), so resuming after {skip} batches runs it again from the start of the "
+        f"epoch and drops the {batches * _per_batch(loader)} samples already yielded{where}; "
+        "fix: give the dataset state_dict() and load_state_dict() (or its iterator) to resume "
+        "without replaying",
+        stacklevel=3,
+    )
 
 
 def _json(x: Any) -> Any:
@@ -247,17 +322,14 @@ def save(loader: Any) -> dict[str, Any]:
             "reuse": reuse,  # the next epoch reuses persistent workers: no new base seed
         }
         if reuse and loader._fl_workers is not None:
-            # ...and its workers' RNG goes on from where this epoch left it.
-            saved = loader._fl_workers.save()
-            rng = [{k: w[k] for k in ("random", "numpy", "torch") if k in w} for w in saved["states"]]
-            state["workers"] = {**saved, "next": 0, "states": [{"count": 0, "at": 0, **r} for r in rng]}
+            # ...and its workers go on from their end states (RNG, dataset).
+            state["workers"] = {**loader._fl_workers.carry(), "next": 0}
+        if loader.num_workers == 0:
+            # The same dataset object starts the next epoch: its state now, taken after
+            # its iterator finished (a generator may count its epochs after its last item).
+            it = getattr(progress.fetcher, "dataset_iter", None) if progress is not None else None
+            state["dataset"] = dataset_state(loader.dataset, it)  # (its own iterator: a position iter() resets)
         return state
-    if loader.num_workers > 0 and not loader.in_order:
-        raise LoaderError(
-            "state_dict() mid-epoch needs in_order=True with num_workers > 0: "
-            "out-of-order batches are not a prefix of the epoch; save at an epoch "
-            "boundary or pass in_order=True"
-        )
     state["batches_yielded"] = progress.yielded
     state["generator_start"] = None if progress.gen_start is None else [encode_tensor(s) for s in progress.gen_start]
     state["sampler_start"] = progress.sampler_start
@@ -268,14 +340,16 @@ def save(loader: Any) -> dict[str, Any]:
     if loader.num_workers == 0:
         # The dataset drew from this process's RNGs: they are part of its position.
         state["main_rng"] = rng_state()
-        if stateful(loader.dataset):
-            state["dataset"] = loader.dataset.state_dict()
+        it = None
         if iterable:
-            live = loader._fl_live() if loader._fl_live is not None else None
-            fetcher = getattr(getattr(live, "_torch", None), "_dataset_fetcher", None)
-            state["iterator"] = iterator_state(fetcher, loader.dataset)
+            fetcher = progress.fetcher
+            it = getattr(fetcher, "dataset_iter", None)
+            state["iterator"] = iterator_state(it)
+            state["ended"] = bool(getattr(fetcher, "ended", False))
+        state["dataset"] = dataset_state(loader.dataset, it)
     elif loader._fl_workers is not None:
         state["workers"] = loader._fl_workers.save()
+        state["out_of_order"] = loader._fl_workers.out_of_order()
     return state
 
 
@@ -300,14 +374,6 @@ def load(loader: Any, state: dict[str, Any]) -> None:
     skip = int(state.get("batches_yielded", 0))
     workers = state.get("workers")
     if isinstance(loader.dataset, tud.IterableDataset) and state.get("in_epoch") and skip:
-        iterators = [s for s in (workers or {}).get("states", []) if s and s.get("iterator") is not None]
-        if not (stateful(loader.dataset) or state.get("iterator") is not None or iterators):
-            raise LoaderError(
-                f"cannot resume {type(loader.dataset).__name__} (an IterableDataset) after {skip} batches: "
-                "it has no index order to skip in and no state_dict(); fix: give the dataset "
-                "state_dict() and load_state_dict() (as Hugging Face datasets' IterableDataset has), "
-                "or save at an epoch boundary"
-            )
         if loader.num_workers > 0 and (workers is None or workers["num_workers"] != loader.num_workers):
             raise LoaderError(
                 f"cannot resume {type(loader.dataset).__name__} (an IterableDataset) with "
@@ -315,17 +381,23 @@ def load(loader: Any, state: dict[str, Any]) -> None:
                 f"{0 if workers is None else workers['num_workers']} worker processes, each with "
                 "its own shard; fix: resume with the num_workers that saved it"
             )
-        if loader.num_workers == 0 and state.get("dataset") is None and state.get("iterator") is None:
+        if loader.num_workers == 0 and workers is not None:
             raise LoaderError(
                 f"cannot resume {type(loader.dataset).__name__} with num_workers=0 from a state "
                 f"saved by {workers['num_workers'] if workers else 0} worker processes; fix: resume "
                 "with the num_workers that saved it"
             )
+        if _replays(loader, state):
+            _warn_replay(loader, skip, workers)
     if state.get("main_rng") is not None and loader.num_workers == 0:
         set_rng_state(state["main_rng"])
     if state.get("in_epoch") and not isinstance(loader.dataset, tud.IterableDataset):
-        rng = state.get("rng")
-        loader._resumable().resume_at(skip, None if rng is None else decode_rng(rng))
+        rng = None if state.get("rng") is None else decode_rng(state["rng"])
+        ooo = state.get("out_of_order")
+        if ooo is not None:  # out of order: skip the first gap's prefix and the batches after it
+            loader._resumable().resume_at(int(ooo["prefix"]), rng, [int(e) for e in ooo["extra"]])
+        else:
+            loader._resumable().resume_at(skip, rng)
     if loader.persistent_workers and loader._iterator is not None:
         loader._iterator = None  # its workers hold the old position: start new ones
     loader._fl_pending = _json(state)

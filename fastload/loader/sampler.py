@@ -250,6 +250,13 @@ def _consume(it: Iterator[Any], n: int) -> None:
     collections.deque(itertools.islice(it, n), maxlen=0)
 
 
+def _dropping(it: Iterator[T], first: int, exclude: frozenset[int]) -> Iterator[T]:
+    # Items at epoch positions first, first + 1, ...; those in ``exclude`` are dropped.
+    for pos, item in enumerate(it, first):
+        if pos not in exclude:
+            yield item
+
+
 class ResumableSampler(Sampler[T], Generic[T]):
     """Wrap a sampler or batch sampler so an epoch can resume after ``k`` items.
 
@@ -283,6 +290,7 @@ class ResumableSampler(Sampler[T], Generic[T]):
                 seen.setdefault(id(g), g)
         self.generators: tuple[torch.Generator, ...] = tuple(seen.values())
         self._skip = 0
+        self._exclude: frozenset[int] = frozenset()  # epoch positions past the skip to drop too
         self._replay: RngSnapshot | None = None
         self._pending = False
         self._snapshot: RngSnapshot | None = None
@@ -314,12 +322,14 @@ class ResumableSampler(Sampler[T], Generic[T]):
             drawn=False,
         )
 
-    def resume_at(self, skip: int, replay: RngSnapshot | None = None) -> None:
+    def resume_at(self, skip: int, replay: RngSnapshot | None = None, exclude: Iterable[int] = ()) -> None:
         """Make the next iteration (only) start after ``skip`` items of an epoch.
 
         Args:
             skip: Items (indices or index batches) to drop without reading them.
             replay: The snapshot recorded when the interrupted epoch drew its order.
+            exclude: Epoch positions after ``skip`` to drop as well (the batches an
+                out-of-order epoch delivered beyond its first gap).
 
         Raises:
             ConfigError: ``skip < 0``, or the snapshot tracks a different number of
@@ -334,6 +344,7 @@ class ResumableSampler(Sampler[T], Generic[T]):
                 "and generator arguments as the one that saved the state"
             )
         self._skip = skip
+        self._exclude = frozenset(exclude)
         self._replay = replay
         self._pending = True
 
@@ -359,8 +370,10 @@ class ResumableSampler(Sampler[T], Generic[T]):
             return 0
         return skip
 
-    def _take(self) -> None:
-        self._skip, self._replay, self._pending = 0, None, False
+    def _take(self) -> frozenset[int]:
+        exclude = self._exclude
+        self._skip, self._replay, self._pending, self._exclude = 0, None, False, frozenset()
+        return exclude
 
     def __iter__(self) -> Iterator[T]:
         if self._pending:
@@ -399,7 +412,10 @@ class ResumableSampler(Sampler[T], Generic[T]):
         return self._start(iter(self.inner), skip, replay)
 
     def _start(self, it: Iterator[T], skip: int, replay: RngSnapshot | None) -> Iterator[T]:
-        self._take()
+        base = self._skip - skip  # the epoch position of it's first item (a fast skip started later)
+        exclude = self._take()
+        if exclude:
+            it = _dropping(it, base, exclude)
         if replay is None:
             self._snapshot = None
             _consume(it, skip)

@@ -11,7 +11,7 @@ import torch
 import torch.utils.data as tud
 from _loader_helpers import CountingDS, RangeIterDS, ReadBatchDS, TensorDS, assert_same
 
-from fastload.errors import ConfigError, LoaderError
+from fastload.errors import ConfigError
 from fastload.loader.dataloader import DataLoader
 from fastload.loader.sampler import ResumableSampler, ShardedSampler
 
@@ -208,18 +208,24 @@ def test_iterable_dataset_resume_rules() -> None:
     assert len(list(loader)) == 6
     DataLoader(RangeIterDS(), batch_size=2).load_state_dict(loader.state_dict())  # boundary: ok
     it = iter(loader)
-    next(it)
-    with pytest.raises(LoaderError, match=r"RangeIterDS \(an IterableDataset\) after 1 batches.*state_dict\(\)"):
-        DataLoader(RangeIterDS(), batch_size=2).load_state_dict(loader.state_dict())
+    head = [next(it)]
+    resumed = DataLoader(RangeIterDS(), batch_size=2)
+    with pytest.warns(UserWarning, match=r"RangeIterDS \(an IterableDataset\).*after 1 batches.*state_dict\(\)"):
+        resumed.load_state_dict(loader.state_dict())  # no state: replayed (issue 33)
+    assert_same(head + list(resumed), list(DataLoader(RangeIterDS(), batch_size=2)))
 
 
-def test_out_of_order_workers_refuse_mid_epoch_state() -> None:
+def test_out_of_order_workers_resume_mid_epoch() -> None:
+    # Issue 33: the state names the batches delivered; the rest comes, none twice.
     loader = DataLoader(TensorDS(), batch_size=2, num_workers=2, in_order=False)
     it = iter(loader)
-    next(it)
-    with pytest.raises(LoaderError, match="in_order=True"):
-        loader.state_dict()
+    head = [next(it) for _ in range(3)]
+    state = loader.state_dict()
     del it
+    resumed = DataLoader(TensorDS(), batch_size=2, num_workers=2, in_order=False)
+    resumed.load_state_dict(state)
+    got = sorted(int(x) for b in head + list(resumed) for x in b[0].reshape(-1))
+    assert got == sorted(int(x) for b in DataLoader(TensorDS(), batch_size=2) for x in b[0].reshape(-1))
 
 
 def test_state_mismatches_are_config_errors() -> None:

@@ -246,12 +246,15 @@ def test_stateful_sampler_resumes_with_its_own_rng() -> None:
     assert_same(head + list(b), expected[1])
 
 
-def test_iterable_dataset_without_state_names_the_fix() -> None:
+def test_iterable_dataset_without_state_is_replayed_and_names_the_fix() -> None:
+    # Issue 33: replayed from the epoch's start (as torchdata), with a warning naming the fix.
     a = DataLoader(PlainStream(), batch_size=2)
     it = iter(a)
-    next(it)
-    with pytest.raises(LoaderError, match=r"PlainStream.*after 1 batches.*state_dict\(\) and load_state_dict\(\)"):
-        DataLoader(PlainStream(), batch_size=2).load_state_dict(a.state_dict())
+    head = [next(it)]
+    b = DataLoader(PlainStream(), batch_size=2)
+    with pytest.warns(UserWarning, match=r"PlainStream.*after 1 batches.*state_dict\(\) and load_state_dict\(\)"):
+        b.load_state_dict(a.state_dict())
+    assert _values(head) + _values(b) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
 
 
 def test_iterable_state_needs_the_same_workers() -> None:
