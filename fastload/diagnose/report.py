@@ -102,6 +102,10 @@ def _storage(s: dict[str, Any]) -> list[str]:
         return [f"  {_why(s)}"]
     lst = s.get("listing", {})
     lines = []
+    road = s.get("road")
+    if road:  # which road the requests took, as training's do (storage.road_of)
+        later = f" (later blocks: {road['later_blocks']})" if road.get("later_blocks") else ""
+        lines.append(f"  road        {road['name']}{later}: {road['why']}")
     if lst.get("status") == "ok":
         lines.append(f"  listing     {lst['items']} objects in {lst['seconds']:.3f} s ({fmt_rate(lst.get('items_per_s'))}/s)")
     else:

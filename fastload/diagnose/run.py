@@ -86,29 +86,30 @@ def _jpegs(store: dict[str, Any], n: int) -> tuple[list[bytes], str]:
 SAMPLE_HEAD_BYTES = 1024**2  # bytes of each non-image file kept for the payload decode probe
 
 
-def _sample_data(url: str, options: dict[str, Any], store: dict[str, Any], n: int) -> None:
+def _sample_data(store: dict[str, Any], n: int) -> None:
     """Name the data's kind from its first file's first bytes (under ``data_kind``), and keep up
     to ``n`` samples for the compute probes: the URL's own JPEGs (``_jpegs``), or the first
-    bytes of files that are not images (``_raw``)."""
-    from fsspec.core import url_to_fs
-
-    fs, _ = url_to_fs(url, **options)
-    sized = store.get("_paths", [])  # (path, size) of the probe's objects
-    if not sized:
+    bytes of files that are not images (``_raw``). Read through the storage probe's Source
+    (``_source``), so on the road it measured."""
+    src, sized = store.get("_source"), store.get("_items", [])  # (item as listed, size) of the probe's objects
+    if src is None or not sized:
         return
-    kind = compute.data_kind(bytes(fs.cat_file(sized[0][0], start=0, end=512)))
+
+    def heads(items: list[Any], nbytes: int) -> list[bytes]:
+        return [bytes(data) for _, data in src.fetch_first_many(items, nbytes)]
+
+    kind = compute.data_kind(heads([sized[0][0]], 512)[0])
     store["data_kind"] = kind
     if kind not in compute.IMAGE_KINDS:
-        store["_raw"] = [bytes(fs.cat_file(path, start=0, end=SAMPLE_HEAD_BYTES)) for path, _ in sized[:n]]
+        store["_raw"] = heads([item for item, _ in sized[:n]], SAMPLE_HEAD_BYTES)
         return
-    got = []
-    for path in [p for p, size in sized if size <= 8 * 1024**2][: 4 * n]:
-        data = fs.cat_file(path, start=0, end=8 * 1024**2)
-        if compute.is_jpeg(data):
-            got.append(bytes(data))
+    small = [item for item, size in sized if size <= 8 * 1024**2][: 4 * n]
+    got: list[bytes] = []
+    for k in range(0, len(small), n):  # n at a time: stop reading once n JPEGs are in
+        got += [data for data in heads(small[k : k + n], 8 * 1024**2) if compute.is_jpeg(data)]
         if len(got) >= n:
             break
-    store["_jpegs"] = got
+    store["_jpegs"] = got[:n]
 
 
 def decode_place(opts: Options, kind: str | None) -> str:
@@ -144,13 +145,14 @@ def run_diagnose(opts: Options, progress: Callable[[str], None] | None = None) -
             report[key] = skipped("GPU probes disabled with --no-gpu")
     say("storage")
     store = guarded("storage", lambda: storage.probe_storage(
-        opts.url, opts.storage_options, pattern=opts.pattern, budget=budget.storage))
+        opts.url, opts.storage_options, pattern=opts.pattern, budget=budget.storage, settings=settings))
     if store.get("status") == "ok" and opts.url:
         try:
-            _sample_data(opts.url, opts.storage_options, store, budget.images)
+            _sample_data(store, budget.images)
         except Exception as err:  # the URL's own samples are a nicety; built-in ones stand in
             store["jpeg_fetch_error"] = f"{type(err).__name__}: {err}"
-    store.pop("_paths", None)
+    store.pop("_source", None)
+    store.pop("_items", None)
     kind = store.pop("data_kind", None)
     raw = store.pop("_raw", None)
     report["storage"] = store

@@ -58,7 +58,6 @@ CLASS_OF = {
     "model": "compute",
 }
 DEFAULT_READ_THREADS = 8  # Inputs' default: fastload.config.default_read_threads() on 8 or more CPUs
-DEFAULT_MAX_REQUESTS = Settings.max_requests  # the cap on requests in flight per host
 CLOSE = 1.15  # two ops within 15% of each other are "balanced"
 #: A100 + DALI mixed decode, about 7,000 img/s (DALI's A100 blog, quoted in NVIDIA/DALI issue 5362),
 #: quoted when unmeasured.
@@ -361,7 +360,7 @@ def _advice(x: Inputs, ops: list[Op], s: Op, regime: str, warm: Op | None) -> li
                                   f"reaches about {fmt_rate(at)} img/s of {rate}"))
         if x.cache and x.cached_fraction != 1.0:
             url = x.storage_url or "URL"
-            cap = (x.storage_settled or {}).get("cap", DEFAULT_MAX_REQUESTS)
+            cap = (x.storage_settled or {}).get("cap") or Settings().max_requests  # this process's cap per host
             workers = f" --max-requests {conn}" if conn and conn > cap else ""
             cost = ""
             if x.dataset_bytes and x.storage_bps:
