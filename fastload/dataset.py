@@ -36,6 +36,7 @@ from fastload.config import Settings
 from fastload.device.worker_pack import Span, read_buffer
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
 from fastload.fetch import announce
+from fastload.read.located import Located
 from fastload.read.reader import Reader
 from fastload.source import RemoteItem
 
@@ -208,6 +209,10 @@ class FileDataset(_CachedDataset):
         if is_parent:
             self.classes = sorted({p.rsplit("/", 2)[-2] if "/" in p else "" for p in self.relpaths})
             self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        # Each small sample's cache entry by index, where the dataset fits the cache and its memo
+        # (fastload.read.located says why); None: found by key at each read.
+        fits = len(self.items) <= self.reader.cache.memo_max and self.reader.fits(self.items)
+        self._located = Located(len(self.items)) if fits else None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -250,8 +255,11 @@ class FileDataset(_CachedDataset):
         return sample
 
     def fetch_ahead(self, indices: Sequence[int]) -> None:
-        """Start fetching the files at ``indices`` ahead of their read (fastload.DataLoader calls it)."""
-        self.reader.fetcher.ahead(self._pinned(indices))
+        """Start fetching the files at ``indices`` ahead of their read (fastload.DataLoader calls it);
+        those located in the cache need nothing."""
+        todo = list(indices) if self._located is None else self._located.unknown(list(indices))
+        if todo:
+            self.reader.fetcher.ahead(self._pinned(todo))
 
     def read_batch(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """``[self[i] for i in indices]``, with the files read as one batch."""
@@ -266,7 +274,7 @@ class FileDataset(_CachedDataset):
             offsets, end = _offsets(sizes)
             lease = read_buffer(end) if sizes else None
             if lease is not None:
-                self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], lease, fresh)
+                self.reader.read_samples(items, offsets, lease, fresh, self._located, indices)
                 return [self._sample(i, item, Span(off, item.size)) for i, item, off in zip(indices, items, offsets)]
         # A whole object fetched just now is its sample's bytes as it is: no copy into the
         # batch buffer and out again (two copies of every cold object).
@@ -279,7 +287,7 @@ class FileDataset(_CachedDataset):
                 rest.append(k)
             data.append(got)
         out, offsets = _batch_buffer([sizes[k] for k in rest])
-        self.reader.read_into([(items[k], 0, items[k].size, off) for k, off in zip(rest, offsets)], out, fresh)
+        self.reader.read_samples([items[k] for k in rest], offsets, out, fresh, self._located, [indices[k] for k in rest])
         view = out.data
         for k, off in zip(rest, offsets):
             data[k] = bytes(view[off : off + items[k].size])

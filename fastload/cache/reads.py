@@ -207,7 +207,8 @@ class CacheReads(CacheRepair):
             return entry, payload, info
         return None
 
-    def read_into(self, requests: Sequence[tuple[str, Sequence[tuple[int, int, int]]]], out: Any) -> list[int]:
+    def read_into(self, requests: Sequence[tuple[str, Sequence[tuple[int, int, int]]]], out: Any,
+                  entries: list[Entry | None] | None = None) -> list[int]:
         """Copy byte ranges of many entries' raw bytes into ``out``, as one batch.
 
         Each entry is checked exactly as :meth:`get` checks it, by
@@ -219,6 +220,10 @@ class CacheReads(CacheRepair):
                 ``raw[src:src+length]`` at byte ``dst`` of ``out``.
             out: A writable, C-contiguous buffer (numpy array, bytearray, or the
                 numpy view of a pinned tensor).
+            entries: The caller's own record of these keys' entries, one per request
+                (None where it has none: looked up here), as a dataset keeps its samples'
+                (fastload.read.located). Updated in place: the entry each request was read
+                from (a rewritten one's new entry), None where it missed.
 
         Returns:
             The positions in ``requests`` that missed: not cached, or bad and
@@ -226,7 +231,11 @@ class CacheReads(CacheRepair):
         """
         missed: list[int] = []
         hits: list[Entry] = []
-        entries = self.entries_for([key for key, _ in requests])
+        if entries is None:
+            entries = self.entries_for([key for key, _ in requests])
+        elif unknown := [i for i, e in enumerate(entries) if e is None]:  # `is`: an Entry's __eq__ is Python
+            for i, e in zip(unknown, self.entries_for([requests[i][0] for i in unknown])):
+                entries[i] = e
         todo = list(range(len(requests)))
         for _ in range(2):  # twice: entries may have been rewritten since this process looked them up
             where: list[int] = []
@@ -235,7 +244,8 @@ class CacheReads(CacheRepair):
                 e, copies = entries[i], requests[i][1]
                 if e is None:
                     missed.append(i)
-                elif any(src + n > e.raw for src, n, _ in copies):
+                elif (copies[0][0] + copies[0][1] > e.raw if len(copies) == 1  # a sample's one copy: no generator
+                      else any(src + n > e.raw for src, n, _ in copies)):
                     self._corrupt(e, f"index says {e.raw} B, fewer than the block holds")
                     missed.append(i)
                 else:
@@ -258,6 +268,8 @@ class CacheReads(CacheRepair):
             if not todo:
                 break
         missed += todo
+        for i in missed:
+            entries[i] = None
         self._touch(hits)
         return sorted(missed)
 

@@ -34,6 +34,7 @@ from fastload.config import Settings, format_size
 from fastload.errors import ConfigError, EmptyDatasetError
 from fastload.fetch import Fetcher
 from fastload.fetch.identity import Identity
+from fastload.read.located import Located
 from fastload.source import RemoteItem
 from fastload.source.sources import Sources
 from fastload.stats import record_cache
@@ -182,6 +183,10 @@ class Reader:
             return data
         return self.fetcher.fetch([(item, block)])[0]
 
+    def fits(self, items: Sequence[RemoteItem]) -> bool:
+        """Whether ``items`` (their sizes known so far) fit the cache limit in force."""
+        return sum(i.plan_size for i in items if i.plan_size > 0) <= self.cache.limit_bytes()
+
     def warn_if_oversized(self, items: builtins.list[RemoteItem]) -> None:
         """Warn once when a dataset is larger than the cache limit (it will stream)."""
         total = sum(i.size for i in items)
@@ -246,6 +251,40 @@ class Reader:
                 data = memoryview(got)
                 for lo, n, dst in copies:
                     view[dst : dst + n] = data[lo : lo + n]
+
+    def read_samples(self, items: Sequence[RemoteItem], offsets: Sequence[int], out: Any,
+                     fresh: Mapping[str, bytes] | None = None, located: Located | None = None,
+                     indices: Sequence[int] = ()) -> None:
+        """Each of ``items`` whole into ``out`` at its offset: :meth:`read_into` of
+        ``(item, 0, item.size, offset)``, with the entries of those that have a slot in
+        ``located`` (by ``indices``, the samples' indices) read as they are, looked up by
+        no key. The slots of single-block items read are filled, and emptied where they missed."""
+        if located is None or fresh:  # a cold batch (fresh blocks) looks its entries up as it stores them
+            self.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], out, fresh)
+            return
+        slots = located.slots
+        entries = [slots[i] for i in indices]
+        have = [k for k, e in enumerate(entries) if e is not None]
+        rest = [k for k, e in enumerate(entries) if e is None]
+        if have:
+            t0 = time.perf_counter()
+            known = [entries[k] for k in have]
+            missed = set(self.cache.read_into([(e.key, ((0, e.raw, offsets[k]),))  # type: ignore[union-attr]
+                                               for k, e in zip(have, known)], out, entries=known))
+            nbytes = 0
+            for j, (k, e) in enumerate(zip(have, known)):
+                slots[indices[k]] = e
+                if j in missed:
+                    rest.append(k)
+                else:
+                    nbytes += e.raw  # type: ignore[union-attr]
+            self.record_hits(len(have) - len(missed), nbytes, t0)
+        if rest:
+            self.read_into([(items[k], 0, items[k].size, offsets[k]) for k in rest], out)
+            memo, bb = self.cache.known, self.settings.block_bytes
+            for k in rest:
+                if items[k].size <= bb:
+                    slots[indices[k]] = memo.get(self.identity.key(items[k], 0))
 
     # -- whole objects and ranges ---------------------------------------------
 

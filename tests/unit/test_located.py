@@ -1,0 +1,86 @@
+"""A dataset's slots of where its samples lie in the cache (fastload/read/located.py): a warm
+read finds each entry by index, with no key computed and no index or memo look-up; a slot gone
+stale is read again the usual way and refilled; the fetch ahead skips located samples."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+from fastload import FileDataset
+from fastload.cache import Cache
+from fastload.config import Settings
+from fastload.read.located import Located
+
+
+@pytest.fixture()
+def files(tmp_path: Path) -> dict[str, bytes]:
+    root = tmp_path / "data"
+    root.mkdir()
+    out = {}
+    for i in range(24):
+        body = bytes([i]) * (100 + 37 * i)
+        (root / f"{i:03d}.bin").write_bytes(body)
+        out[f"{i:03d}.bin"] = body
+    return out
+
+
+def _dataset(tmp_path: Path, **settings: object) -> FileDataset:
+    return FileDataset(str(tmp_path / "data"), settings=Settings(cache_dir=tmp_path / "cache", **settings))  # type: ignore[arg-type]
+
+
+def _names(batch: list[dict[str, object]]) -> list[str]:
+    return [str(s["url"]).rsplit("/", 1)[1] for s in batch]
+
+
+def test_a_warm_read_finds_entries_by_index_not_by_key(tmp_path: Path, files: dict[str, bytes],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = _dataset(tmp_path)
+    order = [5, 3, 17, 0, 23, 11]
+    first = ds.read_batch(order)
+    assert ds._located is not None
+    assert all(ds._located.slots[i] is not None for i in order)
+    assert all(ds._located.slots[i] is None for i in range(24) if i not in order)
+
+    def no_lookup(*args: object, **kwargs: object) -> object:
+        raise AssertionError("a located sample was looked up")
+
+    monkeypatch.setattr(ds.reader.identity, "key", no_lookup)
+    monkeypatch.setattr(ds.reader.cache, "entries_for", no_lookup)
+    monkeypatch.setattr(ds.reader.fetcher, "ahead", no_lookup)
+    ds.fetch_ahead(order)  # all located: nothing to start, not even a call
+    again = ds.read_batch(order)
+    assert [s["data"] for s in again] == [s["data"] for s in first] == [files[n] for n in _names(first)]
+
+
+def test_a_stale_slot_is_read_again_and_refilled(tmp_path: Path, files: dict[str, bytes]) -> None:
+    ds = _dataset(tmp_path)
+    ds.read_batch([1, 2, 3])
+    assert ds._located is not None
+    old = ds._located.slots[2]
+    assert old is not None
+    # Another process drops the entry (eviction): the slot still points at where it was.
+    other = Cache(Settings(cache_dir=tmp_path / "cache"))
+    other.drop(old.key)
+    other.close()
+    got = ds.read_batch([2, 1])
+    assert [s["data"] for s in got] == [files[n] for n in _names(got)]
+    new = ds._located.slots[2]
+    assert new is not None and new.key == old.key and new.location != old.location  # read back and stored anew
+
+
+def test_a_dataset_larger_than_the_cache_keeps_no_slots(tmp_path: Path, files: dict[str, bytes]) -> None:
+    # It streams: its entries are evicted each epoch, so slots would only point at what is gone.
+    assert _dataset(tmp_path, cache_limit_bytes=sum(map(len, files.values())) // 2)._located is None
+    assert _dataset(tmp_path)._located is not None
+
+
+def test_slots_are_not_pickled_into_workers(tmp_path: Path, files: dict[str, bytes]) -> None:
+    ds = _dataset(tmp_path)
+    ds.read_batch(list(range(24)))
+    copy = pickle.loads(pickle.dumps(ds))
+    assert isinstance(copy._located, Located)
+    assert copy._located.slots == [None] * 24
+    assert [s["data"] for s in copy.read_batch([4, 9])] == [files["004.bin"], files["009.bin"]]
