@@ -10,6 +10,7 @@ import dataclasses
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,17 +99,60 @@ ENV_FIELDS: dict[str, tuple[str, Any]] = {
     "FASTLOAD_LZ4_LEVEL": ("lz4_level", int),
     "FASTLOAD_MAX_REQUESTS": ("max_requests", int),
     "FASTLOAD_RETRIES": ("retries", int),
+    "FASTLOAD_RETRY_BUDGET_S": ("retry_budget_s", float),
     "FASTLOAD_BACKOFF_S": ("backoff_s", float),
     # The cap too, so every retry knob is reachable from the CLI (issue 7).
     "FASTLOAD_BACKOFF_MAX_S": ("backoff_max_s", float),
     "FASTLOAD_TIMEOUT_S": ("request_timeout_s", float),
     "FASTLOAD_HTTP_CLIENT": ("http_client", str),
 }
+_FIELD_ENV = {field: (name, convert) for name, (field, convert) in ENV_FIELDS.items()}
+_DEFAULTS: dict[str, Any] = {}  # field -> its default where no FASTLOAD_* variable is set
+
+
+def env_value(field: str, env: Mapping[str, str] | None = None) -> Any:
+    """What ``FASTLOAD_*`` sets ``field`` to in ``env`` (default ``os.environ``), or None where unset.
+
+    The one reader of the ``FASTLOAD_*`` settings: ``Settings(...)``'s defaults and
+    :meth:`Settings.from_env` both come here, so both follow one precedence.
+    """
+    env = os.environ if env is None else env
+    name, convert = _FIELD_ENV[field]
+    raw = env.get(name)
+    if not raw and field == "max_requests" and env.get("FASTLOAD_WORKERS"):
+        deprecated("FASTLOAD_WORKERS", "FASTLOAD_MAX_REQUESTS")
+        name, raw = "FASTLOAD_WORKERS", env["FASTLOAD_WORKERS"]
+    if raw is None or raw == "":
+        return None
+    try:
+        return convert(raw)
+    except (ValueError, ConfigError) as err:
+        raise ConfigError(f"environment variable {name}={raw!r} is invalid: {err}") from err
+
+
+def _env_or(field: str, default: Any) -> Any:
+    """A Settings field whose default is its ``FASTLOAD_*`` variable where set: an argument passed to
+    ``Settings(...)`` wins over the variable, the variable over the built-in default (issue 32:
+    ``FASTLOAD_RETRIES`` was ignored once ``Settings(...)`` was passed). A pickled Settings is not
+    built again, so a worker process sees exactly what its parent saw."""
+    _DEFAULTS[field] = default
+
+    def factory() -> Any:
+        value = env_value(field)
+        return default if value is None else value
+
+    return dataclasses.field(default_factory=factory)
 
 
 @dataclass(frozen=True)
 class Settings:
     """Every tunable of fastload, with units in the names.
+
+    Precedence, one rule for every field: an argument passed to ``Settings(...)`` (or to
+    :meth:`from_env` / :meth:`replace`) wins; a field not passed takes its ``FASTLOAD_*``
+    variable where set (:data:`ENV_FIELDS`); else the default below. ``Settings(retries=3)``
+    under ``FASTLOAD_RETRY_BUDGET_S=600`` has both. A Settings object is read once, where it is
+    built: a pickled one (a worker process's) does not read the environment again.
 
     Attributes:
         cache_dir: Where payloads and the index live (created with mode 0700).
@@ -143,9 +187,13 @@ class Settings:
             host limit, not here. Every thread pool's size is one of these fields or,
             for the DataLoader's and the pipelines' CPU threads, a default below
             (:func:`default_read_threads`, :func:`default_decode_threads`).
-        retries: Attempts per remote request (1 = no retry).
+        retries: A cap on attempts per remote request (1 = no retry); None (default): as many
+            as ``retry_budget_s`` allows. Set it for fail-fast jobs and tests.
+        retry_budget_s: How long one failing request is tried again, from its first attempt
+            to the start of its last (fastload.transport.retry): an outage or a SlowDown storm
+            shorter than this slows the epoch and never ends it; 0 = no retry.
         backoff_s: First retry delay; doubles per attempt, with full jitter.
-        backoff_max_s: Cap on a single retry delay.
+        backoff_max_s: Cap on a single retry delay (a ``Retry-After`` answer may ask for more).
         request_timeout_s: Per-request timeout for remote reads.
         http_client: Who carries the first-block GET of each HTTP object and listing pages: ``"auto"``
             (default): libcurl (``fastload._curl``) where it is built, libcurl is
@@ -157,23 +205,24 @@ class Settings:
     """
 
     cache_dir: Path = dataclasses.field(default_factory=default_cache_dir)
-    cache_limit_bytes: int = 50 * 1000**3
-    disk_reserve_bytes: int | None = None
-    block_bytes: int = 8 * 1024**2
-    chunk_bytes: int = 1024**2
-    pack_max_bytes: int = 1024**2
-    lz4_level: int = 0
+    cache_limit_bytes: int = _env_or("cache_limit_bytes", 50 * 1000**3)
+    disk_reserve_bytes: int | None = _env_or("disk_reserve_bytes", None)
+    block_bytes: int = _env_or("block_bytes", 8 * 1024**2)
+    chunk_bytes: int = _env_or("chunk_bytes", 1024**2)
+    pack_max_bytes: int = _env_or("pack_max_bytes", 1024**2)
+    lz4_level: int = _env_or("lz4_level", 0)
     min_saving: float = 0.05
-    max_requests: int = 64
+    max_requests: int = _env_or("max_requests", 64)
     head_threads: int = 64
     verify_threads: int = 8
     local_threads: int = 16
     stage_threads: int = 4
-    retries: int = 5
-    backoff_s: float = 0.2
-    backoff_max_s: float = 10.0
-    request_timeout_s: float = 60.0
-    http_client: str = "auto"
+    retries: int | None = _env_or("retries", None)
+    retry_budget_s: float = _env_or("retry_budget_s", 300.0)
+    backoff_s: float = _env_or("backoff_s", 0.2)
+    backoff_max_s: float = _env_or("backoff_max_s", 10.0)
+    request_timeout_s: float = _env_or("request_timeout_s", 60.0)
+    http_client: str = _env_or("http_client", "auto")
     lock_timeout_s: float = 300.0
     workers: dataclasses.InitVar[int | None] = None  # max_requests' old name (a warning once)
 
@@ -197,8 +246,10 @@ class Settings:
         for name in ("max_requests", "head_threads", "verify_threads", "local_threads", "stage_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
-        if self.retries < 1:
-            raise ConfigError(f"retries={self.retries} must be at least 1")
+        if self.retries is not None and self.retries < 1:
+            raise ConfigError(f"retries={self.retries} must be at least 1 (or None: as many as retry_budget_s allows)")
+        if self.retry_budget_s < 0:
+            raise ConfigError(f"retry_budget_s={self.retry_budget_s} is negative; use e.g. 300, or 0 for no retry")
         if self.http_client not in HTTP_CLIENTS:
             raise ConfigError(f"http_client={self.http_client!r} is not one of {', '.join(HTTP_CLIENTS)}")
 
@@ -210,9 +261,12 @@ class Settings:
 
     @property
     def fetch_wait_s(self) -> float:
-        """How long a thread waits for another thread's fetch of a block: that request's
-        timeout over every retry, and the longest backoff."""
-        return self.request_timeout_s * self.retries + self.backoff_max_s
+        """How long a thread waits for another thread's fetch of a block: that request's retries
+        (its budget, or its attempts where ``retries`` caps them sooner), its last attempt, and a backoff."""
+        span = self.retry_budget_s + self.request_timeout_s
+        if self.retries is not None:
+            span = min(span, self.retries * (self.request_timeout_s + self.backoff_max_s))
+        return span + self.backoff_max_s
 
     def replace(self, **changes: Any) -> Settings:
         """Return a copy with ``changes`` applied (sizes may be human strings)."""
@@ -224,27 +278,23 @@ class Settings:
         return dataclasses.replace(self, **{"workers": None, **{k: v for k, v in changes.items() if v is not None}})
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
-        """Build settings from ``FASTLOAD_*`` variables, then apply ``overrides``.
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from ``FASTLOAD_*`` variables of ``env`` (default ``os.environ``), then apply ``overrides``.
 
-        Recognised: FASTLOAD_CACHE_DIR, FASTLOAD_CACHE_LIMIT, FASTLOAD_DISK_RESERVE, FASTLOAD_BLOCK_SIZE,
+        ``Settings(...)`` reads the same variables for the fields it is not passed; this
+        reads only ``env`` (a test's dict sees no variable of the process). Recognised:
+        FASTLOAD_CACHE_DIR, FASTLOAD_CACHE_LIMIT, FASTLOAD_DISK_RESERVE, FASTLOAD_BLOCK_SIZE,
         FASTLOAD_CHUNK_SIZE, FASTLOAD_PACK_MAX, FASTLOAD_LZ4_LEVEL, FASTLOAD_MAX_REQUESTS (or its old name
-        FASTLOAD_WORKERS, with a warning), FASTLOAD_RETRIES,
+        FASTLOAD_WORKERS, with a warning), FASTLOAD_RETRIES, FASTLOAD_RETRY_BUDGET_S,
         FASTLOAD_BACKOFF_S, FASTLOAD_BACKOFF_MAX_S, FASTLOAD_TIMEOUT_S, FASTLOAD_HTTP_CLIENT.
         """
-        env = dict(os.environ if env is None else env)
-        if env.get("FASTLOAD_WORKERS") and not env.get("FASTLOAD_MAX_REQUESTS"):
-            deprecated("FASTLOAD_WORKERS", "FASTLOAD_MAX_REQUESTS")
-            env["FASTLOAD_MAX_REQUESTS"] = env["FASTLOAD_WORKERS"]
         values: dict[str, Any] = {}
-        for name, (field, convert) in ENV_FIELDS.items():
-            raw = env.get(name)
-            if raw is None or raw == "":
-                continue
-            try:
-                values[field] = convert(raw)
-            except (ValueError, ConfigError) as err:
-                raise ConfigError(f"environment variable {name}={raw!r} is invalid: {err}") from err
+        for field in _FIELD_ENV:
+            value = env_value(field, env)
+            if value is not None:
+                values[field] = value
+            elif field in _DEFAULTS:  # cache_dir's default reads FASTLOAD_CACHE_DIR of the process (default_cache_dir)
+                values[field] = _DEFAULTS[field]
         settings = cls(**values)
         return settings.replace(**overrides) if overrides else settings
 

@@ -34,6 +34,11 @@ class CredentialsError(SourceError, PermissionError):
     """The remote refused access, or no credentials were found."""
 
 
+class CertificateError(CredentialsError):
+    """The server's TLS certificate is not trusted (self-signed, an unknown CA, another host's name):
+    not retried; the message names the CA options."""
+
+
 class RemoteChangedError(SourceError):
     """The remote object differs from the fingerprint recorded when it was listed or staged."""
 

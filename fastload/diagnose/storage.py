@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["StorageBudget", "probe_storage", "road_of", "saturating"]
 
 Unit = tuple["RemoteItem", int, int]  # (the object as listed, start, end): one request's bytes
+RETRY_BUDGET_S = 20.0  # how long diagnose retries one failing request (training: Settings.retry_budget_s)
 # The fsspec filesystem each protocol's GETs take when libcurl does not carry them.
 _FSSPEC_ROADS = {"http": "aiohttp", "https": "aiohttp", "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
 
@@ -306,6 +307,10 @@ def probe_storage(url: str | None, storage_options: dict[str, Any] | None = None
     from fastload.errors import EmptyDatasetError
     from fastload.source import Source
 
+    # A measurement answers in seconds: a dead store is reported after RETRY_BUDGET_S of retries,
+    # not after training's budget of minutes (which rides out an outage mid-epoch).
+    settings = settings or Settings.from_env()
+    settings = settings.replace(retry_budget_s=min(settings.retry_budget_s, RETRY_BUDGET_S))
     src = Source(url, storage_options, settings)
     try:
         items, listing = _list(src, pattern, budget.list_repeats)

@@ -23,7 +23,6 @@ import concurrent.futures
 import functools
 import importlib.util
 import os
-import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -36,6 +35,7 @@ from fsspec.core import url_to_fs
 
 from fastload.config import Settings
 from fastload.errors import (
+    CertificateError,
     ConfigError,
     FastloadError,
     RemoteChangedError,
@@ -48,7 +48,7 @@ from fastload.source.fallback import FsspecRoad
 from fastload.source.items import RemoteItem, matching, version_of
 from fastload.transport import curl
 from fastload.transport.curl import CurlRoute, route_for
-from fastload.transport.failures import describe, secrets, transient
+from fastload.transport.failures import describe, secrets, transient, untrusted
 from fastload.transport.hostlimit import (
     SLOT_WAIT_S,
     STOP_POLL_S,
@@ -57,6 +57,7 @@ from fastload.transport.hostlimit import (
     limit_for,
 )
 from fastload.transport.loop import submit_all
+from fastload.transport.retry import Retries, note_retry
 
 T = TypeVar("T")
 
@@ -245,6 +246,8 @@ class Source(FsspecRoad):
 
     def translate(self, err: BaseException, url: str) -> FastloadError:
         """Map a backend exception to a FastloadError naming ``url``, the cause and the fix (errors.translate)."""
+        if untrusted(err):  # never retried (failures.transient): the fix is a CA, not patience
+            return CertificateError(errors.untrusted_text(url, self.scrub(f"{type(err).__name__}: {err}")))
         return errors.translate(err, url, self.scrub, self._http)
 
 
@@ -499,10 +502,11 @@ class Source(FsspecRoad):
     # -- reading --------------------------------------------------------------
 
     def _call(self, fn: Callable[[], T], url: str) -> T:
-        """``fn()`` (one request) in a slot of the host's limit, retried with backoff outside it."""
+        """``fn()`` (one request) in a slot of the host's limit, retried outside it while the retry
+        budget lasts (fastload.transport.retry: backoff, Retry-After, one warning per outage)."""
         settings = self.settings
         limit = self.limit_of(url)
-        attempt = 0
+        retries = Retries.of(settings)
         while True:
             self._stopped(url)  # no request or retry starts once stopping
             try:
@@ -516,14 +520,25 @@ class Source(FsspecRoad):
                 if not transient(err):
                     raise self.translate(err, url) from err
                 last = err
-            attempt += 1
-            if attempt >= settings.retries:
+            sleep = retries.sleep_after(last)
+            if sleep is None:
                 break
-            # Full jitter keeps many workers from retrying in lockstep.
-            delay = min(settings.backoff_max_s, settings.backoff_s * 2 ** (attempt - 1))
-            self.stop.wait(random.uniform(0, delay))  # a stop ends the backoff; the next turn raises
-        raise SourceError(
-            f"{url}: failed after {settings.retries} attempts; last cause: "
-            f"{self.scrub(describe(last, settings.request_timeout_s))}; fix: check the server, or raise "
-            "FASTLOAD_RETRIES / FASTLOAD_TIMEOUT_S"
-        ) from last
+            # Every retry marks its host as failing; one line per outage, not per request.
+            note_retry(host_of(url, self.storage_options), self.scrub(describe(last, settings.request_timeout_s)), settings)
+            self.stop.wait(sleep)  # a stop ends the backoff; the next turn raises
+        raise SourceError(self._exhausted(url, retries, last)) from last
+
+    def _exhausted(self, url: str, retries: Retries, last: BaseException) -> str:
+        """What a request that ran out of retries says: the URL, how long it tried, the last cause, and which
+        setting gives more (named both ways: Settings arguments win over FASTLOAD_* variables)."""
+        settings = self.settings
+        cause = self.scrub(describe(last, settings.request_timeout_s))
+        if retries.capped:
+            more = (f"retries={settings.retries} caps the attempts: drop it (Settings(retries=None), or unset "
+                    f"FASTLOAD_RETRIES) to retry for up to retry_budget_s={settings.retry_budget_s:g} s")
+        else:
+            more = (f"a longer wait: Settings(retry_budget_s=...) or FASTLOAD_RETRY_BUDGET_S "
+                    f"(now {settings.retry_budget_s:g} s)")
+        return (f"{url}: failed after {retries.attempts} attempts in {retries.elapsed_s:.1f} s; last cause: {cause}; "
+                f"fix: check that the store is up and reachable; {more}; a slow store: Settings(request_timeout_s=...) "
+                "or FASTLOAD_TIMEOUT_S (an argument to Settings(...) wins over the variable)")

@@ -23,7 +23,7 @@ from fastload.errors import (
     SourceError,
 )
 from fastload.source.items import RemoteItem
-from fastload.transport.failures import CREDENTIAL_ERRORS
+from fastload.transport.failures import CREDENTIAL_ERRORS, REFUSALS, store_answer
 
 INSTALL_HINTS = {
     "s3": "pip install 'fastload[s3]'",
@@ -75,6 +75,11 @@ def translate(err: BaseException, url: str, scrub: Callable[[str], str], http: b
     """Map a backend exception to a FastloadError naming ``url``, the cause and the fix."""
     cause = scrub(f"{type(err).__name__}: {err}")
     name = type(err).__name__
+    answer = store_answer(err)
+    if answer is not None and url.startswith(("s3://", "s3a://")):
+        code, answered = answer  # a HEAD's answer has no body: its "code" is the status
+        if code in REFUSALS or (answered in (400, 401, 403) and code in ("", str(answered), "BadRequest", "Forbidden")):
+            return refused(url, code, answered, cause)
     if name in CREDENTIAL_ERRORS or isinstance(err, PermissionError):
         return CredentialsError(
             f"{url}: access denied or no credentials ({cause}); fix: pass credentials in "
@@ -100,10 +105,26 @@ def translate(err: BaseException, url: str, scrub: Callable[[str], str], http: b
 
 
 
-def refused(url: str, code: str, status: int) -> CredentialsError:
-    """An S3 answer that refuses the credentials (fastload.source.s3.refusal): where valid ones go."""
+def untrusted_text(url: str, cause: str) -> str:
+    """What a CertificateError says (Source.translate): where a CA goes, not a retry."""
+    s3 = url.startswith(("s3://", "s3a://"))
+    where = ("storage_options={'client_kwargs': {'verify': '/path/to/ca.pem'}} or AWS_CA_BUNDLE=/path/to/ca.pem "
+             "(s3fs's requests), and SSL_CERT_FILE=/path/to/ca.pem (libcurl's)" if s3 else "SSL_CERT_FILE=/path/to/ca.pem (or SSL_CERT_DIR), which libcurl's and aiohttp's "
+             "requests both trust")
+    return (f"{url}: the server's TLS certificate is not trusted ({cause}); not retried; fix: trust its CA: {where}; "
+            "or check that the URL names the right host (a certificate for another name fails so too)")
+
+
+def refused(url: str, code: str, status: int, cause: str = "") -> CredentialsError:
+    """An S3 answer that refuses the credentials (fastload.source.s3.refusal, or botocore's error
+    under s3fs's): its code, and where valid ones go."""
+    if code in ("", str(status)):  # botocore's code for an answer without a body
+        what = (f"HTTP {status} to a HEAD, whose answer carries no S3 error code: a wrong key, secret or "
+                "session token, or a wrong region")
+    else:
+        what = f"{code}, HTTP {status}"
     return CredentialsError(
-        f"{url}: S3 refused the credentials ({code}, HTTP {status}); fix: pass valid ones in storage_options "
+        f"{url}: S3 refused the credentials ({what}{'; ' + cause if cause else ''}); fix: pass valid ones in storage_options "
         "(key, secret, and token for temporary ones), or set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / "
         "AWS_SESSION_TOKEN or AWS_PROFILE; temporary credentials expire: renew them"
     )

@@ -42,13 +42,16 @@ _ROADS = {"s3": "s3fs (a HEAD and a GET per object)", "s3a": "s3fs (a HEAD and a
 
 
 def note_fallback(url: str, why: str) -> None:
-    """Log, once per process and cause, that an object store source's GETs stay on this road."""
+    """Log that an object store source's GETs stay on this road: at WARNING once per process (default
+    logging shows it: it costs a request per object), other causes after it at INFO."""
     with _noted_lock:
         if why in _noted:
             return
+        first = not _noted
         _noted.add(why)
     road = _ROADS.get(url.split("://", 1)[0].lower(), "fsspec")
-    _log.info("fastload: %s: GETs go through %s: %s", url, road, why)
+    _log.log(logging.WARNING if first else logging.INFO, "fastload: %s: GETs go through %s, not libcurl: %s",
+             url, road, why)
 
 
 class _Source(Protocol):

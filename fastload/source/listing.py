@@ -246,6 +246,7 @@ class StoreRoute(Protocol):
     def list_url(self, bucket: str, prefix: str, token: str | None) -> str: ...
     def parse_page(self, text: str) -> ListPage: ...
     def item_url(self, bucket: str, key: str) -> str: ...
+    def refused(self, url: str, err: curl.HttpStatusError) -> Exception | None: ...
 
 
 def store_find(src: Source, route: StoreRoute, pattern: str | None) -> tuple[dict[str, RemoteItem], int] | None:
@@ -269,6 +270,12 @@ def store_find(src: Source, route: StoreRoute, pattern: str | None) -> tuple[dic
         for (prefix, _), p in zip(todo, pending):
             try:
                 page = route.parse_page(p.result(0)[2] or "")
+            except curl.HttpStatusError as err:
+                denied = route.refused(src.url, err)
+                if denied is not None:  # the store's own code (InvalidToken...): s3fs's HEAD would see only "400"
+                    raise denied from None
+                p.cancel()
+                return None
             except Exception:  # noqa: S110 - the filesystem lists again, with its retries and error names
                 p.cancel()
                 return None

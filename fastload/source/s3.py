@@ -45,6 +45,7 @@ from fastload.source import errors, sigv4
 from fastload.source.items import ListPage
 from fastload.transport import curl
 from fastload.transport.curl import CurlRoute
+from fastload.transport.failures import REFUSALS
 
 # storage_options this path honours, and what it honours inside client_kwargs and config_kwargs.
 HONOURED = {"key", "secret", "token", "anon", "profile", "endpoint_url", "client_kwargs", "config_kwargs",
@@ -194,9 +195,6 @@ def route_for(url: str, options: dict[str, Any], choice: str) -> tuple[S3Route |
     return S3Route(headers, None, True, None, endpoint, virtual, str(region), credentials), ""
 
 
-# Error codes of an S3 answer that refuses the credentials (not the object): retrying cannot help.
-REFUSALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "TokenRefreshRequired",
-            "InvalidClientTokenId", "AuthorizationHeaderMalformed", "AccessDenied", "AllAccessDisabled"}
 _CODE = re.compile(rb"<Code>([A-Za-z]+)</Code>")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import ssl
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -107,6 +108,55 @@ _CUT_NAMES = {
 }
 
 
+# Error codes of an object store's answer that refuse the credentials (not the object): retrying cannot help.
+REFUSALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "TokenRefreshRequired",
+            "InvalidClientTokenId", "AuthorizationHeaderMalformed", "AccessDenied", "AllAccessDisabled"}
+_TRANSIENT_4XX = {"RequestTimeout", "RequestTimeTooSkewed"}  # 400s that another try may mend
+_UNTRUSTED_NAMES = {"SSLCertVerificationError", "ClientConnectorCertificateError", "CertificateError"}
+_UNTRUSTED_TEXT = re.compile(r"CERTIFICATE_VERIFY_FAILED|certificate verify failed|libcurl error (60|77)\)")
+
+
+def untrusted(err: BaseException) -> str:
+    """What in ``err`` says the server's TLS certificate is not trusted ("" if nothing): a self-signed
+    one, an unknown CA, another host's name. Another try cannot help; the CA options can
+    (errors.untrusted names them). ssl's, aiohttp's and botocore's errors, and libcurl's 60 and 77.
+
+    >>> import ssl
+    >>> untrusted(ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] self-signed certificate"))
+    'SSLCertVerificationError'
+    """
+    for e in _chain(err):
+        if isinstance(e, ssl.SSLCertVerificationError) or type(e).__name__ in _UNTRUSTED_NAMES:
+            return type(e).__name__
+    for e in _chain(err):
+        if _UNTRUSTED_TEXT.search(str(e)):
+            return type(e).__name__
+    return ""
+
+
+def store_answer(err: BaseException) -> tuple[str, int] | None:
+    """The error code and HTTP status of an object store's answer behind ``err`` (botocore's
+    ClientError, which s3fs raises its errors from), or None. A HEAD's answer has no body: its
+    code is the status ("400", "403")."""
+    for e in _chain(err):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and ("Error" in response or "ResponseMetadata" in response):
+            code = str((response.get("Error") or {}).get("Code") or "")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            return code, int(status) if isinstance(status, int) else 0
+    return None
+
+
+def _refused_by_store(err: BaseException) -> bool:
+    """An object store's 4xx answer another try cannot mend: refused credentials, a bad request."""
+    answer = store_answer(err)
+    if answer is None:
+        return False
+    code, status = answer
+    return code in REFUSALS or (400 <= status < 500 and status not in (408, 429) and code not in _TRANSIENT_4XX
+                                and code not in _THROTTLE_CODES)
+
+
 def _chain(err: BaseException) -> Iterator[BaseException]:
     e: BaseException | None = err
     for _ in range(6):
@@ -125,7 +175,7 @@ def transient(err: BaseException) -> bool:
         return True
     if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FastloadError)):
         return False
-    if type(err).__name__ in CREDENTIAL_ERRORS:
+    if type(err).__name__ in CREDENTIAL_ERRORS or untrusted(err) or _refused_by_store(err):
         return False
     if isinstance(err, (TimeoutError, asyncio.TimeoutError, ConnectionError, TruncatedBodyError)):
         return True

@@ -124,6 +124,26 @@ def test_session_token_is_sent_and_a_bad_one_refused(
         _epoch(tmp_path / "b", {**options, "token": "not-the-token"}, _urls()[:2])
 
 
+@pytest.mark.parametrize("client", ["auto", "aiohttp"])
+@pytest.mark.parametrize("bad", ["secret", "token"])
+def test_a_refused_listing_is_a_credentials_error_naming_s3s_code(
+        bad: str, client: str, tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None) -> None:
+    """A listed prefix, not a key list: the listing's answer names the code (issue 32, item 7). A bad token
+    ended as SourceError "Bad Request" after retries (s3fs's HEAD has no body to read a code from)."""
+    creds = signed.client("sts").assume_role(RoleArn="arn:aws:iam::123456789012:role/fastload",
+                                             RoleSessionName="fastload-test")["Credentials"]
+    options = _options(signed, key=creds["AccessKeyId"], secret=creds["SecretAccessKey"], token=creds["SessionToken"])
+    options[bad] = "WrongValue-5d1e0b9a"
+    with pytest.raises(CredentialsError) as info:
+        fastload.FileDataset("s3://signed/keys/", storage_options=options,
+                             settings=Settings.from_env({}, cache_dir=tmp_path / "cache", http_client=client))
+    msg = str(info.value)
+    # s3fs's road asks with a HEAD, whose answer has no body: the status, and what it may mean.
+    code = "no S3 error code" if client == "aiohttp" else "SignatureDoesNotMatch" if bad == "secret" else "InvalidToken"
+    assert msg.startswith("s3://signed/keys") and code in msg and "WrongValue" not in msg, msg
+    assert "fix:" in msg and "token" in msg
+
+
 def test_credentials_from_environment_variables(
         tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", signed.key)

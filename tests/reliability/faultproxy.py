@@ -12,6 +12,10 @@ answer the way flaky networks and stores do:
 * ``"stall"``: the headers and half the body (nothing at all for HEAD), then
   silence for ``stall_s`` seconds, longer than the client's request timeout.
 
+:meth:`FaultProxy.outage` takes the store down for a while: every request meanwhile
+gets its connection reset before any answer (logged as fault ``"down"``), as a store
+that is down behind its load balancer does.
+
 Faults are drawn from one seeded RNG, so a run's fault mix is reproducible up
 to thread scheduling. Every request is logged with the fault it got, so tests
 can count attempts. The proxy is a thread of the test process; :meth:`stop`
@@ -86,6 +90,8 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.log: list[Request] = []
+        self._outages: list[threading.Thread] = []
+        self.down = False  # while set, every request is reset unanswered (outage)
         self._server: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -95,6 +101,21 @@ class FaultProxy:
         if unknown or sum(rates.values()) > 1.0 + 1e-9:
             raise ValueError(f"rates {rates} must use {FAULTS} and sum to <= 1")
         self.rates = dict(rates)
+
+    def outage(self, after_s: float, for_s: float) -> threading.Thread:
+        """Take the store down ``after_s`` seconds from now, for ``for_s`` seconds (a thread; joined by stop)."""
+
+        def run() -> None:
+            if self._stop.wait(after_s):
+                return
+            self.down = True
+            self._stop.wait(for_s)
+            self.down = False
+
+        thread = threading.Thread(target=run, name="fault-proxy-outage", daemon=True)
+        thread.start()
+        self._outages.append(thread)
+        return thread
 
     @property
     def url(self) -> str:
@@ -166,6 +187,9 @@ class FaultProxy:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        for thread in self._outages:
+            thread.join(timeout=10)
+        self.down = False
 
     def __enter__(self) -> FaultProxy:
         return self.start()
@@ -190,6 +214,10 @@ class FaultProxy:
             conn.close()
 
     def _handle(self, h: http.server.BaseHTTPRequestHandler, method: str) -> None:
+        if self.down:
+            self._record(method, h.path, h.headers.get("Range", ""), "down")
+            self._break(h, "reset")
+            return
         fault = self._draw(h.path)
         self._record(method, h.path, h.headers.get("Range", ""), fault)
         if fault == "503":

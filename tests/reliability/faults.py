@@ -61,7 +61,7 @@ _ALL = [
         "HTTP 503, connection reset mid-body, truncated body, stall longer than the request timeout (each 10% of requests)",
         "FaultProxy (tests/reliability/faultproxy.py) in front of nginx; listing, HEADs and GETs all pass through it",
         "an epoch over a fresh cache", 1, 5,
-        "Nothing: each request is retried (full-jitter backoff, FASTLOAD_RETRIES attempts, FASTLOAD_TIMEOUT_S per request); the epoch is bit-exact",
+        "Nothing: each request is retried (full-jitter backoff; here FASTLOAD_RETRIES caps the attempts, else FASTLOAD_RETRY_BUDGET_S bounds them; FASTLOAD_TIMEOUT_S per request); the epoch is bit-exact",
     ),
     Fault(
         "s3-slowdown", 1,
@@ -71,11 +71,25 @@ _ALL = [
         "Nothing: botocore, s3fs and fastload retry; the epoch is bit-exact",
     ),
     Fault(
+        "store-outage", 1,
+        "The store goes down mid-epoch: 8 s (`make test`), 60 s (`make test-all`)",
+        "FaultProxy in front of moto's S3 server resets every request, unanswered, from the first batch on for the outage; default settings",
+        "an epoch over a fresh cache", 1, 1,
+        "One warning naming the host, the cause and retry_budget_s; the epoch waits the outage out and is byte-exact (retries budgeted by time: 300 s per request by default)",
+    ),
+    Fault(
+        "s3-slowdown-storm", 1,
+        "S3 throttling storm: 503 SlowDown on 30% of requests (listing, HEADs and GETs)",
+        "FaultProxy in front of moto's S3 server, answering with S3's SlowDown XML; default settings; a clean epoch through a fault-free proxy in the same run for the time",
+        "an epoch over a fresh cache", 1, 3,
+        "Nothing but a slower epoch (the host limit is cut on SlowDown) and one warning: byte-exact",
+    ),
+    Fault(
         "retries-exhausted", 1,
         "Every request fails (503, or a stall past the timeout)",
         "FaultProxy at 100% 503 and at 100% stall; request times logged by the proxy",
         "a URL read until the attempts run out (503 and stall alternate)", 2, 8,
-        "SourceError: '<url>: failed after N attempts; last cause: <503 / no answer within request_timeout_s>; fix: ...' after exactly FASTLOAD_RETRIES requests, with jittered, capped gaps",
+        "SourceError: '<url>: failed after N attempts in T s; last cause: <503 / no answer within request_timeout_s>; fix: ...' after exactly FASTLOAD_RETRIES requests (the cap set here; unset, retry_budget_s bounds the time), with jittered, capped gaps",
     ),
     Fault(
         "stage-sigkill", 2,

@@ -79,3 +79,30 @@ def test_pure_python_is_one_reading_of_the_variable(monkeypatch: pytest.MonkeyPa
     else:
         monkeypatch.setenv("FASTLOAD_PURE_PYTHON", value)
     assert pure_python() is pure
+
+
+def test_settings_arguments_win_over_fastload_variables_which_win_over_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One precedence (issue 32): FASTLOAD_RETRIES was ignored once Settings(...) was passed."""
+    import pickle
+
+    monkeypatch.setenv("FASTLOAD_RETRIES", "3")
+    monkeypatch.setenv("FASTLOAD_RETRY_BUDGET_S", "600")
+    s = Settings(retries=7)
+    assert (s.retries, s.retry_budget_s, s.request_timeout_s) == (7, 600.0, 60.0)
+    assert Settings().retries == 3 and Settings.from_env().retries == 3
+    assert Settings.from_env({}).retries is None  # only the env it is given
+    monkeypatch.setenv("FASTLOAD_RETRY_BUDGET_S", "5")
+    assert pickle.loads(pickle.dumps(s)) == s and s.replace(backoff_s=1).retry_budget_s == 600.0  # read once, where built
+    monkeypatch.setenv("FASTLOAD_RETRIES", "many")
+    with pytest.raises(ConfigError, match="FASTLOAD_RETRIES='many'"):
+        Settings()
+
+
+def test_retries_caps_attempts_and_the_budget_bounds_waits() -> None:
+    assert Settings.from_env({}).retries is None and Settings.from_env({}).retry_budget_s == 300.0
+    assert Settings.from_env({}).fetch_wait_s >= 300.0
+    assert Settings.from_env({}, retries=2).fetch_wait_s < 300.0
+    with pytest.raises(ConfigError, match="retry_budget_s"):
+        Settings(retry_budget_s=-1)
+    with pytest.raises(ConfigError, match="retries=0"):
+        Settings(retries=0)
