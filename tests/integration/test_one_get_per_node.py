@@ -27,6 +27,16 @@ SCRIPT = Path(__file__).with_name("one_get_script.py")
 OBJECTS, SIZE = 200, 50_000
 
 
+def _repeated(server: Any) -> list[str]:
+    """The access-log lines of the objects GET more than once (a failure's evidence: when, which ranges)."""
+    lines = [line for line in (server.workdir / "access.log").read_text().splitlines() if '"GET /obj_' in line]
+    counts: dict[str, int] = {}
+    for line in lines:
+        name = line.split('"GET /', 1)[1].split(" ", 1)[0]
+        counts[name] = counts.get(name, 0) + 1
+    return [line for line in lines if counts[line.split('"GET /', 1)[1].split(" ", 1)[0]] > 1][:12]
+
+
 def _gets(server: Any) -> int:
     log = (server.workdir / "access.log").read_text()
     return sum(1 for line in log.splitlines() if '"GET /obj_' in line)
@@ -77,5 +87,7 @@ def test_two_readers_started_together_send_one_get_per_object(
         assert {url.rsplit("/", 1)[1]: d for url, d in out["digests"].items()} == digests
     assert not any("fetching them here" in e for e in errors)  # no wait ran out its bound
     gets = _gets(server)
-    assert OBJECTS <= gets <= OBJECTS * 1.02, f"{gets} GETs for {OBJECTS} objects ({gets / OBJECTS:.2f}x)"
+    assert OBJECTS <= gets <= OBJECTS * 1.02, (
+        f"{gets} GETs for {OBJECTS} objects ({gets / OBJECTS:.2f}x); sent twice or more: {_repeated(server)}; "
+        f"readers fetched {[o['fetched'] for o in outs]}; their logs' ends: {[e[-1500:] for e in errors]}")
     assert sum(o["fetched"] for o in outs) <= OBJECTS * 1.02
