@@ -6,7 +6,8 @@ and ``fastload/__init__.py``. Modules:
 
 * dataloader: the class, its arguments and index order; chain: one pass's iterators;
   iterator: the iterator the user holds (torch's surface, timing, live stats);
-* sampler: index order, ranks and node parts, resumable; resume / snapshot: the state
+* sampler: index order, ranks and node parts, resumable; listing_check: the ranks agree
+  on the items they split; resume / snapshot: the state
   and a worker's part of it; received: what torch's worker messages tell the parent
   besides the batch; readahead: the read_batch path's threads;
 * worker_stats: what workers ship with each batch; torch_surface: torch's classes as

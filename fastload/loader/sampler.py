@@ -27,6 +27,10 @@ Shard semantics (the same as DistributedSampler):
 head), or with ``drop_last`` ``smallest part // ranks per node``, so step counts
 stay equal across the whole job.
 
+Either split holds only if every rank splits the same items: under an initialised
+process group the ranks compare their listings when the sampler is built, and a
+mismatch raises on every rank (:mod:`fastload.loader.listing_check`).
+
 :class:`ResumableSampler` wraps any sampler or batch sampler and can begin the
 next epoch after ``k`` items *without fetching them*: it regenerates the epoch's
 index order (replaying the RNG state recorded when the epoch's order was drawn)
@@ -46,6 +50,7 @@ import torch
 from torch.utils.data import BatchSampler, Sampler
 
 from fastload.errors import ConfigError
+from fastload.loader import listing_check
 from fastload.read import partition as parts
 
 __all__ = ["ResumableSampler", "RngSnapshot", "ShardedSampler"]
@@ -71,7 +76,9 @@ class ShardedSampler(Sampler[int]):
 
     Raises:
         ConfigError: ``world_size < 1`` or ``rank`` outside ``[0, world_size)``; an
-            unknown ``partition``; a node topology that cannot be found or does not fit.
+            unknown ``partition``; a node topology that cannot be found or does not fit;
+            under a process group of ``world_size`` ranks, ranks whose datasets list
+            different items (raised on every rank; :mod:`fastload.loader.listing_check`).
 
     Example:
         >>> s = ShardedSampler(range(10), world_size=2, rank=1, shuffle=False)
@@ -123,11 +130,15 @@ class ShardedSampler(Sampler[int]):
                 f"partition={partition!r} with nodes={nodes}, node_rank={node_rank}: use partition='global' "
                 "(DistributedSampler's split; no nodes=) or partition='node' (a fixed part per node)"
             )
+        else:
+            listing_check.check(dataset, world_size, rank)
 
     def _split(self, nodes: int | None, node_rank: int | None) -> None:
         """Find this rank's node, and that node's part; size the shard so all ranks step alike."""
         top = parts.topology(self.world_size, self.rank, nodes, node_rank)
         keys, sizes = parts.dataset_weights(self.dataset)
+        # Sizes too: the parts weigh bytes, so ranks that disagree on one size split apart.
+        listing_check.check(self.dataset, self.world_size, self.rank, keys, sizes)
         owner = parts.assign(keys, sizes, top.nodes)
         parts.log_move(self.dataset, keys, sizes, top.nodes, announce=top.local_rank == 0)
         self.topology = top
