@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -73,6 +74,31 @@ class Source(Protocol):
     def _curl_takes(self, limit: HostLimit) -> bool: ...
     def _stopped(self, url: str) -> None: ...
     def _settle(self, pending: Sequence[Any], timeout_s: float) -> None: ...
+
+
+@contextmanager
+def progress_line(root: str, show: bool) -> Iterator[None]:
+    """While listing, one stderr line saying how far it got (objects, folders), at most twice a
+    second: a million objects list for tens of seconds, and said nothing (``fastload cache``)."""
+    if not show:
+        yield
+        return
+    last = [0.0]  # when the line was last written
+
+    def note(files: int, folders: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 0.5:
+            last[0] = now
+            sys.stderr.write(f"\rlisting {root}: {files:,} objects in {folders:,} folders")
+            sys.stderr.flush()
+
+    token = LISTING_PROGRESS.set(note)
+    try:
+        yield
+    finally:
+        LISTING_PROGRESS.reset(token)
+        if last[0]:
+            sys.stderr.write("\n")
 
 
 def http_find(src: Source, pattern: str | None) -> tuple[RemoteItem | dict[str, RemoteItem], int]:

@@ -110,3 +110,30 @@ def test_listed_sizes_refuse_before_any_get(
     err = capsys.readouterr().err
     assert code == 1 and "dataset s3://signed/limit is 2 MB but the cache limit is 1 MB" in err, err
     assert signed_moto.requests("GET", "/signed/limit/0") == gets
+
+
+def test_a_sizeless_folder_over_a_small_limit_stops_within_a_few_objects_of_it(
+    tmp_path: Path, nginx_server: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The case: 120 files of 100 KB (12 MB) behind sizeless folder pages, --cache-limit 1MB:
+    # whole chunks of 32 per staging task sent 130 GETs. Parts admitted by the room left at the
+    # mean size learned (fastload.stage._Progress.admitted) stop about ten objects past it.
+    www = tmp_path / "www"
+    www.mkdir()
+    for i in range(120):
+        (www / f"{i:03d}.bin").write_bytes(os.urandom(100_000))
+    server = nginx_server(www, locations="location ~ /$ { autoindex on; autoindex_exact_size off; }")
+    code = main(["cache", server.url + "/", "--cache-limit", "1MB", "--cache-dir", str(tmp_path / "c"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1 and "staging stopped before fetching the rest" in err, err
+    assert 10 <= _requests(server, "GET") <= 20, _requests(server, "GET")
+
+
+def test_a_sizeless_folder_within_the_limit_is_staged_whole_under_admission(
+    http_folder: _servers.NginxServer, tmp_path: Path
+) -> None:
+    # Admission only holds items back near the limit: a folder that fits is staged whole, one GET each.
+    code = main(["cache", http_folder.url + "/", "--cache-limit", "50MB", "--cache-dir", str(tmp_path / "c"),
+                 "--no-progress"])
+    assert code == 0
+    assert _requests(http_folder, "GET") == N and _requests(http_folder, "HEAD") == 0
