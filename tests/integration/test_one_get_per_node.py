@@ -53,7 +53,7 @@ def test_two_readers_started_together_send_one_get_per_object(
 ) -> None:
     # A second trial only where the first sent more than 1.02x: in full-suite runs a pair of
     # readers meeting mid-dataset was seen once each in two runs (2026-12-03) fetching one batch
-    # of 8 both (208 GETs; readers fetched 128 and 80), and 0 of 26 alone. That race is an open
+    # of 8 both (208 GETs; readers fetched 128 and 80), and 1 of 34 runs alone. That race is an open
     # defect (named in the notes); a product that fetches twice as a rule fails both trials.
     first = _trial(tmp_path / "t1", nginx_server, how, orders, hog)
     if first is None:
