@@ -36,6 +36,14 @@ A process waiting for another's marker says so (:meth:`Markers.waiting`: a share
 more byte, :data:`WAIT_BYTE`), so holders that can store what they hold sooner do
 (``Fetcher._harvest``): one lookup (``F_OFD_GETLK``) tells a holder whether anyone waits.
 
+A process that holds markers says it is here (a shared lock on :data:`PRESENT_BYTE`, from its
+first hold until its files close), so :meth:`Markers.others_here` tells with one lookup whether
+another process fetches into the folder. Then a block whose marker was free may have been
+stored by the other between the caller's look and its hold, and is looked up again
+(``Fetcher.contended``). Having never found a marker held is no proof of being alone: the other
+may have fetched, stored and dropped it in that gap, and it was so that two readers of a
+folder fetched one batch of 8 twice (tests/integration/test_one_get_per_node.py, CI 2026-12-03).
+
 A disk that refuses the lock files (read-only, no locks over NFS) turns the markers off:
 every hold succeeds, and each process still fetches a block once.
 """
@@ -64,8 +72,10 @@ SHARDS = 64  # lock files (a power of 2; see the module docstring, "Why shards")
 OFFSET_BITS = 40  # bytes per lock file that markers spread over (locks past a file's end need no space)
 _SHARD_SHIFT = 64 - SHARDS.bit_length() + 1  # the top bits of the hash pick the file
 _OFFSET_MASK = (1 << OFFSET_BITS) - 1
+SEEN_S = 30.0  # another process seen fetching counts as here this long after (Markers.others_here)
 
 WAIT_BYTE = 1 << OFFSET_BITS  # an offset past every marker's, in shard 0's file: shared-locked by each waiting process
+PRESENT_BYTE = WAIT_BYTE + 1  # shared-locked by each process holding markers in the folder (Markers.others_here)
 
 # struct flock for F_OFD_SETLK (short type, short whence, off_t start, off_t len, pid_t pid, padding);
 # 64-bit Linux only: elsewhere lockf packs it.
@@ -95,11 +105,11 @@ class Markers:
         self._counts: dict[int, int] = {}  # slot -> holds in this process
         self._waiting = 0  # this process's threads waiting for another's marker (WAIT_BYTE held while > 0)
         self._users = 0  # live users (Fetchers) in this process: the files close when the last goes
+        self._here = False  # PRESENT_BYTE shared-locked by this process (from its first hold)
         self._pid = os.getpid()
         self.off: str | None = None  # why markers are off here (None: on)
         # When another process was last seen fetching here (a marker found held, or a process
-        # waiting: time.monotonic). Until then a block cannot be stored by another between a
-        # caller's look and its marker, so the Fetcher does not look again (Fetcher.contended).
+        # waiting: time.monotonic): one that has gone since may have stored what the caller looked for.
         self.seen = float("-inf")
 
     def attach(self, user: object, held: Callable[[], Iterable[int]]) -> None:
@@ -126,6 +136,13 @@ class Markers:
             return out
         with self._lock:
             self._forked()
+            if not self._here:
+                try:
+                    self._lock_byte(self._fd(0), PRESENT_BYTE, fcntl.F_RDLCK)
+                except OSError as err:
+                    self._turn_off(err)
+                    return out
+                self._here = True
             counts = self._counts
             for k, s in enumerate(slots):
                 n = counts.get(s, 0)
@@ -203,6 +220,23 @@ class Markers:
             self.seen = time.monotonic()
             return True
 
+    def others_here(self) -> bool:
+        """Whether another process holds markers in this folder now, or was seen holding one in the last
+        :data:`SEEN_S` (one lookup). Where the platform cannot tell (no OFD locks), True."""
+        if self.off is not None:
+            return False
+        if _OFD_GET is None or time.monotonic() - self.seen < SEEN_S:
+            return True
+        with self._lock:
+            if self._forked():
+                return True
+            try:
+                got = fcntl.fcntl(self._fd(0), _OFD_GET, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, PRESENT_BYTE, 1, 0))
+            except OSError as err:
+                self._turn_off(err)
+                return False
+            return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
+
     def _lock_wait_byte(self, kind: int) -> None:
         try:
             self._lock_byte(self._fd(0), WAIT_BYTE, kind)  # past every marker's offset
@@ -254,7 +288,7 @@ class Markers:
                 os.close(fd)
             except OSError as err:  # already closed by the child's own clean-up: nothing of ours to drop
                 _log.debug("fastload: closing a marker file: %s", err)
-        self._fds, self._counts, self._waiting = {}, {}, 0
+        self._fds, self._counts, self._waiting, self._here = {}, {}, 0, False
 
 
 _MARKERS: dict[Path, Markers] = {}

@@ -35,9 +35,6 @@ _log = logging.getLogger("fastload")
 
 COMPLETING = -1  # the in-flight table's "block" of a sizeless item being completed (its first GET)
 POLL_FIRST_S, POLL_MAX_S = 0.001, 0.005  # a wait for another process's fetch looks again after 1 ms, then 2, 4, 5, 5...
-# Blocks whose markers were free are looked up again (one index query per call) for this long after
-# another process was last seen fetching from the cache (Markers.seen); alone, a process never needs to.
-CONTENDED_S = 30.0
 
 Block = tuple[RemoteItem, int]
 Gate = Callable[[Callable[[], Any]], Any]  # runs a cache write, or refuses it (staging's stop)
@@ -141,9 +138,10 @@ class FetcherBase:
             land(rest)
 
     def contended(self) -> bool:
-        """Whether another process fetched from this cache lately (CONTENDED_S): then a block whose
-        marker was free may have been stored since the caller looked, and is looked up again."""
-        return time.monotonic() - self.markers.seen < CONTENDED_S
+        """Whether another process fetches into this cache (Markers.others_here): then a block whose
+        marker was free may have been stored since the caller looked, and is looked up again (one
+        index query per call); alone, a process never needs to."""
+        return self.markers.others_here()
 
     def _mark(self, keys: Sequence[tuple[str, int]]) -> list[bool]:
         """Hold the markers of the caller's flights (table keys); False where another process holds one.

@@ -126,4 +126,5 @@ def route_for(fs: Any, options: dict[str, Any], choice: str) -> tuple[GcsRoute |
     user_project = pays if isinstance(pays, str) else (str(getattr(fs, "project", "") or "") if pays else "")
     if pays and not user_project:
         return None, "requester_pays without a project to bill"
-    return GcsRoute((), None, True, None, base, user_project, credentials), ""
+    return GcsRoute(headers=(), userpwd=None, trust_env=True, encode=None, base=base, user_project=user_project,
+                    credentials=credentials), ""

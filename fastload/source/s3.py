@@ -192,7 +192,8 @@ def route_for(url: str, options: dict[str, Any], choice: str) -> tuple[S3Route |
     virtual = addressing == "virtual" or (addressing == "auto" and "amazonaws.com" in endpoint
                                           and bool(_DNS_BUCKET.match(bucket)))
     headers = ("x-amz-request-payer: requester",) if options.get("requester_pays") else ()
-    return S3Route(headers, None, True, None, endpoint, virtual, str(region), credentials), ""
+    return S3Route(headers=headers, userpwd=None, trust_env=True, encode=None, base=endpoint, virtual=virtual,
+                   region=str(region), credentials=credentials), ""
 
 
 _CODE = re.compile(rb"<Code>([A-Za-z]+)</Code>")

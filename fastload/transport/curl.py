@@ -437,6 +437,10 @@ class CurlRoute:
     userpwd: str | None
     trust_env: bool
     encode: Any  # the filesystem's URL encoder (fs.encode_url), for URLs libcurl would not take as they are
+    # TLS: the CA bundle file these GETs trust (None: the engine's, Python ssl's default paths), and
+    # whether the server's certificate is checked at all (False only where the user turned it off).
+    cainfo: str | None = None
+    verify: bool = True
 
     # A listing page's content types whose body is the listing: a web server's folder index (S3 and GCS
     # routes list in XML and JSON).
@@ -544,4 +548,4 @@ def route_for(options: dict[str, Any], choice: str, encode: Callable[[str], Any]
     if not all(isinstance(k, str) and isinstance(v, str) and "\n" not in k + v for k, v in headers.items()):
         return None
     lines = tuple(f"{k}: {v}" for k, v in headers.items() if k.lower() not in ("range", "accept-encoding"))
-    return CurlRoute(lines, userpwd, bool(client.get("trust_env", False)), encode)
+    return CurlRoute(headers=lines, userpwd=userpwd, trust_env=bool(client.get("trust_env", False)), encode=encode)
