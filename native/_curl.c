@@ -21,6 +21,9 @@
  * leaves an outcome (latency, bytes, error) that Python feeds to the host's
  * controller (Engine.outcomes).
  *
+ * Each request carries its route's TLS settings (CA bundle, verification) and HTTP version
+ * (Engine.submit), set on its easy handle when it starts; its path is sent as given.
+ *
  * libcurl is not linked: it is opened at run time (dlopen "libcurl.so.4"), so
  * the build needs no curl headers and a machine without libcurl runs aiohttp
  * (fastload/transport/curl.py). The option numbers below are libcurl's ABI (curl.h, multi.h).
@@ -69,6 +72,10 @@ typedef struct {
 #define O_HEADERDATA (OPT_PTR + 29)
 #define O_HEADERFUNCTION (OPT_FUNC + 79)
 #define O_FOLLOWLOCATION 52
+#define O_SSL_VERIFYPEER 64
+#define O_SSL_VERIFYHOST 81
+#define O_HTTP_VERSION 84
+#define O_PATH_AS_IS 234
 #define O_MAXREDIRS 68
 #define O_CAINFO (OPT_PTR + 65)
 #define O_CAPATH (OPT_PTR + 97)
@@ -98,6 +105,8 @@ typedef struct {
 #define MSG_DONE 1
 #define GLOBAL_DEFAULT 3
 #define HTTP_VERSION_1_0 1
+#define HTTP_VERSION_1_1 2
+#define HTTP_VERSION_2TLS 4 /* HTTP/2 over TLS (ALPN), HTTP/1.1 in clear */
 #define E_WRITE_ERROR 23
 
 static struct {
@@ -185,6 +194,8 @@ typedef struct Req {
     int page; /* a listing page: the body is kept only if the answer is HTML (page_wanted) */
     char *url, *userpwd, *final; /* final: the URL answered, after redirects */
     int trust_env;
+    char *cainfo, *capath; /* its route's CA bundle (file, folder); both NULL: the engine's */
+    int verify, http2; /* check the server's certificate and name; ask for HTTP/2 over TLS */
     struct curl_slist *headers;
     long timeout_ms;
     size_t max_bytes, got, cap;
@@ -248,6 +259,8 @@ static void req_free(Req *r) {
     free(r->url);
     free(r->final);
     free(r->userpwd);
+    free(r->cainfo);
+    free(r->capath);
     free(r->buf);
     for (int i = 0; i < N_HEADERS; i++)
         free(r->h[i]);
@@ -448,10 +461,28 @@ static void start(Engine *e, Req *r) {
         lib.easy_setopt(c, O_PROXY, ""); /* as aiohttp without trust_env: no http_proxy from the environment */
     if (r->userpwd)
         lib.easy_setopt(c, O_USERPWD, r->userpwd);
-    if (e->cainfo)
-        lib.easy_setopt(c, O_CAINFO, e->cainfo);
-    if (e->capath)
-        lib.easy_setopt(c, O_CAPATH, e->capath);
+    /* TLS comes from this request alone, never from a handle's past: a spare handle was reset
+     * (give_easy: libcurl's built-in CA paths, full verification), and verification is set on each
+     * request. libcurl reuses a connection only for a request of the same TLS settings (CA files,
+     * verification), so one route's CA or verify=False never carries over to another route's
+     * request (tests/integration/test_tls_ca.py). A route's own CA replaces the engine's: only it is
+     * trusted, as requests trusts REQUESTS_CA_BUNDLE and curl --cacert (a NULL path: none). */
+    if (r->cainfo || r->capath) {
+        lib.easy_setopt(c, O_CAINFO, r->cainfo);
+        lib.easy_setopt(c, O_CAPATH, r->capath);
+    } else {
+        if (e->cainfo)
+            lib.easy_setopt(c, O_CAINFO, e->cainfo);
+        if (e->capath)
+            lib.easy_setopt(c, O_CAPATH, e->capath);
+    }
+    lib.easy_setopt(c, O_SSL_VERIFYPEER, r->verify ? 1L : 0L);
+    lib.easy_setopt(c, O_SSL_VERIFYHOST, r->verify ? 2L : 0L);
+    /* libcurl 7.62+ asks for HTTP/2 over TLS by default; HTTP/1.1 unless the route asks (CurlRoute.http2). */
+    lib.easy_setopt(c, O_HTTP_VERSION, r->http2 ? (long)HTTP_VERSION_2TLS : (long)HTTP_VERSION_1_1);
+    /* The path as given: "./", "../" and "//" in a key are part of its name, and an S3 GET was signed
+     * over them; libcurl would squash them and fetch (or sign) another key (tests/integration/test_s3_keys.py). */
+    lib.easy_setopt(c, O_PATH_AS_IS, 1L);
     r->state = ACTIVE;
     r->t_start = now_s();
     e->hosts[r->host].active++;
@@ -869,14 +900,16 @@ static char *dup_utf8(PyObject *s) {
 }
 
 static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"host", "urls", "max_bytes", "headers", "timeout_s", "userpwd", "trust_env", "page", "lines", NULL};
-    int host, trust_env = 0, page = 0;
+    static char *kwlist[] = {"host", "urls", "max_bytes", "headers", "timeout_s", "userpwd", "trust_env", "page", "lines",
+                             "cainfo", "capath", "verify", "http2", NULL};
+    int host, trust_env = 0, page = 0, verify = 1, http2 = 0;
     PyObject *urls, *headers, *lines = NULL;
     Py_ssize_t max_bytes;
     double timeout_s;
-    const char *userpwd = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!nO!d|zppO", kwlist, &host, &PyList_Type, &urls, &max_bytes,
-                                     &PyList_Type, &headers, &timeout_s, &userpwd, &trust_env, &page, &lines))
+    const char *userpwd = NULL, *cainfo = NULL, *capath = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!nO!d|zppOzzpp", kwlist, &host, &PyList_Type, &urls, &max_bytes,
+                                     &PyList_Type, &headers, &timeout_s, &userpwd, &trust_env, &page, &lines, &cainfo,
+                                     &capath, &verify, &http2))
         return NULL;
     if (lines == Py_None)
         lines = NULL;
@@ -929,7 +962,11 @@ static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
         r->page = page;
         r->url = dup_utf8(PyList_GET_ITEM(urls, i));
         r->userpwd = userpwd ? strdup(userpwd) : NULL;
-        if (!r->url || (userpwd && !r->userpwd))
+        r->cainfo = cainfo ? strdup(cainfo) : NULL;
+        r->capath = capath ? strdup(capath) : NULL;
+        r->verify = verify;
+        r->http2 = http2;
+        if (!r->url || (userpwd && !r->userpwd) || (cainfo && !r->cainfo) || (capath && !r->capath))
             goto fail;
         for (Py_ssize_t k = 0; k < nh; k++) {
             const char *line = PyUnicode_AsUTF8(PyList_GET_ITEM(headers, k));
@@ -1146,9 +1183,12 @@ static PyObject *Engine_set_permits(Engine *e, PyObject *args) {
 static PyMethodDef Engine_methods[] = {
     {"host", (PyCFunction)Engine_host, METH_NOARGS, "A new host: its id (no permits yet)."},
     {"submit", (PyCFunction)(void (*)(void))Engine_submit, METH_VARARGS | METH_KEYWORDS,
-     "submit(host, urls, max_bytes, headers, timeout_s, userpwd=None, trust_env=False, page=False, lines=None) -> "
+     "submit(host, urls, max_bytes, headers, timeout_s, userpwd=None, trust_env=False, page=False, lines=None, "
+     "cainfo=None, capath=None, verify=True, http2=False) -> "
      "[Transfer]: queue one GET per URL; each body is cut at max_bytes; with page, kept only if it is HTML or XML (a "
-     "folder page, an object store's listing); lines: one more header line per URL (its own Authorization)."},
+     "folder page, an object store's listing); lines: one more header line per URL (its own Authorization); cainfo, "
+     "capath: the CA bundle file and folder trusted instead of the engine's; verify=False: no certificate or name "
+     "check; http2: ask for HTTP/2 over TLS (else HTTP/1.1). Paths are sent as given (no dot-segment squashing)."},
     {"wait", (PyCFunction)Engine_wait, METH_VARARGS,
      "wait(transfers, timeout_s, pump_s=-1) -> bool: until all are done (True) or timeout_s passed; with "
      "pump_s >= 0 also once outcomes have waited pump_s untaken (Engine.outcomes). Releases the GIL."},

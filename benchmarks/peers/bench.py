@@ -11,6 +11,12 @@ in a fresh process inside the link's network namespace:
   latency proxy (20 ms to first byte, as S3's p90) in front of nginx and of the
   S3 endpoint (moto's server inside the namespace, for the S3-only peers). The
   link limit is measured in the same run (one large file through the link).
+  A link named with ``+tls`` (``1gbit+tls``, ``1gbit+20ms+tls``) serves the same files
+  over https://: a private CA (benchmarks/peers/tls.py, as tests/integration/_tls.py
+  makes one), nginx with ``ssl`` on a second port, and with a delay nginx's TLS front
+  passing each request to the same latency proxy. Every peer is told the CA by
+  ``SSL_CERT_FILE``, ``CURL_CA_BUNDLE`` and ``REQUESTS_CA_BUNDLE``; the S3 peers
+  (moto) stay on http:// there, and say so in the link's description.
 * **Peers.** torch DataLoader + fsspec per file (naive); fsspec ``simplecache::``
   and ``filecache::``; WebDataset with ``cache_dir``; MosaicML Streaming; LitData;
   DALI's file reader over a local copy; fastload (``FileDataset`` +
@@ -42,6 +48,9 @@ Usage::
     python benchmarks/peers/bench.py --links 1gbit,1gbit+20ms \
         --peers fastload,fastload_w2,webdataset,streaming,litdata \
         --decode-peers fastload,fastload_w2,torch_fsspec --repeats 3 --out benchmarks/peers/results/issue12
+    # issue 34's https:// rows beside http:// (raw mode; add peers as the peers' venv allows):
+    python benchmarks/peers/bench.py --links 1gbit,1gbit+tls,1gbit+20ms,1gbit+20ms+tls \
+        --peers fastload,fastload_w2,torch_fsspec --modes raw --out benchmarks/peers/results/https
 
 JSON goes to stdout, a table to stderr; results.json, results.csv, results.md
 and results.png (with the machine description) go to ``--out``.
@@ -138,6 +147,7 @@ def _load(name: str, path: Path) -> ModuleType:
 
 
 cache_bench = _load("fastload_bench_cache_for_peers", HERE.parent / "cache" / "bench.py")
+tls_mod = _load("fastload_bench_tls_for_peers", HERE / "tls.py")
 peers_mod = _load("fastload_bench_peers_runner", PEERS_PY)
 
 
@@ -150,9 +160,10 @@ def _log(msg: str) -> None:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    name: str  # "200mbit", "1gbit", "1gbit+20ms", "none"
+    name: str  # "200mbit", "1gbit", "1gbit+20ms", "1gbit+20ms+tls", "none"
     rate: str | None
     delay_ms: float
+    tls: bool = False  # the files over https:// (nginx ssl, a private CA)
 
     @property
     def burst(self) -> str:
@@ -161,11 +172,13 @@ class LinkSpec:
 
 
 def _link_spec(text: str) -> LinkSpec:
-    rate, _, delay = text.partition("+")
+    rate, *rest = text.split("+")
+    tls = "tls" in rest
+    delay = next((r for r in rest if r != "tls"), "")
     if rate == "none":
-        return LinkSpec(text, None, float(delay.removesuffix("ms") or 0))
+        return LinkSpec(text, None, float(delay.removesuffix("ms") or 0), tls)
     cache_bench._tc_value(rate, cache_bench._TC_RATE, "rate")
-    return LinkSpec(text, rate, float(delay.removesuffix("ms") or 0))
+    return LinkSpec(text, rate, float(delay.removesuffix("ms") or 0), tls)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -174,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: 50 images, torch_fsspec + fastload, no shaping, no peers venv")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/peers/results; --quick writes none unless given)")
     p.add_argument("--images", type=int, help="JPEGs in the dataset (default 3000; quick 50)")
-    p.add_argument("--links", help="comma-separated links: RATE[+DELAYms] in tc units, or none[+DELAYms] "
+    p.add_argument("--links", help="comma-separated links: RATE[+DELAYms][+tls] in tc units, or none[+DELAYms][+tls] "
                    "(default 200mbit,1gbit,1gbit+20ms; quick none)")
     p.add_argument("--peers", help=f"comma-separated peers (default all: {','.join(ALL_PEERS)}; quick torch_fsspec,fastload)")
     p.add_argument("--modes", default="raw,decode", help="raw and/or decode")
@@ -356,6 +369,14 @@ class Link:
     prefix: list[str]
     description: str
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    ca: Path | None = None  # the private CA of a +tls link
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What tells a client on this link the CA (empty over http://)."""
+        if self.ca is None:
+            return {}
+        return {"SSL_CERT_FILE": str(self.ca), "CURL_CA_BUNDLE": str(self.ca), "REQUESTS_CA_BUNDLE": str(self.ca)}
 
 
 def _start_helper(prefix: list[str], cmd: list[str]) -> tuple[subprocess.Popen[str], dict[str, Any]]:
@@ -396,13 +417,24 @@ def open_link(spec: LinkSpec, work: Path, need_s3: bool) -> Iterator[Link]:
             how = f"network namespace, loopback `tc qdisc add dev lo root tbf rate {spec.rate} burst {spec.burst} latency 100ms`"
         else:
             how = "host loopback, NOT shaped"
-        http = stack.enter_context(_servers.NginxServer(www, netns=netns, unix_socket=True))
-        link = Link(spec, http.url, None, prefix, "")
+        front = work / f"tls-front-{os.getpid()}.sock"
+        if spec.tls:
+            ca, cert, key = tls_mod.make_ca(work / "tls")
+            http = stack.enter_context(tls_mod.TlsNginx(www, cert=cert, key=key, netns=netns, unix_socket=True,
+                                                        via_unix=front if spec.delay_ms else None))
+            link = Link(spec, http.tls_url, None, prefix, "", ca=ca)
+            how += "; https:// (nginx ssl, TLS 1.3, HTTP/1.1, a private CA)"
+        else:
+            http = stack.enter_context(_servers.NginxServer(www, netns=netns, unix_socket=True))
+            link = Link(spec, http.url, None, prefix, "")
         stack.callback(lambda: [_stop(p) for p in reversed(link.procs)])
         if spec.delay_ms:
-            proc, info = _start_helper(prefix, ["proxy", "--upstream", f"unix:{http.unix_socket_path}", "--delay-ms", str(spec.delay_ms)])
+            listen = ["--listen-unix", str(front)] if spec.tls else []
+            proc, info = _start_helper(prefix, ["proxy", "--upstream", f"unix:{http.unix_socket_path}", *listen,
+                                                "--delay-ms", str(spec.delay_ms)])
             link.procs.append(proc)
-            link.http_url = f"http://127.0.0.1:{info['port']}"
+            if not spec.tls:
+                link.http_url = f"http://127.0.0.1:{info['port']}"
         if need_s3:
             sock = work / f"moto-{os.getpid()}.sock"
             proc, _ = _start_helper(prefix, ["moto", "--socket", str(sock), "--preload", f"{BUCKET}={work / 's3'}"])
@@ -412,8 +444,11 @@ def open_link(spec: LinkSpec, work: Path, need_s3: bool) -> Iterator[Link]:
             link.s3_endpoint = f"http://127.0.0.1:{info['port']}"
         delay = (f"; a per-request latency proxy (benchmarks/peers/servers.py) adds {spec.delay_ms:g} ms before each "
                  "request reaches nginx or S3") if spec.delay_ms else ""
+        if spec.tls and spec.delay_ms:
+            delay += " (behind nginx's TLS front)"
         link.description = (f"{how}; nginx (Range, ETag) inside{delay}; S3 = moto server inside, reached through a "
-                            f"{spec.delay_ms:g} ms proxy" if need_s3 else f"{how}; nginx inside{delay}")
+                            f"{spec.delay_ms:g} ms proxy" + (" over http://" if spec.tls else "")
+                            if need_s3 else f"{how}; nginx inside{delay}")
         yield link
 
 
@@ -421,7 +456,7 @@ def measure_link(link: Link) -> dict[str, Any]:
     cmd = [*link.prefix, sys.executable, "-c", cache_bench._DOWNLOAD_CLIENT, f"{link.http_url}/big.bin"]
     runs = []
     for _ in range(2):
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True, env={**os.environ, **link.env})
         r = json.loads(done.stdout)
         runs.append(r["bytes"] / r["seconds"] / 1e6)
     nominal = cache_bench._tc_value(link.spec.rate, cache_bench._TC_RATE, "rate") / 1e6 if link.spec.rate else None
@@ -485,6 +520,7 @@ def run_peer(link: Link, peer: str, mode: str, args: argparse.Namespace, work: P
         return row | {"error": "the peers' venv could not be built (see peers_venv_error in results.json)"}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTLOAD_", "AWS_"))}
     env["PYTHONPATH"] = str(ROOT) if peer in FASTLOAD_PEERS else ""
+    env.update(link.env)
     exe = sys.executable if peer in FASTLOAD_PEERS else python
     t0 = time.perf_counter()
     proc = subprocess.Popen([*link.prefix, exe, str(PEERS_PY), "run", json.dumps(spec)], stdout=subprocess.PIPE,
@@ -911,7 +947,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         # latency proxies on the plain loopback, and say so everywhere.
         res["fallback"] = f"kernel shaping unavailable ({reason}): links run UNSHAPED on the host loopback"
         _log(f"FALLBACK: {res['fallback']}")
-        renamed = {lk.name: LinkSpec("none" + (f"+{lk.delay_ms:g}ms" if lk.delay_ms else ""), None, lk.delay_ms)
+        renamed = {lk.name: LinkSpec("none" + (f"+{lk.delay_ms:g}ms" if lk.delay_ms else "") + ("+tls" if lk.tls else ""),
+                                     None, lk.delay_ms, lk.tls)
                    for lk in args.links}
         args.links = list(dict.fromkeys(renamed.values()))
         args.decode_links = [renamed[n].name if n in renamed else n for n in args.decode_links]

@@ -9,6 +9,11 @@
     loopback once (proxy -> client), not twice; ``tc tbf`` on ``lo`` shapes the
     proxy's replies exactly as it shapes nginx's own.
 
+``python servers.py proxy --upstream unix:/a.sock --listen-unix /b.sock --delay-ms 20``
+    The same proxy listening on a Unix socket instead (its path printed as JSON):
+    nginx's TLS front (benchmarks/peers/tls.py) passes HTTPS requests to it, so the
+    delay sits behind TLS as S3's does, and no byte crosses the shaped loopback twice.
+
 ``python servers.py moto --socket /path.sock --preload BUCKET=DIR ...``
     moto's S3 server (the same app as ``moto.server.ThreadedMotoServer``) on a
     Unix socket, with each DIR's files put into BUCKET in-process before it
@@ -141,9 +146,14 @@ class LatencyProxy:
 
 async def _serve_proxy(args: argparse.Namespace) -> None:
     proxy = LatencyProxy(args.upstream.removeprefix("unix:"), args.delay_ms / 1000)
-    server = await asyncio.start_server(proxy.handle, "127.0.0.1", args.port, limit=1 << 20, backlog=1024)
-    port = server.sockets[0].getsockname()[1]
-    print(json.dumps({"port": port, "delay_ms": args.delay_ms}), flush=True)
+    if args.listen_unix:
+        Path(args.listen_unix).unlink(missing_ok=True)
+        server = await asyncio.start_unix_server(proxy.handle, args.listen_unix, limit=1 << 20, backlog=1024)
+        print(json.dumps({"socket": args.listen_unix, "delay_ms": args.delay_ms}), flush=True)
+    else:
+        server = await asyncio.start_server(proxy.handle, "127.0.0.1", args.port, limit=1 << 20, backlog=1024)
+        port = server.sockets[0].getsockname()[1]
+        print(json.dumps({"port": port, "delay_ms": args.delay_ms}), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -190,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     px.add_argument("--upstream", required=True, help="unix:/path/to.sock")
     px.add_argument("--delay-ms", type=float, default=20.0)
     px.add_argument("--port", type=int, default=0)
+    px.add_argument("--listen-unix", default="", help="listen on this Unix socket instead of 127.0.0.1:PORT")
     mo = sub.add_parser("moto", help="moto's S3 server on a Unix socket, preloaded")
     mo.add_argument("--socket", required=True)
     mo.add_argument("--preload", action="append", default=[], help="BUCKET=DIR (repeatable)")

@@ -108,6 +108,14 @@ class Source(FsspecRoad):
             self._root_path = url
             self.url = url.rstrip("/")
             self._local = False
+        elif self._store == "s3":
+            # s3fs, with aiobotocore and aiohttp, costs ~0.2 s of CPU to import: a key list's first blocks go on
+            # libcurl without it (issue 34, item 6), so the filesystem opens on first use (fs), as HTTP's.
+            if importlib.util.find_spec("s3fs") is None:
+                raise ConfigError(f"URL {url!r} needs a package that is missing (s3fs); fix: {errors.INSTALL_HINTS['s3']}")
+            self._root_path = s3.strip(url)
+            self.url = s3.unstrip(self._root_path).rstrip("/") if self._root_path else url
+            self._local = False
         else:
             fs = self.fs  # fail early on unknown protocols and missing packages
             self.url = fs.unstrip_protocol(self._root_path).rstrip("/") if self._root_path else url
@@ -232,10 +240,14 @@ class Source(FsspecRoad):
 
     def canonical(self, url: str) -> str:
         """The canonical form of ``url`` on this source's filesystem (stable cache identity)."""
+        if self._store == "s3" and self._fs is None:
+            return s3.unstrip(s3.strip(url))  # as s3fs names it, without importing it
         return self._unstrip(url if self._http else self.fs._strip_protocol(url))
 
     def _unstrip(self, path: str) -> str:
         """``path`` as a URL of this source's filesystem (fsspec's HTTP paths are URLs already)."""
+        if self._store == "s3" and self._fs is None:
+            return s3.unstrip(path)
         return path if self._http else self.fs.unstrip_protocol(path)
 
     def scrub(self, text: str) -> str:
@@ -415,6 +427,8 @@ class Source(FsspecRoad):
         route = self.route
         if route is None or (not self._store and any(i.size >= 0 for i in items)):
             return None
+        if isinstance(route, s3.S3Route) and not all(route.takes(i.url) for i in items):
+            return None  # a bucket whose GETs take s3fs (an S3 Express one...), decided once for it (s3.Buckets)
         by_host: dict[int, tuple[HostLimit, builtins.list[int]]] = {}
         for k, item in enumerate(items):
             limit = self.limit_of(item.url)
@@ -454,7 +468,11 @@ class Source(FsspecRoad):
                     from err
             future.cancel()
         except curl.HttpStatusError as err:
-            denied = self.route.refused(item.url, err) if self._store and self.route is not None else None
+            route = self.route
+            if isinstance(route, s3.S3Route) and route.learn(item.url, err):
+                future.cancel()  # the bucket's region, learned: its next GETs go there; this one is redone on s3fs
+                return self._fetch_first(item, nbytes)
+            denied = route.refused(item.url, err) if self._store and route is not None else None
             if denied is not None:  # retrying cannot help; the other road's message would say less
                 raise denied from None
             future.cancel()

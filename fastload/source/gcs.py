@@ -21,6 +21,15 @@ whole level in flight (fastload.source.listing.store_find). Later blocks and
 streamed objects stay on gcsfs. So do errors, but for a refusal
 (401, 403: a CredentialsError at once, as gcsfs's retries cannot help) and a 404.
 
+TLS: these GETs trust the CAs gcsfs's requests trust. gcsfs's aiohttp session trusts what
+Python's ``ssl`` does (``SSL_CERT_FILE``, ``SSL_CERT_DIR``, the system's store), and that is
+libcurl's engine's own CA (:func:`fastload.transport.curl.engine`), so a GCS route names none
+(its ``cainfo`` stays None; tests/integration/test_tls_ca.py reads through a private CA given
+by ``SSL_CERT_FILE``). gcsfs takes no other CA setting: a CA or ``ssl=False`` reaches it only in
+an aiohttp connector in ``session_kwargs``, whose SSL context libcurl cannot read, so that option
+keeps the source on gcsfs, by name. The GETs ask for HTTP/1.1 (``CurlRoute.http2``) until
+HTTP/2 against real GCS is measured (issue 34, item 7).
+
 Options: ``storage_options`` as gcsfs takes them; this path honours those in
 :data:`HONOURED` and ignores those in :data:`GCSFS_ONLY`. Any other one keeps the
 source's GETs on gcsfs, and one log line names it (fastload.source.fallback.note_fallback).

@@ -10,7 +10,9 @@ request object per GET.
 
 What is signed: the method (GET), the path and query exactly as sent, the host,
 and every header the request carries whose name is ``range`` or starts with
-``x-amz-``; the payload is ``UNSIGNED-PAYLOAD``, said in ``x-amz-content-sha256``.
+``x-amz-``; the payload is the SHA-256 of the empty body a GET carries (:data:`EMPTY_SHA256`, said
+in ``x-amz-content-sha256``), as botocore signs a GetObject, so the two sign alike
+(tests/unit/test_s3_conformance.py compares them, header for header).
 moto's server checks every signature in tests/integration/test_s3_signed.py and
 the Source contract suite.
 """
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 
 ALGORITHM = "AWS4-HMAC-SHA256"
 UNSIGNED = "UNSIGNED-PAYLOAD"
+EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # hashlib.sha256(b"").hexdigest()
 _DEFAULT_PORTS = {"http": ":80", "https": ":443"}
 
 
@@ -37,7 +40,7 @@ def signing_key(secret: str, day: str, region: str, service: str = "s3") -> byte
 
 
 def authorizations(urls: Sequence[str], headers: Sequence[str], access_key: str, secret: str, region: str,
-                   amz_date: str) -> list[str]:
+                   amz_date: str, service: str = "s3") -> list[str]:
     """One ``Authorization:`` header line per GET of ``urls``, each sent with ``headers``.
 
     Args:
@@ -49,6 +52,7 @@ def authorizations(urls: Sequence[str], headers: Sequence[str], access_key: str,
         access_key, secret: The credentials.
         region: The bucket's region.
         amz_date: ``YYYYMMDDTHHMMSSZ``, as in the ``x-amz-date`` header.
+        service: The signing name botocore resolved for the endpoint ("s3").
 
     >>> line = authorizations(["http://127.0.0.1:9000/b/k"], ["x-amz-date: 20261202T000000Z"], "AK", "SK",
     ...                       "us-east-1", "20261202T000000Z")[0]
@@ -58,10 +62,11 @@ def authorizations(urls: Sequence[str], headers: Sequence[str], access_key: str,
     signed = sorted((name.strip().lower(), value.strip()) for name, _, value in (h.partition(":") for h in headers)
                     if name.strip().lower() == "range" or name.strip().lower().startswith("x-amz-"))
     names = ";".join(["host", *(n for n, _ in signed)])
-    block = "".join(f"{n}:{v}\n" for n, v in signed) + f"\n{names}\n{UNSIGNED}"
-    scope = f"{amz_date[:8]}/{region}/s3/aws4_request"
+    payload = next((v for n, v in signed if n == "x-amz-content-sha256"), UNSIGNED)
+    block = "".join(f"{n}:{v}\n" for n, v in signed) + f"\n{names}\n{payload}"
+    scope = f"{amz_date[:8]}/{region}/{service}/aws4_request"
     head = f"{ALGORITHM}\n{amz_date}\n{scope}\n"
-    key = signing_key(secret, amz_date[:8], region)
+    key = signing_key(secret, amz_date[:8], region, service)
     prefix = f"Authorization: {ALGORITHM} Credential={access_key}/{scope}, SignedHeaders={names}, Signature="
     out = []
     for url in urls:

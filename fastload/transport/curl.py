@@ -18,7 +18,8 @@ cold epoch over HTTP sends its first requests without waiting for aiohttp to
 import (~0.1 s, about 3% of a 3,000-object epoch at 1 Gbit; the Source imports it
 on a thread meanwhile). HEADs, later blocks and streamed objects stay on
 fsspec's session. A Source uses curl only where its ``storage_options`` map
-onto curl (headers, basic auth, ``trust_env``; :func:`route_for`), and ``Settings.http_client``
+onto curl (headers, basic auth, ``trust_env``, ``ssl=False``; the CA bundle of
+REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE, :func:`ca_bundle`; :func:`route_for`), and ``Settings.http_client``
 (``FASTLOAD_HTTP_CLIENT``) can turn it off. A host that closes its connection
 after each answer (HTTP/1.0, as ``python -m http.server``; ``HostLimit.closing``)
 stays here, at most ``CLOSING_MAX`` GETs at once: each waits for a new connection,
@@ -43,6 +44,7 @@ from __future__ import annotations
 import codecs
 import concurrent.futures
 import importlib
+import logging
 import os
 import re
 import ssl
@@ -57,6 +59,7 @@ from fastload.config import pure_python
 from fastload.errors import ConfigError
 from fastload.transport.hostlimit import SLOW_CONNECT_S, STOP_POLL_S, HostLimit
 
+_log = logging.getLogger("fastload")
 PUMP_S = 0.005  # a reader waiting on GETs hands finished ones to the controller at least this often
 PAGE_MAX = 64 << 20  # a folder page this long may have been cut: it is read again on aiohttp
 _CURL_CODES = {28: TimeoutError, 7: ConnectionRefusedError, 52: ConnectionResetError, 55: ConnectionResetError,
@@ -441,6 +444,10 @@ class CurlRoute:
     # whether the server's certificate is checked at all (False only where the user turned it off).
     cainfo: str | None = None
     verify: bool = True
+    capath: str | None = None  # a folder of CA certificates (c_rehash'd), as REQUESTS_CA_BUNDLE may name one
+    # Ask for HTTP/2 over TLS (ALPN; clear-text stays HTTP/1.1); else HTTP/1.1, as aiohttp speaks.
+    # A choice to measure (issue 34, item 7), not a negotiation: libcurl's own default would be HTTP/2.
+    http2: bool = False
 
     # A listing page's content types whose body is the listing: a web server's folder index (S3 and GCS
     # routes list in XML and JSON).
@@ -480,7 +487,7 @@ class CurlRoute:
         headers = [*self.headers, *extra, "Accept-Encoding: identity"]
         batch, lines = self.sign(wire, headers)
         transfers = eng.submit(host.id, wire, max_bytes, [*headers, *batch], timeout_s, self.userpwd, self.trust_env, page,
-                               lines)
+                               lines, cainfo=self.cainfo, capath=self.capath, verify=self.verify, http2=self.http2)
         pendings = [Pending(t, u, max_bytes, host, self.page_types if page else ()) for t, u in zip(transfers, urls)]
         state = _STATE
         with state.lock:
@@ -494,7 +501,10 @@ class CurlRoute:
 
 
 _SESSION_KEYS = {"timeout", "headers", "auth", "trust_env"}  # client_kwargs curl can honour
-_REQUEST_KEYS = {"headers"}  # per-request options curl can honour
+_REQUEST_KEYS = {"headers", "ssl"}  # per-request options curl can honour (ssl: True or False, _verify_of)
+# A CA bundle named the way requests (REQUESTS_CA_BUNDLE, then CURL_CA_BUNDLE) and the curl tool
+# (CURL_CA_BUNDLE) read it; SSL_CERT_FILE and SSL_CERT_DIR are the engine's already (engine()).
+CA_VARIABLES = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
 # fsspec HTTPFileSystem's own arguments: they shape the filesystem (its listing cache, its files'
 # buffering), not the requests; every other storage option is passed to each request (fs.kwargs).
 _FS_KEYS = {"simple_links", "block_size", "same_scheme", "size_policy", "cache_type", "cache_options", "asynchronous",
@@ -547,5 +557,44 @@ def route_for(options: dict[str, Any], choice: str, encode: Callable[[str], Any]
     headers = {**(client.get("headers") or {}), **(request.get("headers") or {})}
     if not all(isinstance(k, str) and isinstance(v, str) and "\n" not in k + v for k, v in headers.items()):
         return None
+    verify = _verify_of(request.get("ssl", True))
+    if verify is None:
+        return None  # an SSLContext or a fingerprint: what it trusts is aiohttp's to apply
+    cainfo, capath = ca_bundle(os.environ) if verify else (None, None)
+    if not verify:
+        _log.warning("fastload: storage_options ssl=False: HTTPS GETs check neither the certificate nor the host "
+                     "name, on libcurl and aiohttp")
     lines = tuple(f"{k}: {v}" for k, v in headers.items() if k.lower() not in ("range", "accept-encoding"))
-    return CurlRoute(headers=lines, userpwd=userpwd, trust_env=bool(client.get("trust_env", False)), encode=encode)
+    return CurlRoute(headers=lines, userpwd=userpwd, trust_env=bool(client.get("trust_env", False)), encode=encode,
+                     cainfo=cainfo, capath=capath, verify=verify)
+
+
+def _verify_of(value: Any) -> bool | None:
+    """aiohttp's per-request ``ssl`` (fsspec passes each unknown storage option to every request) as a
+    route's ``verify``: True (or None) checks, False does not; anything else (an SSLContext, a Fingerprint)
+    is None: only aiohttp can apply it."""
+    if value is None or value is True:
+        return True
+    if value is False:
+        return False
+    return None
+
+
+def ca_bundle(environ: Any) -> tuple[str | None, str | None]:
+    """The CA bundle ``environ`` names as requests reads it (REQUESTS_CA_BUNDLE, else CURL_CA_BUNDLE), as
+    ``(cainfo, capath)``: a file, or a folder of hashed certificates; (None, None) when neither is set.
+
+    Raises:
+        ConfigError: the variable names neither a file nor a folder (requests fails so too).
+    """
+    for name in CA_VARIABLES:
+        path = environ.get(name)
+        if not path:
+            continue
+        if os.path.isdir(path):
+            return None, path
+        if os.path.isfile(path):
+            return path, None
+        raise ConfigError(f"{name}={path!r} names no CA bundle (no such file or folder); fix: point it at a PEM "
+                          f"file of CA certificates, or unset it")
+    return None, None

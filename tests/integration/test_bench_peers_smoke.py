@@ -40,6 +40,27 @@ def test_parse_args_full_run_covers_every_peer_and_both_links(bench: ModuleType)
     assert full.links[1].burst == "1mb" and full.links[0].burst == "128kb"  # tbf needs rate/HZ at 1 Gbit
     quick = bench.parse_args(["--quick"])
     assert quick.peers == ["torch_fsspec", "fastload"] and [link.name for link in quick.links] == ["none"]
+    tls = bench.parse_args(["--links", "1gbit+tls,1gbit+20ms+tls,none+tls"]).links
+    assert [(link.rate, link.delay_ms, link.tls) for link in tls] == [("1gbit", 0, True), ("1gbit", 20, True),
+                                                                       (None, 0, True)]
+    assert not any(link.tls for link in full.links)
+
+
+def test_quick_run_over_https_reads_every_sample(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str], nginx_server: Any
+) -> None:
+    # A +tls link: nginx ssl with a private CA, told to each peer by SSL_CERT_FILE and friends.
+    out = tmp_path / "out"
+    args = bench.parse_args(["--quick", "--images", "10", "--links", "none+tls", "--modes", "raw", "--epochs", "1",
+                             "--out", str(out), "--work-dir", str(tmp_path)])
+    assert bench.main(args) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert "https://" in res["links"][0]["description"]
+    runs = {r["peer"]: r for r in res["runs"]}
+    assert set(runs) == {"torch_fsspec", "fastload"}
+    for run in runs.values():
+        assert "error" not in run, run.get("error")
+        assert run["epochs"][0]["samples"] == 10 and run["epochs"][0]["complete"]
 
 
 def test_quick_run_reports_every_peer_mode_and_epoch(
