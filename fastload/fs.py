@@ -35,11 +35,17 @@ from fastload.source import RemoteItem
 
 _SHARED: dict[tuple[Settings, str], Reader] = {}
 _SHARED_LOCK = threading.Lock()
+CHAIN = "fastload::"  # the prefix of a chained URL that reads through the cache
+# URLs found missing, remembered for the process: pyarrow and pandas look for `_metadata` and
+# `_common_metadata` beside a Parquet folder on every pass, a HEAD and a GET each (both 404).
+MISSING_MAX = 4096
+_MISSING: dict[str, None] = {}  # insertion-ordered: the oldest is dropped past MISSING_MAX
 
 
 def _forget_shared() -> None:
     global _SHARED_LOCK
     _SHARED.clear()
+    _MISSING.clear()
     _SHARED_LOCK = threading.Lock()  # the parent may have held it mid-fork
 
 
@@ -191,6 +197,9 @@ class FastloadFileSystem(ChainedFileSystem):
         self.reader = shared_reader(settings, options)
 
     def _url(self, path: str) -> str:
+        for prefix in (CHAIN, f"{self.protocol}://"):
+            if path.startswith(prefix) and "://" in path[len(prefix):]:
+                path = path[len(prefix):]
         if self.target is None:
             return path if "://" in path else os.path.abspath(path)
         return str(self.target.unstrip_protocol(self.target._strip_protocol(path)))
@@ -200,6 +209,21 @@ class FastloadFileSystem(ChainedFileSystem):
         if self.target is not None:
             return str(self.target._strip_protocol(url))
         return url[len("file://"):] if url.startswith("file://") else url
+
+    def glob(self, path: str, maxdepth: int | None = None, **kwargs: Any) -> Any:
+        """As fsspec's glob, each remote match named so that it reopens through the cache:
+        ``fastload::<url>`` under a target whose paths are whole URLs (HTTP's), and
+        ``fastload://<url>`` with no target. Hugging Face ``datasets`` keeps a match that has
+        a scheme as it is: a bare ``http://`` match lost fastload, and failed to open."""
+        found = super().glob(path, maxdepth=maxdepth, **kwargs)
+        prefix = CHAIN if self.target is not None else f"{self.protocol}://"
+
+        def named(name: str) -> str:
+            return prefix + name if "://" in name and not name.startswith(("file://", prefix)) else name
+
+        if isinstance(found, dict):
+            return {named(k): {**v, "name": named(k)} for k, v in found.items()}
+        return [named(n) for n in found]
 
     def _fs(self, url: str) -> AbstractFileSystem:
         if self.target is not None:
@@ -219,21 +243,49 @@ class FastloadFileSystem(ChainedFileSystem):
         if reader.cache.index.get(keys.pin(canon)) is None:
             if url.endswith("/"):
                 return folder
-            found = self._fs(url).info(url)
+            if canon in _MISSING or self._unlisted(canon):
+                raise FileNotFoundError(url)
+            try:
+                found = self._fs(url).info(url)
+            except FileNotFoundError:
+                _remember_missing(canon)
+                raise
             # An HTTP folder answers its URL without "/" with a redirect to the one with it.
             if found.get("type") == "directory" or str(found.get("url", "")).endswith("/"):
                 return folder
         item = reader.stat(url)
         return {"name": self._name(item.url), "size": item.size, "type": "file", "version": item.version}
 
+    def _unlisted(self, canon: str) -> bool:
+        """Whether ``canon`` is missing from the recorded listing of its folder (then it is not
+        there: recorded listings are what this filesystem's folders are, as in find and ls)."""
+        parent = canon.rsplit("/", 1)[0]
+        if "/" not in canon or not parent:
+            return False
+        items = self.reader.identity.manifest(parent, None)
+        inside = canon + "/"  # a folder: a listing holds its files, not the folder itself
+        if items is None or any(i.url == canon or i.url.startswith(inside) for i in items):
+            return False
+        _remember_missing(canon)
+        return True
+
     def _listing(self, path: str) -> tuple[str, list[Any]]:
-        """The folder's canonical URL and its files (a recorded listing, else listed and recorded)."""
+        """The folder's canonical URL and its files (a recorded listing, else listed and recorded).
+
+        Files a listing gives no size (an HTTP folder's) are sized by the GET of their first
+        block, which is cached for the read that follows, not by a HEAD each: one request per
+        file, as FileDataset's first epoch sends."""
         url = self._url(path)
-        root = self.reader.canonical(url).rstrip("/")
+        reader = self.reader
+        root = reader.canonical(url).rstrip("/")
         try:
-            return root, self.reader.list(url)
+            items = reader.list(url, complete=False)
         except EmptyDatasetError as err:
             raise FileNotFoundError(f"{url}: no files under it ({err})") from err
+        if any(i.size < 0 for i in items):
+            items = reader.fetcher.complete(items)[0]
+            reader.identity.save_manifest(reader.manifest_root(url), None, items)
+        return root, items
 
     def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, detail: bool = False,
              **kwargs: Any) -> Any:
@@ -262,6 +314,12 @@ class FastloadFileSystem(ChainedFileSystem):
         start = 0 if start is None else (start if start >= 0 else item.size + start)
         end = item.size if end is None else (end if end >= 0 else item.size + end)
         return self.reader.read_range(item, start, end)
+
+
+def _remember_missing(canon: str) -> None:
+    _MISSING[canon] = None
+    if len(_MISSING) > MISSING_MAX:
+        del _MISSING[next(iter(_MISSING))]
 
 
 def arrow_filesystem(storage_options: dict[str, Any] | None = None, settings: Settings | None = None) -> Any:
