@@ -39,6 +39,7 @@ CHAIN = "fastload::"  # the prefix of a chained URL that reads through the cache
 # URLs found missing, remembered for the process: pyarrow and pandas look for `_metadata` and
 # `_common_metadata` beside a Parquet folder on every pass, a HEAD and a GET each (both 404).
 MISSING_MAX = 4096
+READ_BLOCKS = 8  # blocks per step of a large read (BlockFile._fill): what a cold read holds beside its result
 _MISSING: dict[str, None] = {}  # insertion-ordered: the oldest is dropped past MISSING_MAX
 
 
@@ -97,18 +98,30 @@ class BlockFile(io.RawIOBase):
 
     def readall(self) -> bytes:
         """The rest of the object in one piece (BufferedReader.read() calls it): a whole
-        cached block is returned as it is, not copied through 8 KiB reads."""
+        cached block is returned as it is, not copied through 8 KiB reads; more than a
+        block is read into the one bytes object returned (:meth:`_fill`), no second copy."""
         start, end = self._pos, self.item.size
         if start >= end:
             return b""
         self._pos = end
         if start == 0 and end <= self.reader.settings.block_bytes:
             return self.reader.read_block(self.item, 0)
-        return self.reader.read_range(self.item, start, end)
+        # A BytesIO over a bytes object no one else holds lends that object's memory to fill
+        # (getbuffer) and hands it back as it is (getvalue): CPython copies neither time. A
+        # join of the blocks held them all and the result at once, 2x the object's size.
+        whole = io.BytesIO(bytes(end - start))
+        with whole.getbuffer() as view:
+            self._fill(view, start, end)
+        return whole.getvalue()
 
     def readinto(self, buf: Any) -> int:
         view = memoryview(buf).cast("B")
         bb = self.reader.settings.block_bytes
+        if len(view) >= bb:  # a read of a block or more: decoded straight into the caller's buffer
+            n = max(0, min(len(view), self.item.size - self._pos))
+            self._fill(view[:n], self._pos, self._pos + n)
+            self._pos += n
+            return n
         n = 0
         while n < len(view) and self._pos < self.item.size:
             block, off = divmod(self._pos, bb)
@@ -120,6 +133,14 @@ class BlockFile(io.RawIOBase):
             n += take
             self._pos += take
         return n
+
+    def _fill(self, view: memoryview, start: int, end: int) -> None:
+        """Bytes ``[start, end)`` of the object into ``view``, READ_BLOCKS blocks at a time: a
+        cold read holds at most that many fetched blocks beside the view."""
+        step = self.reader.settings.block_bytes * READ_BLOCKS
+        for lo in range(start, end, step):
+            hi = min(lo + step, end)
+            self.reader.read_into([(self.item, lo, hi, lo - start)], view)
 
 
 def open(  # noqa: A001 - mirrors fsspec.open / builtins.open on purpose

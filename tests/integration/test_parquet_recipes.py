@@ -6,7 +6,6 @@ folder's listing) on its first pass, and nothing on the second: no HEADs, and th
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,9 @@ def test_hugging_face_load_dataset_reads_a_remote_parquet_folder_through_the_cac
     monkeypatch.setenv("FASTLOAD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(fastload_fs, "_SHARED", {})  # a Reader of this test's cache folder
     monkeypatch.setattr(fastload_fs, "_MISSING", {})
+    # fsspec keeps one filesystem per set of arguments: an earlier test's, on its own cache
+    # folder, would list there while datasets opens the files here.
+    fastload.FastloadFileSystem.clear_instance_cache()
     for rerun in range(2):
         before = len(_requests(server))
         rows = datasets.load_dataset("parquet", data_files=form + url + "part-*.parquet", split="train",
