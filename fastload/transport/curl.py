@@ -505,6 +505,7 @@ _REQUEST_KEYS = {"headers", "ssl"}  # per-request options curl can honour (ssl: 
 # A CA bundle named the way requests (REQUESTS_CA_BUNDLE, then CURL_CA_BUNDLE) and the curl tool
 # (CURL_CA_BUNDLE) read it; SSL_CERT_FILE and SSL_CERT_DIR are the engine's already (engine()).
 CA_VARIABLES = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+SSL_VARIABLES = ("SSL_CERT_FILE", "SSL_CERT_DIR")  # Python's ssl reads them: aiohttp's requests trust them
 # fsspec HTTPFileSystem's own arguments: they shape the filesystem (its listing cache, its files'
 # buffering), not the requests; every other storage option is passed to each request (fs.kwargs).
 _FS_KEYS = {"simple_links", "block_size", "same_scheme", "size_policy", "cache_type", "cache_options", "asynchronous",
@@ -582,11 +583,19 @@ def _verify_of(value: Any) -> bool | None:
 
 def ca_bundle(environ: Any) -> tuple[str | None, str | None]:
     """The CA bundle ``environ`` names as requests reads it (REQUESTS_CA_BUNDLE, else CURL_CA_BUNDLE), as
-    ``(cainfo, capath)``: a file, or a folder of hashed certificates; (None, None) when neither is set.
+    ``(cainfo, capath)``: a file, or a folder of hashed certificates; (None, None) when neither is set,
+    or when SSL_CERT_FILE or SSL_CERT_DIR is.
+
+    Those two win: aiohttp's requests (HEADs, later blocks, retries) trust them and never the other
+    two, and machines that set all four to the system's bundle are common (containers, CI): a private
+    CA in SSL_CERT_FILE must not be dropped for the system bundle in REQUESTS_CA_BUNDLE
+    (tests/integration/test_tls_ca.py::test_ssl_cert_file_is_trusted_on_the_engine).
 
     Raises:
         ConfigError: the variable names neither a file nor a folder (requests fails so too).
     """
+    if any(environ.get(name) for name in SSL_VARIABLES):
+        return None, None
     for name in CA_VARIABLES:
         path = environ.get(name)
         if not path:
@@ -596,5 +605,5 @@ def ca_bundle(environ: Any) -> tuple[str | None, str | None]:
         if os.path.isfile(path):
             return path, None
         raise ConfigError(f"{name}={path!r} names no CA bundle (no such file or folder); fix: point it at a PEM "
-                          f"file of CA certificates, or unset it")
+                          "file of CA certificates, or unset it")
     return None, None
