@@ -6,7 +6,8 @@
   ``max_requests`` and its adaptive controller;
 * :mod:`~fastload.transport.answers`: how an HTTP answer reads (first-block info, folder pages);
 * :mod:`~fastload.transport.failures`: what a failure means (transient, congestion, secrets);
-* :mod:`~fastload.transport.loop`: running coroutines on fsspec's event loop.
+* :mod:`~fastload.transport.loop`: running coroutines on fsspec's event loop;
+* :mod:`~fastload.transport.tls`: the CA bundle both roads trust (REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE).
 
 Layer: imports only the ground (fastload.config, fastload.errors); imported by
 fastload.stats (the host limits it shows), fastload.source and the fetch layer.

@@ -19,7 +19,7 @@ import (~0.1 s, about 3% of a 3,000-object epoch at 1 Gbit; the Source imports i
 on a thread meanwhile). HEADs, later blocks and streamed objects stay on
 fsspec's session. A Source uses curl only where its ``storage_options`` map
 onto curl (headers, basic auth, ``trust_env``, ``ssl=False``; the CA bundle of
-REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE, :func:`ca_bundle`; :func:`route_for`), and ``Settings.http_client``
+REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE, :func:`fastload.transport.tls.ca_bundle`; :func:`route_for`), and ``Settings.http_client``
 (``FASTLOAD_HTTP_CLIENT``) can turn it off. A host that closes its connection
 after each answer (HTTP/1.0, as ``python -m http.server``; ``HostLimit.closing``)
 stays here, at most ``CLOSING_MAX`` GETs at once: each waits for a new connection,
@@ -58,6 +58,7 @@ from typing import Any, ClassVar
 from fastload.config import pure_python
 from fastload.errors import ConfigError
 from fastload.transport.hostlimit import SLOW_CONNECT_S, STOP_POLL_S, HostLimit
+from fastload.transport.tls import ca_bundle
 
 _log = logging.getLogger("fastload")
 PUMP_S = 0.005  # a reader waiting on GETs hands finished ones to the controller at least this often
@@ -502,10 +503,6 @@ class CurlRoute:
 
 _SESSION_KEYS = {"timeout", "headers", "auth", "trust_env"}  # client_kwargs curl can honour
 _REQUEST_KEYS = {"headers", "ssl"}  # per-request options curl can honour (ssl: True or False, _verify_of)
-# A CA bundle named the way requests (REQUESTS_CA_BUNDLE, then CURL_CA_BUNDLE) and the curl tool
-# (CURL_CA_BUNDLE) read it; SSL_CERT_FILE and SSL_CERT_DIR are the engine's already (engine()).
-CA_VARIABLES = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
-SSL_VARIABLES = ("SSL_CERT_FILE", "SSL_CERT_DIR")  # Python's ssl reads them: aiohttp's requests trust them
 # fsspec HTTPFileSystem's own arguments: they shape the filesystem (its listing cache, its files'
 # buffering), not the requests; every other storage option is passed to each request (fs.kwargs).
 _FS_KEYS = {"simple_links", "block_size", "same_scheme", "size_policy", "cache_type", "cache_options", "asynchronous",
@@ -579,31 +576,3 @@ def _verify_of(value: Any) -> bool | None:
     if value is False:
         return False
     return None
-
-
-def ca_bundle(environ: Any) -> tuple[str | None, str | None]:
-    """The CA bundle ``environ`` names as requests reads it (REQUESTS_CA_BUNDLE, else CURL_CA_BUNDLE), as
-    ``(cainfo, capath)``: a file, or a folder of hashed certificates; (None, None) when neither is set,
-    or when SSL_CERT_FILE or SSL_CERT_DIR is.
-
-    Those two win: aiohttp's requests (HEADs, later blocks, retries) trust them and never the other
-    two, and machines that set all four to the system's bundle are common (containers, CI): a private
-    CA in SSL_CERT_FILE must not be dropped for the system bundle in REQUESTS_CA_BUNDLE
-    (tests/integration/test_tls_ca.py::test_ssl_cert_file_is_trusted_on_the_engine).
-
-    Raises:
-        ConfigError: the variable names neither a file nor a folder (requests fails so too).
-    """
-    if any(environ.get(name) for name in SSL_VARIABLES):
-        return None, None
-    for name in CA_VARIABLES:
-        path = environ.get(name)
-        if not path:
-            continue
-        if os.path.isdir(path):
-            return None, path
-        if os.path.isfile(path):
-            return path, None
-        raise ConfigError(f"{name}={path!r} names no CA bundle (no such file or folder); fix: point it at a PEM "
-                          "file of CA certificates, or unset it")
-    return None, None

@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 
 from fastload.errors import SourceError, StoppedError
 from fastload.transport.failures import congestion
+from fastload.transport.tls import ssl_context
 
 START = 4  # requests allowed at first: a small server is never met with a burst
 RISE = 1.05  # a step "pays" when throughput rises by at least this factor
@@ -465,7 +466,10 @@ async def aiohttp_client(**kwargs: Any) -> Any:
     response_class, connector_class = _aiohttp_classes()
     kwargs.setdefault("response_class", response_class)
     if kwargs.get("connector") is None:
-        kwargs["connector"] = connector_class()  # on fsspec's loop, as set_session calls this
+        # On fsspec's loop, as set_session calls this; trusting the CA of REQUESTS_CA_BUNDLE or
+        # CURL_CA_BUNDLE where one is named, as the first-block GETs on libcurl do (transport/tls.py).
+        context = ssl_context(os.environ)
+        kwargs["connector"] = connector_class() if context is None else connector_class(ssl=context)
     return aiohttp.ClientSession(**kwargs)
 
 

@@ -373,3 +373,22 @@ def test_a_connection_made_unverified_is_not_reused_by_a_verifying_route(
     refused = _read(src, neither, ["f4.bin", "f5.bin"], tls_nginx.url)
     assert all(isinstance(r, ConnectionError) and "libcurl error 60" in str(r) for r in refused), refused
     assert "/f4.bin" not in tls_nginx.protocols()  # no request was sent over a connection it must not trust
+
+
+def test_a_ca_bundle_variable_is_trusted_by_aiohttp_too_for_what_libcurl_does_not_send(
+        ca: tuple[Path, Path, Path], tmp_path: Path, no_ca_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file larger than a block has its later blocks fetched by aiohttp: REQUESTS_CA_BUNDLE must
+    hold there as on libcurl's first-block GETs (transport/tls.py), or the read fails as untrusted."""
+    from fsspec.implementations.http import HTTPFileSystem
+
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(ca[0]))
+    HTTPFileSystem.clear_instance_cache()  # an earlier test's filesystem holds a session made without the CA
+    root = tmp_path / "big"
+    root.mkdir()
+    files = {f"b{i}.bin": os.urandom(20_000 + i) for i in range(2)}  # five blocks of 4 KiB each
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    with _tls.https_files(root, ca[1], ca[2]) as base:
+        ds = fastload.FileDataset([f"{base}/{n}" for n in files],
+                                  settings=Settings(cache_dir=tmp_path / "cache", retries=1, block_bytes=4096))
+        assert [bytes(ds[i]["data"]) for i in range(len(files))] == list(files.values())
