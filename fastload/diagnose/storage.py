@@ -102,7 +102,8 @@ def road_of(src: Source) -> dict[str, Any]:
             why = gcs.route_for(src.fs, src.storage_options, src.settings.http_client)[1]
         elif protocol in ("http", "https"):
             why = curl.closed_by(src.settings.http_client) or \
-                "a storage option libcurl cannot honour (get_client, or client_kwargs beyond timeout, headers, auth, trust_env)"
+                ("a storage option libcurl cannot honour (get_client, an ssl= SSLContext, or client_kwargs beyond "
+                 "timeout, headers, auth, trust_env)")
         else:
             why = "libcurl carries HTTP, S3 and GCS only"
         return {"name": other, "why": why}
