@@ -5,7 +5,9 @@
 * :mod:`~fastload.source.items`: :class:`RemoteItem` and the glob that filters a listing;
 * :mod:`~fastload.source.listing`: crawling an HTTP server's folder pages;
 * :mod:`~fastload.source.aio`: HTTP on fsspec's aiohttp session;
-* :mod:`~fastload.source.s3`: S3 GETs signed on libcurl's engine (:mod:`fastload.transport.curl`).
+* :mod:`~fastload.source.s3`: S3 GETs signed on libcurl's engine (:mod:`fastload.transport.curl`), one route per bucket;
+* :mod:`~fastload.source.s3_resolve`: what botocore resolves for an S3 configuration (endpoint, region,
+  signing, CA), and each bucket's learned region.
 
 What a request's failure means is :mod:`fastload.transport.failures`; how an HTTP answer
 reads is :mod:`fastload.transport.answers`; requests in flight are :mod:`fastload.transport.hostlimit`.

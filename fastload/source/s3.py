@@ -3,8 +3,7 @@
 Why: through s3fs each cold object cost a HEAD and then a GET, each signed by
 botocore in Python and parsed on fsspec's event loop: 0.23 of a 1 Gbit link at
 4.0 ms of CPU per object (issue 21). Here the first-block GET of each object goes
-through the C engine that carries HTTP's (:mod:`fastload.transport.curl`), and libcurl
-signs it (``CURLOPT_AWS_SIGV4``). Its Content-Range sizes the object and its
+through the C engine that carries HTTP's (:mod:`fastload.transport.curl`). Its Content-Range sizes the object and its
 ETag versions it, so a key list needs no HEAD. Each GET is signed here
 (fastload.source.sigv4) and handed over with the batch. The client was chosen by
 measurement (benchmarks/s3/results/results.md): obstore, the library alternative,
@@ -20,8 +19,9 @@ users see. The host limit governs these GETs like any other (a 503 or SlowDown
 cuts it: :func:`fastload.transport.curl.pump`).
 
 Credentials: ``key`` / ``secret`` / ``token`` as given; ``anon=True``: unsigned;
-otherwise botocore's chain (environment variables, the profile file and its
-``credential_process``, SSO, container and instance roles), resolved once per
+otherwise those botocore's client for these options signs with: keys in ``client_kwargs``, or
+botocore's chain (environment variables, the profile file and its ``credential_process``, SSO,
+container and instance roles), resolved once per
 Source and asked before each batch: botocore refreshes temporary credentials
 before they expire, so an epoch outlives them.
 
