@@ -26,8 +26,10 @@ Clients, each a fresh process inside the namespace, each reading every object on
   no cache (``--peers-python``, needs s3torchconnector).
 
 Each row: seconds, MB/s, share of the link (one large GET through the same link
-and scheme in the same run), CPU seconds per object (the client process and its
-children, setup excluded), and requests per object from nginx's log.
+and scheme in the same run, best of two), the same with the setup counted, and against
+the tc rate itself (``of_rate_with_setup``: the one large GET is slowed too on a busy
+machine), CPU seconds per object (the client process and its children, setup excluded),
+and requests per object from nginx's log.
 
 Schemes (``--schemes http,https``): every client runs over http:// and over https://.
 For https:// a private CA is made (benchmarks/peers/tls.py, as tests/integration/_tls.py
@@ -35,14 +37,15 @@ makes one) and nginx listens with ``ssl`` on a second port, serving the same lay
 a delay, nginx's TLS front passes each request to the same latency proxy (on a Unix
 socket), which forwards to nginx's plain socket. Over https:// each client is told the CA
 the way it takes one: fastload and obstore by ``SSL_CERT_FILE``, s3fs by
-``client_kwargs={"verify": ca}``, s3torchconnector by ``SSL_CERT_FILE`` and
-``AWS_CA_BUNDLE`` (whether it takes them is what its row shows).
+``client_kwargs={"verify": ca}``, s3torchconnector by ``SSL_CERT_FILE`` (AWS's CRT does not
+read ``AWS_CA_BUNDLE``).
 
 ``--done-when``: issue 34's rows instead of the clients. 5,000 keys of 110 KB by default,
 ``fastload.FileDataset(key list)`` + ``fastload.DataLoader`` defaults, one cold epoch, the
 dataset's set-up (imports excluded) counted in the time and the CPU; every byte checked
-against the CRC32 it was written with (the check's own CPU subtracted). Configurations
-(``--configs`` picks some):
+against the CRC32 it was written with (the check's own CPU subtracted); ``--batch-size N``
+replaces the DataLoader's default batch_size (1) to show what the per-sample loop costs.
+Configurations (``--configs`` picks some):
 
 * ``http_options``: http://, endpoint in ``client_kwargs`` (the baseline);
 * ``https_ssl_cert_file``: https://, the CA named by ``SSL_CERT_FILE``;
@@ -65,6 +68,7 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -106,9 +110,10 @@ def _load_tls() -> Any:
 
 # Each client prints {"seconds", "cpu_s", "bytes", "n"}: the epoch only, its setup excluded.
 # fastload's also takes a JSON of how it is configured: {"endpoint": "options" | "env", "verify":
-# a CA path or None, "check": a file of "key crc32" lines or ""}; with "check", every sample's
-# bytes are compared (their CRC's CPU, measured on this thread, is taken off cpu_s), and
-# DataLoader defaults are kept (batch_size=1, as torch's).
+# a CA path or None, "check": a file of "key crc32" lines or "", "batch_size": 0 for the
+# DataLoader's default}; with "check", every sample's bytes are compared (their CRC's CPU,
+# measured on this thread, is taken off cpu_s), and DataLoader defaults are kept (batch_size=1,
+# as torch's) unless "batch_size" says otherwise.
 _FASTLOAD = r"""
 import json, os, resource, sys, time, zlib
 import fastload
@@ -132,7 +137,8 @@ ds = fastload.FileDataset(urls, storage_options=options if what.startswith("s3")
 c0, t0 = cpu(), time.perf_counter()
 n = wrong = seen = 0
 check_cpu = 0.0
-loader = fastload.DataLoader(ds) if expected is not None else fastload.DataLoader(ds, batch_size=64)
+batch_size = how.get("batch_size", 0 if expected is not None else 64)  # 0: DataLoader's default (1, as torch's)
+loader = fastload.DataLoader(ds, batch_size=batch_size) if batch_size else fastload.DataLoader(ds)
 for batch in loader:
     n += sum(len(d) for d in batch["data"])
     if expected is not None:
@@ -227,6 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                         "s3torchconnector")
     p.add_argument("--done-when", action="store_true", help="issue 34's configurations instead of --clients")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"with --done-when: some of {','.join(CONFIGS)}")
+    p.add_argument("--batch-size", type=int, default=0, help="with --done-when: the DataLoader's batch_size "
+                   "(0: its default, 1, as torch's; the issue's rows)")
     p.add_argument("--peers-python", default="", help="an interpreter with obstore, s3torchconnector and torch")
     p.add_argument("--no-shaping", action="store_true", help="plain loopback, no namespace")
     p.add_argument("--timeout-s", type=float, default=300, help="limit per client run")
@@ -338,14 +346,17 @@ def _run(prefix: list[str], python: str, code: str, argv: list[str], env: dict[s
          log: Path, keys_prefix: str) -> dict[str, Any]:
     before = _count(log, keys_prefix)
     base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k not in _SCRUB}
+    proc = subprocess.Popen([*prefix, python, "-c", code, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**base, **env}, start_new_session=True)
     try:
-        done = subprocess.run([*prefix, python, "-c", code, *argv], capture_output=True, text=True, timeout=timeout_s,
-                              env={**base, **env})
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own process group: the client and its DataLoader workers
+        proc.communicate()
         return {"error": f"over {timeout_s:g} s", "requests": _count(log, keys_prefix) - before}
-    if done.returncode != 0:
-        return {"error": " | ".join(done.stderr.strip().splitlines()[-3:]) or f"exit {done.returncode}"}
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if proc.returncode != 0:
+        return {"error": " | ".join(stderr.strip().splitlines()[-3:]) or f"exit {proc.returncode}"}
+    out = json.loads(stdout.strip().splitlines()[-1])
     out["requests"] = _count(log, keys_prefix) - before
     return out
 
@@ -386,15 +397,18 @@ def _plan(name: str, scheme: str, args: argparse.Namespace, files: dict[str, Pat
         "fastload_http": (sys.executable, _FASTLOAD, [http_urls, "CACHE"], tls),
         "engine": (sys.executable, _ENGINE, [s3_urls], tls),
         "obstore": (args.peers_python, _OBSTORE, [s3_urls], tls),
-        "s3torchconnector": (args.peers_python, _S3TC, [s3_urls], {**tls, "AWS_CA_BUNDLE": str(ca)} if tls else {}),
+        # AWS's CRT takes SSL_CERT_FILE (or SSL_CERT_DIR), not AWS_CA_BUNDLE: with only that, or no CA,
+        # its GETs hang (retried, no error) past 60 s (results/results.md, 2026-12-03).
+        "s3torchconnector": (args.peers_python, _S3TC, [s3_urls], tls),
     }
     return plan[name]
 
 
-def _config_plan(name: str, endpoint: str, files: dict[str, Path], ca: Path | None) -> tuple[list[str], dict[str, str]]:
+def _config_plan(name: str, endpoint: str, files: dict[str, Path], ca: Path | None,
+                 batch_size: int) -> tuple[list[str], dict[str, str]]:
     """argv after the endpoint, and env, of issue 34's configuration ``name`` (CONFIGS)."""
     _scheme, where, ca_form = CONFIGS[name]
-    how: dict[str, Any] = {"endpoint": where, "check": str(files["crc"])}
+    how: dict[str, Any] = {"endpoint": where, "check": str(files["crc"]), "batch_size": batch_size}
     env: dict[str, str] = {}
     if where == "env":
         env["AWS_ENDPOINT_URL"] = endpoint
@@ -457,7 +471,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     files["http"].write_text("\n".join(f"{endpoint}/{BUCKET}/{k}" for k in keys))
                     if args.done_when:
                         python, code = sys.executable, _FASTLOAD
-                        extra, env = _config_plan(name, endpoint, files, ca)
+                        extra, env = _config_plan(name, endpoint, files, ca, args.batch_size)
                     else:
                         python, code, extra, env = _plan(name, scheme, args, files, ca)
                     key = "config" if args.done_when else "client"
@@ -474,7 +488,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
     report = {"objects": args.objects, "kb": args.kb, "rate": args.rate, "links": links, "rows": rows,
-              "done_when": args.done_when,
+              "done_when": args.done_when, "batch_size": args.batch_size if args.done_when else 64,
               "machine": f"{os.cpu_count()} cores, {os.uname().sysname} {os.uname().release}",
               "load_avg": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(report, indent=1))

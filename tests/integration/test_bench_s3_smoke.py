@@ -62,7 +62,8 @@ def test_done_when_rows_check_every_byte_and_count_requests(load_script: Callabl
 
 def test_done_when_defaults_and_bad_names(load_script: Callable[[str], ModuleType]) -> None:
     bench = load_script("benchmarks/s3/bench.py")
-    assert bench.parse_args(["--done-when"]).objects == 5000  # the 5,000 keys
+    done_when = bench.parse_args(["--done-when"])
+    assert done_when.objects == 5000 and done_when.batch_size == 0  # the 5,000 keys, DataLoader defaults
     assert bench.parse_args([]).objects == 2000 and bench.parse_args([]).schemes == ["http", "https"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--done-when", "--configs", "https_nope"])
