@@ -2,7 +2,7 @@
 
 Python's ssl (so aiohttp) and the engine trust SSL_CERT_FILE / SSL_CERT_DIR (Python's
 default verify paths). Users of requests name a private CA in REQUESTS_CA_BUNDLE, curl's in
-CURL_CA_BUNDLE: both roads trust that one too (libcurl's GETs through a route's
+CURL_CA_BUNDLE: both roads trust that one as well as the defaults (libcurl's GETs through a route's
 ``cainfo``/``capath``, :mod:`fastload.transport.curl`; aiohttp's requests through their
 session's SSL context, :func:`fastload.transport.hostlimit.aiohttp_client`), so a file's
 first block and its later blocks, HEADs and retries trust the same CA.
@@ -10,47 +10,85 @@ first block and its later blocks, HEADs and retries trust the same CA.
 
 from __future__ import annotations
 
+import atexit
 import os
 import ssl
+import tempfile
 from typing import Any
 
 from fastload.errors import ConfigError
 
 CA_VARIABLES = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")  # read in this order, as requests does
-SSL_VARIABLES = ("SSL_CERT_FILE", "SSL_CERT_DIR")  # Python's ssl reads them: set, they win
+_MERGED: dict[tuple[str, ...], str] = {}  # CA files -> one file holding them all, made once per process
 
 
 def ca_bundle(environ: Any) -> tuple[str | None, str | None]:
-    """The CA bundle ``environ`` names as requests reads it (REQUESTS_CA_BUNDLE, else CURL_CA_BUNDLE), as
-    ``(cainfo, capath)``: a file, or a folder of hashed certificates; (None, None) when neither is set,
-    or when SSL_CERT_FILE or SSL_CERT_DIR is.
+    """What a route trusts where REQUESTS_CA_BUNDLE (else CURL_CA_BUNDLE) names a CA bundle, as
+    ``(cainfo, capath)``: that bundle (a file, or a folder of hashed certificates) together with
+    what Python's ssl trusts (SSL_CERT_FILE / SSL_CERT_DIR, else the system's); (None, None) when
+    neither variable is set (the engine's own, Python's defaults, then apply).
 
-    Those two win: machines that set all four to the system's bundle are common (containers, CI),
-    and a private CA in SSL_CERT_FILE must not be dropped for the system bundle in
-    REQUESTS_CA_BUNDLE (tests/integration/test_tls_ca.py::test_ssl_cert_file_is_trusted_on_the_engine).
+    Together, not one instead of the other: machines that set SSL_CERT_DIR, or all four, to the
+    system's bundle are common (containers, CI), and a private CA named in either place must hold
+    (tests/integration/test_tls_ca.py). libcurl takes one CA file, so two are joined into one file
+    made once per process; folders are joined with ``:``, as OpenSSL reads a list of them.
 
     Raises:
         ConfigError: the variable names neither a file nor a folder (requests fails so too).
     """
-    if any(environ.get(name) for name in SSL_VARIABLES):
-        return None, None
+    bundle = None
     for name in CA_VARIABLES:
         path = environ.get(name)
         if not path:
             continue
-        if os.path.isdir(path):
-            return None, path
-        if os.path.isfile(path):
-            return path, None
-        raise ConfigError(f"{name}={path!r} names no CA bundle (no such file or folder); fix: point it at a PEM "
-                          "file of CA certificates, or unset it")
-    return None, None
+        if not (os.path.isfile(path) or os.path.isdir(path)):
+            raise ConfigError(f"{name}={path!r} names no CA bundle (no such file or folder); fix: point it at a "
+                              "PEM file of CA certificates, or unset it")
+        bundle = path
+        break
+    if bundle is None:
+        return None, None
+    defaults = ssl.get_default_verify_paths()  # SSL_CERT_FILE / SSL_CERT_DIR where set
+    files = [p for p in (defaults.cafile, bundle) if p and os.path.isfile(p)]
+    folders = [p for p in (defaults.capath, bundle) if p and os.path.isdir(p)]
+    files = list(dict.fromkeys(os.path.realpath(p) for p in files))
+    folders = list(dict.fromkeys(os.path.realpath(p) for p in folders))
+    cainfo = files[0] if len(files) == 1 else _merged(files) if files else None
+    return cainfo, ":".join(folders) or None
+
+
+def _merged(files: list[str]) -> str:
+    """One PEM file holding the certificates of ``files`` (made once per process, removed at exit)."""
+    key = tuple(files)
+    path = _MERGED.get(key)
+    if path is None or not os.path.exists(path):
+        fd, path = tempfile.mkstemp(prefix="fastload-ca-", suffix=".pem")
+        with os.fdopen(fd, "wb") as out:
+            for name in files:
+                with open(name, "rb") as f:
+                    out.write(f.read().rstrip(b"\n") + b"\n")
+        _MERGED[key] = path
+        atexit.register(_remove, path)
+    return path
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass  # gone already
 
 
 def ssl_context(environ: Any) -> ssl.SSLContext | None:
-    """An SSL context trusting the CA bundle :func:`ca_bundle` finds (only it, as requests does), or None
-    where none is named (Python's defaults then apply)."""
-    cafile, capath = ca_bundle(environ)
-    if cafile is None and capath is None:
+    """An SSL context trusting Python's defaults and the CA bundle :func:`ca_bundle` finds, or None
+    where none is named (aiohttp's default context then applies)."""
+    bundle = next((environ[n] for n in CA_VARIABLES if environ.get(n)), None)
+    if bundle is None:
         return None
-    return ssl.create_default_context(cafile=cafile, capath=capath)
+    ca_bundle(environ)  # the same check of the variable
+    context = ssl.create_default_context()  # SSL_CERT_FILE / SSL_CERT_DIR, else the system's
+    if os.path.isdir(bundle):
+        context.load_verify_locations(capath=bundle)
+    else:
+        context.load_verify_locations(cafile=bundle)
+    return context
