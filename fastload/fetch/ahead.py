@@ -57,6 +57,9 @@ AHEAD_ITEMS = 256
 AHEAD_FLIGHTS = 2 * AHEAD_ITEMS
 AHEAD_ITEM_BYTES = 1 << 20  # larger objects are not fetched ahead: their transfer, not latency, dominates
 HARVEST_S = 0.02  # finished fetches ahead are stored at a Fetcher's calls at most this often (_harvest)
+# Indices announced in this process together (one fetch_ahead call), unless a batch held is about to be
+# read: batches of 1 (torch's default) announced one by one cost a fetch-ahead call per sample.
+HINT_ITEMS = 64
 
 Hint = Callable[[list[int]], Any]
 
@@ -97,7 +100,8 @@ class Announcer:
     Args:
         batches: The index batches (a batch sampler's iterator).
         depth: Batches drawn beyond the one yielded (:func:`depth_for`).
-        hint: Announce here, in this process: ``hint(batch)`` when it is drawn
+        hint: Announce here, in this process: ``hint(indices)`` for the batches drawn,
+            HINT_ITEMS indices at once, or fewer where a batch held is about to be read
             (num_workers=0). Its errors are logged and never end the epoch (the read
             of that batch reports them).
         workers: Announce to ``workers`` worker processes instead: a drawn batch
@@ -126,6 +130,9 @@ class Announcer:
         self._pending: list[collections.deque[list[list[int]]]] = [collections.deque() for _ in range(workers)]
         self._position = 0  # batches drawn so far this epoch
         self._done = False
+        self._held: list[Any] = []  # indices drawn, not yet announced (hint=: HINT_ITEMS at once)
+        self._held_first = 0  # the draw number of the first batch held
+        self._draws = self._yields = 0  # batches drawn and yielded (hint=)
 
     def __iter__(self) -> Announcer:
         return self
@@ -143,14 +150,27 @@ class Announcer:
         batch, ahead, worker = self._drawn.popleft()
         if self._hint is None:
             self._pending[worker].popleft()
+        else:
+            if self._held and self._held_first <= self._yields:  # a batch held is about to be read
+                self._announce()
+            self._yields += 1
         if ahead and type(batch) is list:
             return Announced(batch, ahead)
         return batch
 
+    def _announce(self) -> None:
+        held, self._held = self._held, []
+        _hint(self._hint, held)  # type: ignore[arg-type]
+
     def _draw(self, batch: Any) -> None:
         if self._hint is not None:
             self._drawn.append((batch, [], 0))
-            _hint(self._hint, batch)
+            if not self._held:
+                self._held_first = self._draws
+            self._draws += 1
+            self._held.extend(batch)
+            if len(self._held) >= HINT_ITEMS:
+                self._announce()
             return
         # torch's cycle over workers restarts at worker 0 each epoch, as does position.
         worker = self._position % self._workers

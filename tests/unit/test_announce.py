@@ -9,6 +9,7 @@ import pytest
 
 from fastload.errors import ConfigError
 from fastload.fetch import AHEAD_ITEMS, Announced, Announcer, announce, depth_for
+from fastload.fetch.ahead import HINT_ITEMS
 
 
 def test_batches_pass_unchanged_and_each_is_announced_once_depth_ahead() -> None:
@@ -16,10 +17,22 @@ def test_batches_pass_unchanged_and_each_is_announced_once_depth_ahead() -> None
     hinted: list[list[int]] = []
     it = Announcer(iter(batches), 2, hint=hinted.append)
     first = next(it)
-    assert first == [0, 1] and hinted == batches[:3]  # the one returned and 2 beyond it
+    assert first == [0, 1] and sum(hinted, []) == [0, 1, 2, 3, 4, 5]  # the one returned and 2 beyond it
     rest = list(it)
     assert [first, *rest] == batches
-    assert hinted == batches  # each exactly once, in order
+    assert sum(hinted, []) == sum(batches, [])  # each exactly once, in order
+
+
+def test_small_batches_are_announced_together_and_always_before_their_read() -> None:
+    # Batches of 1 (torch's default) announced one by one cost a fetch-ahead call per sample:
+    # they are held and announced HINT_ITEMS at a time, and a held batch about to be read is
+    # announced first.
+    hinted: list[list[int]] = []
+    it = Announcer(iter([[i] for i in range(300)]), depth_for(1), hint=hinted.append)
+    for k, batch in enumerate(it):
+        assert batch == [k] and k in sum(hinted, [])  # announced before it is read
+    assert sum(hinted, []) == list(range(300))
+    assert all(len(h) == HINT_ITEMS for h in hinted[:-1]) and len(hinted) == -(-300 // HINT_ITEMS)
 
 
 def test_a_failing_hint_never_ends_the_epoch(caplog: pytest.LogCaptureFixture) -> None:

@@ -62,7 +62,7 @@ def test_log_every_logs_one_line_per_interval(caplog):
 def test_log_lines_carry_cache_hits_and_the_slowest_op(caplog):
     # 12 batches, reports after 4, 8 and 12. Reads run ahead of the consumer, but each
     # interval submits and consumes a new one (batch k+3 goes out after report k).
-    loader = DataLoader(FetchDS(36), batch_size=3, log_every=4)
+    loader = DataLoader(FetchDS(36), batch_size=3, log_every=4, read_ahead=2)  # 2 batches ahead, not grouped
     with caplog.at_level(logging.DEBUG, logger="fastload.live"):
         list(loader)
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
@@ -74,7 +74,7 @@ def test_log_lines_carry_cache_hits_and_the_slowest_op(caplog):
 
 def test_summary_writer_gets_interval_scalars():
     writer = FakeWriter()
-    loader = DataLoader(FetchDS(24), batch_size=2, log_every=4, summary_writer=writer)
+    loader = DataLoader(FetchDS(24), batch_size=2, log_every=4, summary_writer=writer, read_ahead=2)  # not grouped
     list(loader)
     steps = sorted({s for _, _, s in writer.scalars})
     assert steps == [4, 8, 12]
