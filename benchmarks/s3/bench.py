@@ -42,7 +42,8 @@ read ``AWS_CA_BUNDLE``).
 
 ``--done-when``: issue 34's rows instead of the clients. 5,000 keys of 110 KB by default,
 ``fastload.FileDataset(key list)`` + ``fastload.DataLoader`` defaults, one cold epoch, the
-dataset's set-up (imports excluded) counted in the time and the CPU; every byte checked
+dataset's set-up counted in the time and the CPU (fastload's own lazy imports in it; torch's
+import not: a training script has it already, and it is reported apart, ``torch_import_s``); every byte checked
 against the CRC32 it was written with (the check's own CPU subtracted); ``--batch-size N``
 replaces the DataLoader's default batch_size (1) to show what the per-sample loop costs.
 Configurations (``--configs`` picks some):
@@ -131,6 +132,9 @@ expected = dict(line.split() for line in open(how["check"])) if how.get("check")
 def cpu():
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+c_torch, t_torch = cpu(), time.perf_counter()
+import torch  # noqa: E402,F401 - a training script imports it before it builds a dataset: not fastload's set-up
+torch_s, torch_cpu_s = time.perf_counter() - t_torch, cpu() - c_torch
 c_setup, t_setup = cpu(), time.perf_counter()
 ds = fastload.FileDataset(urls, storage_options=options if what.startswith("s3") or urls[0].startswith("s3") else None,
                           settings=Settings.from_env(cache_dir=cache))  # FASTLOAD_HTTP_CLIENT read here
@@ -148,7 +152,7 @@ for batch in loader:
             wrong += expected.get(url.split("/", 3)[3]) != str(zlib.crc32(bytes(d)))
         check_cpu += time.thread_time() - k0
 out = {"seconds": time.perf_counter() - t0, "cpu_s": cpu() - c0 - check_cpu, "bytes": n, "n": len(ds),
-       "setup_s": t0 - t_setup, "setup_cpu_s": c0 - c_setup}
+       "setup_s": t0 - t_setup, "setup_cpu_s": c0 - c_setup, "torch_import_s": torch_s, "torch_import_cpu_s": torch_cpu_s}
 if expected is not None:
     out.update(wrong=wrong + len(expected) - seen, check_cpu_s=check_cpu)
 print(json.dumps(out))
