@@ -205,33 +205,28 @@ class Markers:
         platform cannot tell (no OFD locks), True."""
         if self.off is not None:
             return False
-        if _OFD_GET is None:
-            return True
-        with self._lock:
-            if self._forked():
-                return True
-            try:
-                got = fcntl.fcntl(self._fd(0), _OFD_GET, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, WAIT_BYTE, 1, 0))
-            except OSError as err:
-                self._turn_off(err)
-                return False
-            if _FLOCK.unpack(got)[0] == fcntl.F_UNLCK:
-                return False
-            self.seen = time.monotonic()
-            return True
+        if not self._held_by_another(WAIT_BYTE):
+            return False
+        self.seen = time.monotonic()
+        return True
 
     def others_here(self) -> bool:
         """Whether another process holds markers in this folder now, or was seen holding one in the last
         :data:`SEEN_S` (one lookup). Where the platform cannot tell (no OFD locks), True."""
         if self.off is not None:
             return False
-        if _OFD_GET is None or time.monotonic() - self.seen < SEEN_S:
+        return time.monotonic() - self.seen < SEEN_S or self._held_by_another(PRESENT_BYTE)
+
+    def _held_by_another(self, offset: int) -> bool:
+        """Whether another process locks byte ``offset`` of shard 0's file (one F_OFD_GETLK); True where
+        the platform cannot tell (no OFD locks, a forked child), False once markers turn off."""
+        if _OFD_GET is None:
             return True
         with self._lock:
             if self._forked():
                 return True
             try:
-                got = fcntl.fcntl(self._fd(0), _OFD_GET, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, PRESENT_BYTE, 1, 0))
+                got = fcntl.fcntl(self._fd(0), _OFD_GET, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
             except OSError as err:
                 self._turn_off(err)
                 return False

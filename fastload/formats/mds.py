@@ -77,27 +77,26 @@ def _ndarray(config: str) -> Decoder:
     return decode
 
 
+def _parts(data: memoryview, at: int) -> list[memoryview]:
+    """The parts of a list MDS writes: a uint32 count at ``at``, that many uint32 sizes, then the parts."""
+    n = int(np.frombuffer(data[at : at + 4], "<u4")[0])
+    sizes = np.frombuffer(data[at + 4 : at + 4 + 4 * n], "<u4").tolist()
+    i, out = at + 4 + 4 * n, []
+    for size in sizes:
+        out.append(data[i : i + size])
+        i += size
+    return out
+
+
 def _listed(element: Decoder) -> Decoder:
     def decode(data: memoryview) -> list[Any]:
-        n = int(np.frombuffer(data[4:8], "<u4")[0])  # the first 4 bytes are a placeholder
-        sizes = np.frombuffer(data[8 : 8 + 4 * n], "<u4").tolist()
-        i, out = 8 + 4 * n, []
-        for size in sizes:
-            out.append(element(data[i : i + size]))
-            i += size
-        return out
+        return [element(part) for part in _parts(data, 4)]  # the first 4 bytes are a placeholder
 
     return decode
 
 
 def _jpeg_array(data: memoryview) -> list[Any]:
-    n = int(np.frombuffer(data[:4], "<u4")[0])
-    sizes = np.frombuffer(data[4 : 4 + 4 * n], "<u4").tolist()
-    i, out = 4 + 4 * n, []
-    for size in sizes:
-        out.append(_image_file(data[i : i + size]))
-        i += size
-    return out
+    return [_image_file(part) for part in _parts(data, 0)]
 
 
 _DECODERS: dict[str, Decoder] = {
