@@ -108,7 +108,6 @@ class ReadAhead(Iterator[Any]):
             max_workers=self._threads, thread_name_prefix=self._thread_prefix
         )
         self._pending: collections.deque[_Batch] = collections.deque()
-        self._queued = 0  # samples of the batches pending
         self._exhausted = False
 
     def __iter__(self) -> ReadAhead:
@@ -149,7 +148,7 @@ class ReadAhead(Iterator[Any]):
     def _fill(self) -> None:
         pool = self._pool
         while pool is not None and not self._exhausted and (
-                len(self._pending) <= self._ahead or (self._group > 1 and self._queued <= self._group)):
+                len(self._pending) <= self._ahead or (self._group > 1 and self._queued() <= self._group)):
             batches = self._draw()
             if not batches:
                 return
@@ -157,12 +156,12 @@ class ReadAhead(Iterator[Any]):
                 batch = batches[0]
                 step = max(1, math.ceil(len(batch) / self._threads))
                 chunks = [batch[i : i + step] for i in range(0, len(batch), step)] or [[]]
-                self._add(_Batch([pool.submit(self._task, c) for c in chunks], batch))
+                self._pending.append(_Batch([pool.submit(self._task, c) for c in chunks], batch))
                 continue
             group = pool.submit(self._task, [i for batch in batches for i in batch])
             lo = 0
             for batch in batches:
-                self._add(_Batch([group], batch, (lo, lo + len(batch))))
+                self._pending.append(_Batch([group], batch, (lo, lo + len(batch))))
                 lo += len(batch)
 
     def _draw(self) -> list[list[Any]]:
@@ -179,9 +178,9 @@ class ReadAhead(Iterator[Any]):
             n += len(batches[-1])
         return batches
 
-    def _add(self, entry: _Batch) -> None:
-        self._pending.append(entry)
-        self._queued += len(entry.indices)
+    def _queued(self) -> int:
+        """Samples of the batches pending."""
+        return sum(len(entry.indices) for entry in self._pending)
 
     def _wait(self, fut: Future[Sequence[Any]], started: float) -> Sequence[Any]:
         warned_at = started
@@ -219,7 +218,6 @@ class ReadAhead(Iterator[Any]):
             raise StopIteration
         # `ahead` batches stay in flight while this one is finished and consumed.
         entry = self._pending.popleft()
-        self._queued -= len(entry.indices)
         started = time.monotonic()
         samples: list[Any] = []
         if entry.span is None:

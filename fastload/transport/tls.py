@@ -36,16 +36,7 @@ def ca_bundle(environ: Any) -> tuple[str | None, str | None]:
     Raises:
         ConfigError: the variable names neither a file nor a folder (requests fails so too).
     """
-    bundle = None
-    for name in CA_VARIABLES:
-        path = environ.get(name)
-        if not path:
-            continue
-        if not (os.path.isfile(path) or os.path.isdir(path)):
-            raise ConfigError(f"{name}={path!r} names no CA bundle (no such file or folder); fix: point it at a "
-                              "PEM file of CA certificates, or unset it")
-        bundle = path
-        break
+    bundle = _named(environ)
     if bundle is None:
         return None, None
     defaults = ssl.get_default_verify_paths()  # SSL_CERT_FILE / SSL_CERT_DIR where set
@@ -55,6 +46,19 @@ def ca_bundle(environ: Any) -> tuple[str | None, str | None]:
     folders = list(dict.fromkeys(os.path.realpath(p) for p in folders))
     cainfo = files[0] if len(files) == 1 else _merged(files) if files else None
     return cainfo, ":".join(folders) or None
+
+
+def _named(environ: Any) -> str | None:
+    """The CA bundle REQUESTS_CA_BUNDLE (else CURL_CA_BUNDLE) names, or None; ConfigError where it names nothing."""
+    for name in CA_VARIABLES:
+        path = environ.get(name)
+        if not path:
+            continue
+        if not (os.path.isfile(path) or os.path.isdir(path)):
+            raise ConfigError(f"{name}={path!r} names no CA bundle (no such file or folder); fix: point it at a "
+                              "PEM file of CA certificates, or unset it")
+        return str(path)
+    return None
 
 
 def _merged(files: list[str]) -> str:
@@ -82,10 +86,9 @@ def _remove(path: str) -> None:
 def ssl_context(environ: Any) -> ssl.SSLContext | None:
     """An SSL context trusting Python's defaults and the CA bundle :func:`ca_bundle` finds, or None
     where none is named (aiohttp's default context then applies)."""
-    bundle = next((environ[n] for n in CA_VARIABLES if environ.get(n)), None)
+    bundle = _named(environ)
     if bundle is None:
         return None
-    ca_bundle(environ)  # the same check of the variable
     context = ssl.create_default_context()  # SSL_CERT_FILE / SSL_CERT_DIR, else the system's
     if os.path.isdir(bundle):
         context.load_verify_locations(capath=bundle)
