@@ -39,6 +39,7 @@ CHAIN = "fastload::"  # the prefix of a chained URL that reads through the cache
 # URLs found missing, remembered for the process: pyarrow and pandas look for `_metadata` and
 # `_common_metadata` beside a Parquet folder on every pass, a HEAD and a GET each (both 404).
 MISSING_MAX = 4096
+COMPLETE_PART = 256  # sizeless files a listing completes by their first GETs at once (_listing)
 READ_BLOCKS = 8  # blocks per step of a large read (BlockFile._fill): what a cold read holds beside its result
 _MISSING: dict[str, None] = {}  # insertion-ordered: the oldest is dropped past MISSING_MAX
 
@@ -304,7 +305,10 @@ class FastloadFileSystem(ChainedFileSystem):
         except EmptyDatasetError as err:
             raise FileNotFoundError(f"{url}: no files under it ({err})") from err
         if any(i.size < 0 for i in items):
-            items = reader.fetcher.complete(items)[0]
+            # In parts: complete() returns the first blocks it fetched, and a folder of a million
+            # objects would hold them all at once.
+            items = [done for k in range(0, len(items), COMPLETE_PART)
+                     for done in reader.fetcher.complete(items[k : k + COMPLETE_PART])[0]]
             reader.identity.save_manifest(reader.manifest_root(url), None, items)
         return root, items
 
