@@ -8,11 +8,16 @@ Prints one JSON object: MB/s of each, each fastload path's ratio to plain, and t
 requests nginx logged during the warm reads (0: they never left the cache).
 
     python benchmarks/open/bench.py --files 300 --size 110000 --threads 8
+
+``--chunk N`` reads each file in pieces of N bytes instead of one ``read()`` (large
+files read back block by block, issue 35: ``--files 1 --size 2000000000 --chunk 8388608
+--threads 1``); ``--size`` is then written in pieces too, so a 2 GB file needs no 2 GB buffer.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -21,6 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import fsspec
 
@@ -45,19 +51,28 @@ def rates(ways: dict[str, tuple[list[str], Callable[[str], int]]], threads: int,
     return best
 
 
-def plain(path: str) -> int:
+def _drain(f: Any, chunk: int) -> int:
+    if not chunk:
+        return len(f.read())
+    n = 0
+    while piece := f.read(chunk):
+        n += len(piece)
+    return n
+
+
+def plain(path: str, chunk: int = 0) -> int:
     with open(path, "rb") as f:
-        return len(f.read())
+        return _drain(f, chunk)
 
 
-def via_open(url: str) -> int:
+def via_open(url: str, chunk: int = 0) -> int:
     with fastload.open(url) as f:
-        return len(f.read())
+        return _drain(f, chunk)
 
 
-def via_fsspec(url: str) -> int:
+def via_fsspec(url: str, chunk: int = 0) -> int:
     with fsspec.open("fastload::" + url, "rb") as f:
-        return len(f.read())
+        return _drain(f, chunk)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float | int]:
@@ -66,13 +81,16 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
     p.add_argument("--size", type=int, default=110_000)
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--chunk", type=int, default=0, help="read in pieces of this many bytes (0: one read)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         www = Path(tmp) / "www"
         www.mkdir()
         names = [f"{i:05d}.jpg" for i in range(args.files)]
         for name in names:
-            (www / name).write_bytes(os.urandom(args.size))
+            with open(www / name, "wb") as f:
+                for start in range(0, args.size, 64 << 20):
+                    f.write(os.urandom(min(64 << 20, args.size - start)))
         # fsspec.open("fastload::...") takes its cache from the environment; put it back after.
         saved = os.environ.get("FASTLOAD_CACHE_DIR")
         os.environ["FASTLOAD_CACHE_DIR"] = str(Path(tmp) / "cache")
@@ -81,9 +99,12 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
                 fastload.stage(server.url + "/", settings=Settings.from_env(), progress=False)
                 urls = [f"{server.url}/{n}" for n in names]
                 paths = [str(www / n) for n in names]
-                ways = {"plain_open_mb_s": (paths, plain), "fastload_open_mb_s": (urls, via_open),
-                        "fsspec_fastload_mb_s": (urls, via_fsspec)}
-                out: dict[str, float | int] = {"files": args.files, "bytes": args.size, "threads": args.threads}
+                chunk = args.chunk
+                ways = {"plain_open_mb_s": (paths, functools.partial(plain, chunk=chunk)),
+                        "fastload_open_mb_s": (urls, functools.partial(via_open, chunk=chunk)),
+                        "fsspec_fastload_mb_s": (urls, functools.partial(via_fsspec, chunk=chunk))}
+                out: dict[str, float | int] = {"files": args.files, "bytes": args.size, "threads": args.threads,
+                                               "chunk": chunk}
                 log = server.workdir / "access.log" if server.workdir else None
                 before = _lines(log)
                 out |= rates(ways, args.threads, args.rounds)

@@ -220,7 +220,11 @@ def _threads(jobs: Sequence[Job], threads: int | None) -> int:
 
 # -- choosing, resolving and self-testing -----------------------------------------------
 
-_STATE: dict[str, Any] = {"native": None, "reason": "", "lz4": "", "lz4_partial": "", "xxh3": "", "backend": "python"}
+_STATE: dict[str, Any] = {"native": None, "reason": "", "lz4": "", "lz4_partial": "", "xxh3": "", "xxh3_stream": "",
+                          "backend": "python"}
+# bind()'s order; XXH3_64bits_update_dispatch picks AVX2/AVX-512 as XXH3_64bits_dispatch does.
+_XXH3_STREAM = (("XXH3_createState",), ("XXH3_freeState",), ("XXH3_64bits_reset",),
+                ("XXH3_64bits_update_dispatch", "XXH3_64bits_update"), ("XXH3_64bits_digest",))
 _LIBS: list[ctypes.CDLL] = []  # keep the resolved libraries loaded
 
 
@@ -300,7 +304,15 @@ def _load() -> None:
             partial, _STATE["lz4_partial"] = _resolve(["LZ4_decompress_safe_partial"], [_STATE["lz4"].split(" from ", 1)[1]])
         except OSError:
             partial, _STATE["lz4_partial"] = 0, "not exported: wanted chunks are decoded in full"
-        _native.bind(lz4_addr, xxh_addr, partial)
+        # Optional: xxh3's streaming form lets a large raw payload be read straight into the
+        # output, hashed piece by piece (native/_native.c, direct_raw).
+        where = _STATE["xxh3"].split(" from ", 1)[1]
+        try:
+            stream = [_resolve(names, [where])[0] for names in _XXH3_STREAM]
+            _STATE["xxh3_stream"] = f"from {where}"
+        except OSError:
+            stream, _STATE["xxh3_stream"] = [], "not exported: large raw payloads are read into scratch and copied"
+        _native.bind(lz4_addr, xxh_addr, partial, *stream)
         _selftest(_native)
     except TypeError as err:  # an extension built before jobs carried a pack offset
         _STATE["reason"] = f"the built extension is older than this fastload ({err}); rebuild it: pip install -e ."
@@ -318,7 +330,7 @@ def backend() -> str:
 
 def info() -> dict[str, str]:
     """The backend, why native is not used (if it is not), and where LZ4/xxh3 came from."""
-    return {k: str(_STATE[k]) for k in ("backend", "reason", "lz4", "lz4_partial", "xxh3")}
+    return {k: str(_STATE[k]) for k in ("backend", "reason", "lz4", "lz4_partial", "xxh3", "xxh3_stream")}
 
 
 @contextmanager

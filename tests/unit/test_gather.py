@@ -149,6 +149,69 @@ def test_corrupt_payloads_are_reported_corrupt_never_copied_silently(
         assert result[0] is not None and result[0][0] == "corrupt", (name, result)
 
 
+@pytest.mark.parametrize("meta", [None, {"dtype": "uint8"}])
+def test_a_large_raw_payload_read_into_the_output_is_checked_byte_for_byte(tmp_path: Path, backend: str,
+                                                                           meta: dict[str, str] | None) -> None:
+    # A whole raw payload of 1 MiB or more is read straight into the output (native/_native.c,
+    # direct_raw); every byte of it must still be covered by the checks: a flip anywhere in the
+    # header, the metadata or the body, a short or long file, or an index that disagrees.
+    raw = os.urandom(3 << 20)
+    payload = codec.encode(raw, min_saving=1.0, meta=meta)
+    head = len(payload) - len(raw)
+    assert codec.parse_header(payload).codec == codec.RAW
+    path = write(tmp_path, "big.flp", payload)
+    out = bytearray(len(raw) + 9)
+    assert gather.gather([job_for(path, payload, raw, [(0, len(raw), 9)])], out) == [None]
+    assert bytes(out[9:]) == raw
+    flips = [*range(head), head, head + len(raw) // 2, len(payload) - 1]
+    cases = {f"flip@{at}": (payload[:at] + bytes([payload[at] ^ 0x10]) + payload[at + 1:], {}) for at in flips}
+    cases |= {"short": (payload[:-1], {}), "longer": (payload + b"x", {}),
+              "index_checksum": (payload, {"checksum": codec.parse_header(payload).checksum ^ 1}),
+              "index_raw": (payload, {"raw": len(raw) - 1}),
+              "index_stored_checksum": (payload, {"stored_checksum": codec.checksum(payload) ^ 1})}
+    for name, (disk, override) in cases.items():
+        bad = write(tmp_path, "bad.flp", disk)
+        job = job_for(bad, payload, raw, [(0, len(raw), 0)])._replace(**override)
+        if "raw" in override:
+            job = job._replace(copies=[(0, job.raw, 0)])
+        result = gather.gather([job], bytearray(len(raw)))
+        assert result[0] is not None and result[0][0] == "corrupt", (name, result)
+
+
+@pytest.mark.skipif(not NATIVE or not Path("/proc/self/statm").exists(), reason="the native backend's scratch buffers")
+def test_a_large_raw_payload_is_not_copied_through_a_scratch_buffer(tmp_path: Path) -> None:
+    # Issue 35: read back without a second copy. The old road grew a scratch buffer to the
+    # payload's size (64 MiB here, kept between calls) and copied out of it.
+    raw = os.urandom(64 << 20)
+    payload = codec.encode(raw, min_saving=1.0)
+    path = write(tmp_path, "big.flp", payload)
+    del payload
+    script = f"""
+import numpy as np
+from fastload import codec
+from fastload.cache import gather
+raw_n = {len(raw)}
+data = open({path!r}, "rb").read()
+info = codec.parse_header(data)
+job = gather.Job({path!r}, len(data), raw_n, info.codec, info.checksum, codec.checksum(data), [(0, raw_n, 0)])
+del data
+out = np.ones(raw_n, dtype=np.uint8)  # touched: its pages count before the read
+
+
+def rss_mb():  # resident now (a peak would hide the scratch buffer behind the read above)
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+
+
+before = rss_mb()
+assert gather.gather_native([job], out) == [None]
+print(rss_mb() - before)
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    grew_mb = int(res.stdout.split()[-1])
+    assert grew_mb < 16, f"peak RSS grew {grew_mb} MB reading a 64 MiB raw payload: it went through scratch"
+
+
 def test_invalid_metadata_is_corrupt_valid_metadata_is_not(tmp_path: Path, backend: str) -> None:
     raw = text(5000)
     good = codec.encode(raw, meta={"a": [1, 2]})
