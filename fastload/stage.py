@@ -550,10 +550,8 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
                 progress.skipped(end - start)
             else:
                 missing.append((item, block))
-        for k in range(0, len(missing), per_call):
-            stop.check()
-            for data in fetcher.fetch(missing[k : k + per_call], strict=True, gate=stop.write):
-                progress.fetched(len(data))
+        for data in fetcher.fetch_in_turn(missing, per_call, strict=True, gate=stop.write, check=stop.check):
+            progress.fetched(len(data))
         for _ in indices:
             progress.item_done()
 

@@ -22,7 +22,10 @@
  * controller (Engine.outcomes).
  *
  * Each request carries its route's TLS settings (CA bundle, verification) and HTTP version
- * (Engine.submit), set on its easy handle when it starts; its path is sent as given.
+ * (Engine.submit), set on its easy handle when it starts; its path is sent as given. A batch's
+ * requests may each carry their own header lines (Range, If-Match, an S3 Authorization) and byte
+ * count; with exact, each body is written straight into the bytes object Transfer.result returns
+ * (an object's later blocks, fastload/source/ranged.py: no copy of 8 MiB under the GIL per block).
  *
  * libcurl is not linked: it is opened at run time (dlopen "libcurl.so.4"), so
  * the build needs no curl headers and a machine without libcurl runs aiohttp
@@ -191,6 +194,7 @@ typedef struct Req {
     Engine *eng;
     CURL *easy;
     int host, state, abandoned, cancel, closes, full;
+    int lent; /* buf is a bytes object's own storage (Transfer.body: submit's exact), never freed here */
     int page; /* a listing page: the body is kept only if the answer is HTML (page_wanted) */
     char *url, *userpwd, *final; /* final: the URL answered, after redirects */
     int trust_env;
@@ -247,6 +251,7 @@ typedef struct {
     Engine *eng; /* borrowed: engines live for the process (fastload/transport/curl.py keeps them) */
     Req *req;
     PyObject *answer;
+    PyObject *body; /* exact: the bytes object the answer's body is written into, in place (no copy after) */
 } Transfer;
 
 static double now_s(void) {
@@ -261,7 +266,8 @@ static void req_free(Req *r) {
     free(r->userpwd);
     free(r->cainfo);
     free(r->capath);
-    free(r->buf);
+    if (!r->lent)
+        free(r->buf);
     for (int i = 0; i < N_HEADERS; i++)
         free(r->h[i]);
     if (r->headers)
@@ -711,8 +717,14 @@ static PyObject *Transfer_result(Transfer *self, PyObject *unused) {
         Py_RETURN_NONE;
     }
     pthread_mutex_unlock(&e->mu);
-    /* DONE: the transfer thread no longer touches r. */
-    PyObject *body = PyBytes_FromStringAndSize(r->buf ? r->buf : "", (Py_ssize_t)r->got);
+    /* DONE: the transfer thread no longer touches r. A lent body that came whole is the answer's as it is. */
+    PyObject *body;
+    if (r->lent && self->body && (Py_ssize_t)r->got == PyBytes_GET_SIZE(self->body)) {
+        body = self->body;
+        self->body = NULL;
+    } else {
+        body = PyBytes_FromStringAndSize(r->buf ? r->buf : "", (Py_ssize_t)r->got);
+    }
     if (!body)
         return NULL;
     const char *message = r->code > 0 ? lib.easy_strerror(r->code) : (r->code == CANCELLED ? "cancelled" : "");
@@ -723,8 +735,11 @@ static PyObject *Transfer_result(Transfer *self, PyObject *unused) {
                                  message, header_or_none(r->h[H_TYPE]), header_or_none(r->final), header_or_none(r->h[H_GENERATION]));
     if (!self->answer)
         return NULL;
-    free(r->buf); /* the bytes now live in the answer */
+    if (!r->lent)
+        free(r->buf); /* the bytes now live in the answer */
+    Py_CLEAR(self->body); /* a short answer's copy was made above */
     r->buf = NULL;
+    r->lent = 0;
     r->got = r->cap = 0;
     Py_INCREF(self->answer);
     return self->answer;
@@ -776,6 +791,24 @@ static void Transfer_dealloc(Transfer *self) {
     Py_CLEAR(self->answer);
     if (e && r && e->pid == getpid()) { /* after a fork the parent's engine is left alone */
         pthread_mutex_lock(&e->mu);
+        if (r->state != DONE && r->lent) {
+            /* The transfer thread writes into self->body until r is done: cancel it and wait for that
+             * (a cancel is taken at the thread's next turn), so the bytes are not freed under it. */
+            cancel_locked(e, r);
+            pthread_mutex_unlock(&e->mu);
+            wake(e);
+            Py_BEGIN_ALLOW_THREADS
+            pthread_mutex_lock(&e->mu);
+            while (r->state != DONE) {
+                pthread_mutex_unlock(&e->mu);
+                struct timespec nap = {0, 200000};
+                nanosleep(&nap, NULL);
+                pthread_mutex_lock(&e->mu);
+            }
+            pthread_mutex_unlock(&e->mu);
+            Py_END_ALLOW_THREADS
+            pthread_mutex_lock(&e->mu);
+        }
         if (r->state == DONE) {
             req_free(r);
         } else {
@@ -785,6 +818,7 @@ static void Transfer_dealloc(Transfer *self) {
         pthread_mutex_unlock(&e->mu);
         wake(e);
     }
+    Py_CLEAR(self->body);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -901,16 +935,20 @@ static char *dup_utf8(PyObject *s) {
 
 static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"host", "urls", "max_bytes", "headers", "timeout_s", "userpwd", "trust_env", "page", "lines",
-                             "cainfo", "capath", "verify", "http2", NULL};
-    int host, trust_env = 0, page = 0, verify = 1, http2 = 0;
-    PyObject *urls, *headers, *lines = NULL;
+                             "cainfo", "capath", "verify", "http2", "sizes", "exact", NULL};
+    int host, trust_env = 0, page = 0, verify = 1, http2 = 0, exact = 0;
+    PyObject *urls, *headers, *lines = NULL, *sizes = NULL;
     Py_ssize_t max_bytes;
     double timeout_s;
     const char *userpwd = NULL, *cainfo = NULL, *capath = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!nO!d|zppOzzpp", kwlist, &host, &PyList_Type, &urls, &max_bytes,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!nO!d|zppOzzppOp", kwlist, &host, &PyList_Type, &urls, &max_bytes,
                                      &PyList_Type, &headers, &timeout_s, &userpwd, &trust_env, &page, &lines, &cainfo,
-                                     &capath, &verify, &http2))
+                                     &capath, &verify, &http2, &sizes, &exact))
         return NULL;
+    if (sizes == Py_None)
+        sizes = NULL;
+    if (sizes && !PyList_Check(sizes))
+        return PyErr_Format(PyExc_TypeError, "sizes must be a list or None");
     if (lines == Py_None)
         lines = NULL;
     if (lines && !PyList_Check(lines))
@@ -929,6 +967,16 @@ static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
     Py_ssize_t n = PyList_GET_SIZE(urls), nh = PyList_GET_SIZE(headers);
     if (lines && PyList_GET_SIZE(lines) != n)
         return PyErr_Format(PyExc_ValueError, "lines has %zd items for %zd urls", PyList_GET_SIZE(lines), n);
+    if (sizes && PyList_GET_SIZE(sizes) != n)
+        return PyErr_Format(PyExc_ValueError, "sizes has %zd items for %zd urls", PyList_GET_SIZE(sizes), n);
+    for (Py_ssize_t i = 0; sizes && i < n; i++) {
+        Py_ssize_t size = PyLong_Check(PyList_GET_ITEM(sizes, i)) ? PyLong_AsSsize_t(PyList_GET_ITEM(sizes, i)) : -1;
+        if (size < 0) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "sizes[%zd] is not an int >= 0", i);
+            return NULL;
+        }
+    }
     for (Py_ssize_t i = 0; lines && i < n; i++)
         if (!PyUnicode_Check(PyList_GET_ITEM(lines, i)))
             return PyErr_Format(PyExc_TypeError, "lines[%zd] is not a str", i);
@@ -952,11 +1000,20 @@ static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
         t->eng = e;
         t->req = r;
         t->answer = NULL;
+        t->body = NULL;
         PyList_SET_ITEM(out, i, (PyObject *)t);
         r->eng = e;
         r->host = host;
         r->state = INCOMING;
-        r->max_bytes = (size_t)max_bytes;
+        r->max_bytes = sizes ? (size_t)PyLong_AsSsize_t(PyList_GET_ITEM(sizes, i)) : (size_t)max_bytes;
+        if (exact) { /* the body lands in the bytes object result() returns: no copy once it is here */
+            t->body = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)r->max_bytes);
+            if (!t->body)
+                goto fail;
+            r->buf = PyBytes_AS_STRING(t->body);
+            r->cap = r->max_bytes;
+            r->lent = 1;
+        }
         r->timeout_ms = (long)(timeout_s * 1000);
         r->trust_env = trust_env;
         r->page = page;
@@ -975,12 +1032,21 @@ static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
                 goto fail;
             r->headers = sl;
         }
-        if (lines) { /* this URL's own header line (an S3 GET's Authorization, fastload.source.s3) */
-            const char *line = PyUnicode_AsUTF8(PyList_GET_ITEM(lines, i));
-            struct curl_slist *sl = line ? lib.slist_append(r->headers, line) : NULL;
+        /* This URL's own header lines, "\r\n" between them: an S3 GET's Authorization (fastload.source.s3),
+         * a ranged GET's Range and If-Match (fastload.source.ranged). */
+        const char *own = lines ? PyUnicode_AsUTF8(PyList_GET_ITEM(lines, i)) : NULL;
+        if (lines && !own)
+            goto fail;
+        while (own && *own) {
+            const char *cut = strstr(own, "\r\n");
+            size_t len = cut ? (size_t)(cut - own) : strlen(own);
+            char *line = len ? strndup(own, len) : NULL;
+            struct curl_slist *sl = line ? lib.slist_append(r->headers, line) : r->headers;
+            free(line);
             if (!sl)
                 goto fail;
             r->headers = sl;
+            own = cut ? cut + 2 : own + len;
         }
         if (last)
             last->next = r;
@@ -1184,9 +1250,11 @@ static PyMethodDef Engine_methods[] = {
     {"host", (PyCFunction)Engine_host, METH_NOARGS, "A new host: its id (no permits yet)."},
     {"submit", (PyCFunction)(void (*)(void))Engine_submit, METH_VARARGS | METH_KEYWORDS,
      "submit(host, urls, max_bytes, headers, timeout_s, userpwd=None, trust_env=False, page=False, lines=None, "
-     "cainfo=None, capath=None, verify=True, http2=False) -> "
+     "cainfo=None, capath=None, verify=True, http2=False, sizes=None, exact=False) -> "
      "[Transfer]: queue one GET per URL; each body is cut at max_bytes; with page, kept only if it is HTML or XML (a "
-     "folder page, an object store's listing); lines: one more header line per URL (its own Authorization); cainfo, "
+     "folder page, an object store's listing); lines: each URL's own header lines, \"\\r\\n\" between them (its "
+     "Authorization, Range, If-Match); sizes: each URL's own max_bytes; exact: each body is written into a bytes "
+     "object of its max_bytes, which result() returns as it is when the body filled it; cainfo, "
      "capath: the CA bundle file and folder trusted instead of the engine's; verify=False: no certificate or name "
      "check; http2: ask for HTTP/2 over TLS (else HTTP/1.1). Paths are sent as given (no dot-segment squashing)."},
     {"wait", (PyCFunction)Engine_wait, METH_VARARGS,

@@ -29,6 +29,7 @@ Modules:
 
 * :mod:`~fastload.fetch.fetcher`: :class:`Fetcher`: complete sizeless items, fetch
   blocks (a whole object streamed where a server ignores Range), store and return them;
+  staging's calls ``OVERLAP`` at once (``fetch_in_turn``: one stores while the next fetches);
 * :mod:`~fastload.fetch.base`: the Fetcher's parts: the per-process table of fetches in
   flight and the node-wide markers (fastload/cache/flights.py): mark, wait, land, store;
 * :mod:`~fastload.fetch.ahead`: :data:`AHEAD_ITEMS` (the one fetch-ahead depth), the

@@ -20,9 +20,10 @@ Sizeless items (an HTTP listing) are completed here too, in one of two ways
 
 from __future__ import annotations
 
+import collections
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 from fastload.errors import RemoteChangedError
@@ -34,6 +35,7 @@ from fastload.stats import record_cache
 __all__ = ["AHEAD_FLIGHTS", "AHEAD_ITEM_BYTES", "COMPLETING", "Fetcher"]
 
 STREAM_BATCH_BYTES = 2 << 20  # blocks of a streamed whole object stored together (memory bound: _fetch_whole)
+OVERLAP = 2  # fetch calls of fetch_in_turn at once: one's blocks stored while the next one's GETs run
 
 
 class Fetcher(FetcherAhead):
@@ -263,6 +265,34 @@ class Fetcher(FetcherAhead):
         for k, future in waits.items():
             out[k] = future.result(timeout=self.settings.fetch_wait_s)  # the fetching thread's error, if it failed
         return cast("list[bytes]", out)  # every block was this caller's (fetched above) or waited for
+
+    def fetch_in_turn(self, blocks: Sequence[Block], per_call: int, *, strict: bool = False, gate: Gate | None = None,
+                      check: Callable[[], None] | None = None) -> Iterator[bytes]:
+        """:meth:`fetch` of ``blocks``, ``per_call`` a call, each block's bytes yielded in order; OVERLAP calls at
+        once, so one call's blocks are stored while the next one's GETs run. One call after another left the
+        link idle while each stored: staging a 2 GB object spent more time storing than fetching
+        (benchmarks/large). ``check`` runs before each call (staging's stop)."""
+        calls: collections.deque[Future[list[bytes]]] = collections.deque()
+        with ThreadPoolExecutor(OVERLAP, thread_name_prefix="fastload-fetch-turn") as pool:
+            try:
+                for k in range(0, len(blocks), per_call):
+                    part = blocks[k : k + per_call]
+                    # A host whose Range support is unknown is probed by a call (_fetch_mine) and, if it ignores
+                    # Range, sent one GET of the whole object: that call runs alone, never beside its twin
+                    # (tests/integration/test_rangeless_stream.py: one GET, bounded memory).
+                    alone = any(self.sources.of(item.url).honours_ranges(item.url) is None for item, _ in part)
+                    while calls and (alone or len(calls) >= OVERLAP):
+                        yield from calls.popleft().result()
+                    if check is not None:
+                        check()
+                    calls.append(pool.submit(self.fetch, part, strict=strict, gate=gate))
+                    if alone:
+                        yield from calls.popleft().result()
+                while calls:
+                    yield from calls.popleft().result()
+            finally:
+                for call in calls:
+                    call.cancel()
 
     def _fetch_mine(self, blocks: Sequence[Block], mine: list[int], ahead: dict[int, Flight],
                     out: list[bytes | None], strict: bool, gate: Gate | None) -> None:

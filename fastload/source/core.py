@@ -7,7 +7,8 @@ after fork).
 
 Each request goes one of three ways, chosen per source: libcurl's engine
 (:mod:`fastload.transport.curl`; HTTP first blocks and listing pages, S3 first blocks
-signed there, :mod:`fastload.source.s3`, and GCS first blocks, :mod:`fastload.source.gcs`), coroutines on fsspec's aiohttp session
+signed there, :mod:`fastload.source.s3`, and GCS first blocks, :mod:`fastload.source.gcs`; the later
+blocks of all three, :mod:`fastload.source.ranged`), coroutines on fsspec's aiohttp session
 (:mod:`fastload.source.aio`), or fsspec's filesystem (s3fs, gcsfs, local files: the
 fallback for the rest). Listing is :mod:`fastload.source.listing`.
 
@@ -43,7 +44,7 @@ from fastload.errors import (
     SourceError,
     StoppedError,
 )
-from fastload.source import aio, errors, fallback, gcs, listing, s3
+from fastload.source import aio, errors, fallback, gcs, listing, ranged, s3
 from fastload.source.fallback import FsspecRoad
 from fastload.source.items import RemoteItem, matching, version_of
 from fastload.transport import curl
@@ -442,9 +443,11 @@ class Source(FsspecRoad):
                 out[k] = pending
         return out
 
-    def finish_first(self, item: RemoteItem, nbytes: int, future: concurrent.futures.Future[Any]) -> tuple[RemoteItem, bytes]:
+    def finish_first(self, item: RemoteItem, nbytes: int, future: concurrent.futures.Future[Any], *,
+                     redone: bool = False) -> tuple[RemoteItem, bytes]:
         """:meth:`fetch_first`'s result from a :meth:`start_first_many` future; a failed or short read
-        is done again by :meth:`fetch_first` (retries, backoff, error translation)."""
+        is done again by :meth:`fetch_first` (retries, backoff, error translation). ``redone``: the
+        future is a GET redone once on its bucket's learned route (S3Route.learn)."""
         try:
             res = self._wait(future, self.settings.first_wait_s, item.url)
             if item.size < 0 or isinstance(future, curl.Pending):  # (info, body): sized by the answer
@@ -469,9 +472,11 @@ class Source(FsspecRoad):
             future.cancel()
         except curl.HttpStatusError as err:
             route = self.route
-            if isinstance(route, s3.S3Route) and route.learn(item.url, err):
-                future.cancel()  # the bucket's region, learned: its next GETs go there; this one is redone on s3fs
-                return self._fetch_first(item, nbytes)
+            if isinstance(route, s3.S3Route) and not redone and route.learn(item.url, err):
+                future.cancel()  # the bucket's region, learned: this GET is redone there once (test_s3_regions.py)
+                again = self._curl_first([item], nbytes)
+                return self._fetch_first(item, nbytes) if again is None else self.finish_first(item, nbytes, again[0],
+                                                                                               redone=True)
             denied = route.refused(item.url, err) if self._store and route is not None else None
             if denied is not None:  # retrying cannot help; the other road's message would say less
                 raise denied from None
@@ -479,6 +484,19 @@ class Source(FsspecRoad):
         except Exception:  # noqa: S110 - redone below, where errors are retried and translated
             future.cancel()
         return self._fetch_first(item, nbytes)
+
+    def fetch_many(self, ranges: builtins.list[tuple[str, int, int | None]],
+                   listed: builtins.list[RemoteItem] | None = None) -> builtins.list[bytes | Exception]:
+        """As :meth:`FsspecRoad.fetch_many`, but the ranges of listed objects go through libcurl's engine where
+        this source has a route (fastload.source.ranged: a large object's blocks as concurrent ranged GETs);
+        those it does not take, or that fail there, go the fsspec road."""
+        got: builtins.list[Any] = ranged.fetch(self, ranges, listed)
+        todo = [k for k, res in enumerate(got) if res is None]
+        if todo:
+            rest = super().fetch_many([ranges[k] for k in todo], None if listed is None else [listed[k] for k in todo])
+            for k, res in zip(todo, rest):
+                got[k] = res
+        return got
 
     def _wait(self, future: concurrent.futures.Future[T], timeout_s: float, url: str) -> T:
         """``future.result(timeout_s)``, but a stop cancels it and raises StoppedError (as :meth:`_sync`).

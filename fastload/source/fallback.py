@@ -2,8 +2,8 @@
 
 What the fast roads (libcurl's engine, fastload.transport.curl; S3 signed there,
 fastload.source.s3; GCS, fastload.source.gcs) do not carry goes here: local files and the other stores,
-HTTP requests other than first blocks and listing pages, S3's HEADs and later
-blocks, and every retry of a failed fast request (its errors are the ones users
+HTTP requests other than first blocks, later blocks and listing pages, S3's HEADs,
+the blocks the engine did not take (fastload.source.ranged), and every retry of a failed fast request (its errors are the ones users
 see). :class:`FsspecRoad` is the part of :class:`~fastload.source.Source` that
 speaks to the filesystem; it is a mixin so that Source stays one object to
 pickle and to pass around.

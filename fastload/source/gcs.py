@@ -17,8 +17,8 @@ gcsfs refreshes an expiring token before each batch. The endpoint is gcsfs's too
 
 Scope: the first block of each object, listed (sized) or from a key list
 (sizeless), and the objects.list pages of a listing (JSON), one per common prefix, a
-whole level in flight (fastload.source.listing.store_find). Later blocks and
-streamed objects stay on gcsfs. So do errors, but for a refusal
+whole level in flight (fastload.source.listing.store_find); the later blocks of a
+listed one go through the engine too (fastload.source.ranged). Streamed objects stay on gcsfs. So do errors, but for a refusal
 (401, 403: a CredentialsError at once, as gcsfs's retries cannot help) and a 404.
 
 TLS: these GETs trust the CAs gcsfs's requests trust. gcsfs's aiohttp session trusts what

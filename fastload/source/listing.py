@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import fsspec
 
@@ -275,10 +275,23 @@ class StoreRoute(Protocol):
     def refused(self, url: str, err: curl.HttpStatusError) -> Exception | None: ...
 
 
+@runtime_checkable
+class LearningRoute(Protocol):
+    """A store route that learns where a bucket's requests go from an answer (S3's region:
+    fastload.source.s3.S3Route.learn)."""
+
+    def learn(self, url: str, err: curl.HttpStatusError) -> bool: ...
+
+
 def store_find(src: Source, route: StoreRoute, pattern: str | None) -> tuple[dict[str, RemoteItem], int] | None:
     """The objects under an object store source's prefix by relative path, and the common prefixes
     seen; None where its fsspec filesystem must answer: the URL names an object or nothing, or a page
-    failed (s3fs or gcsfs then lists it and names the error)."""
+    failed (s3fs or gcsfs then lists it and names the error).
+
+    A page refused for the bucket's region (a 301, 307 or ``AuthorizationHeaderMalformed``) is asked
+    again, once, on the route its answer taught (:class:`LearningRoute`), with the next level's pages:
+    s3fs, listing page after page, took the whole listing before (tests/integration/test_s3_regions.py).
+    """
     limit = src.host_limit
     if limit is None or not src._curl_takes(limit):
         return None
@@ -288,15 +301,20 @@ def store_find(src: Source, route: StoreRoute, pattern: str | None) -> tuple[dic
     files: dict[str, RemoteItem] = {}
     folders = 0
     todo: list[tuple[str, str | None]] = [(root, None)]
+    redone: set[tuple[str, str | None]] = set()  # pages asked again on a learned route
     while todo:
         src._stopped(src.url)
         pending = route.start_pages([route.list_url(bucket, p, t) for p, t in todo], timeout_s, limit, src.stop)
         src._settle(pending, 2 * timeout_s + SLOT_WAIT_S)  # a GET's timeout starts once it runs
         level: list[tuple[str, str | None]] = []
-        for (prefix, _), p in zip(todo, pending):
+        for (prefix, token), p in zip(todo, pending):
             try:
                 page = route.parse_page(p.result(0)[2] or "")
             except curl.HttpStatusError as err:
+                if (prefix, token) not in redone and isinstance(route, LearningRoute) and route.learn(src.url, err):
+                    redone.add((prefix, token))
+                    level.append((prefix, token))
+                    continue
                 denied = route.refused(src.url, err)
                 if denied is not None:  # the store's own code (InvalidToken...): s3fs's HEAD would see only "400"
                     raise denied from None

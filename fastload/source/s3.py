@@ -11,9 +11,9 @@ hangs in a forked child (its tokio runtime does not survive fork, and DataLoader
 workers fork), and cost more CPU per object in the same run on a 1 Gbit link.
 
 Scope: the first block of each s3:// or s3a:// object, listed (sized) or from a
-key list (sizeless), and the ListObjectsV2 pages of a listing, one per common
-prefix at a time, all prefixes of a level together (fastload.source.listing). HEADs,
-later blocks and streamed objects stay on s3fs. So do errors: an answer this path does not take as it is (403, 404,
+key list (sizeless), the later blocks of a listed one (fastload.source.ranged), and
+the ListObjectsV2 pages of a listing, one per common prefix at a time, all prefixes
+of a level together (fastload.source.listing). HEADs and streamed objects stay on s3fs. So do errors: an answer this path does not take as it is (403, 404,
 SlowDown...) is done again through s3fs, whose retries, backoff and messages
 users see. The host limit governs these GETs like any other (a 503 or SlowDown
 cuts it: :func:`fastload.transport.curl.pump`).
@@ -34,8 +34,9 @@ one, or a configuration whose requests it cannot sign (S3 Express, SigV2), keeps
 on s3fs, and one log line names it: decided once per source, or per bucket, never per object.
 
 Regions: each bucket has its route (:class:`Buckets`). An answer that names the bucket's region
-(a 301 or ``AuthorizationHeaderMalformed``: :meth:`S3Route.learn`) moves its GETs there for the
-rest of the process and its forked workers (tests/integration/test_s3_regions.py).
+(a 301, 307 or ``AuthorizationHeaderMalformed``: :meth:`S3Route.learn`) moves its GETs and listing
+pages there for the rest of the process and its forked workers, and the refused request is sent
+again there (tests/integration/test_s3_regions.py).
 """
 
 from __future__ import annotations
@@ -195,36 +196,49 @@ class S3Route(CurlRoute):
         return f"s3://{bucket}/{key}"
 
     def learn(self, url: str, err: curl.HttpStatusError) -> bool:
-        """Whether ``err`` named the bucket's region, another than its GETs were signed for; if so its
-        GETs go there from now on, in this process and its forked workers (fastload.source.s3_resolve).
+        """Whether ``err`` says the bucket's requests belong in another region than this one was signed
+        for; if so its GETs and listing pages go there from now on, in this process and its forked workers
+        (fastload.source.s3_resolve), and the caller redoes this one there, once.
 
-        The region comes from the answer's ``<Region>`` (an ``AuthorizationHeaderMalformed``) or,
-        for a 301 (libcurl's engine keeps no ``x-amz-bucket-region`` header), one HeadBucket.
+        The region comes from the answer's ``<Region>`` (an ``AuthorizationHeaderMalformed``) or else one
+        HeadBucket per bucket, as botocore's S3RegionRedirectorv2 asks it: for a 301 (libcurl's engine
+        keeps no ``x-amz-bucket-region`` header), a 302 or 307, and a signed request's ``AccessDenied``.
+        That last is how a 307 reaches us: S3's global endpoint answers one for a bucket made recently in
+        another region, and libcurl follows its ``Location`` to the regional host without the
+        Authorization (it sends none to another host). botocore follows no ``Location`` either: it
+        re-resolves the endpoint for the region and signs for it, as :class:`Buckets` does.
         """
-        if self.buckets is None or err.status not in (301, 400):
+        if self.buckets is None:
             return False
-        match = _CODE.search(err.body or b"")
+        body = err.body or b""
+        match = _CODE.search(body)
         code = match.group(1).decode() if match else ""
-        if err.status == 400 and code not in _WRONG_REGION:
+        followed = err.status == 403 and code == "AccessDenied" and self.credentials is not None
+        if not (err.status in _REDIRECTS or (err.status == 400 and code in _WRONG_REGION) or followed):
             return False
         bucket = _bucket(url)
-        found = _REGION.search(err.body or b"")
+        found = _REGION.search(body)
         with self.buckets.learning:  # a batch's GETs answer together: one HeadBucket, not one per GET
             now = self.of(bucket)
-            if found:
-                region = found.group(1).decode()
-            elif now is not None and now.region != self.region:
-                return True  # another answer taught it while this GET was out: it is redone, the next go there
-            else:
-                region = self.buckets.resolver.head_region(bucket) or ""
-            if not region or (now is not None and region == now.region):
+            if now is None:
                 return False
+            # Moved by an answer to another of its requests while this one was out: redone on its route now.
+            moved = self.buckets.learned(bucket) is not None
+            region = found.group(1).decode() if found else ""
+            if not region and moved:
+                return True
+            if not region and bucket not in self.buckets.asked:  # a genuine AccessDenied costs one, not one per GET
+                self.buckets.asked.add(bucket)
+                region = self.buckets.resolver.head_region(bucket) or ""
+            if not region or region == now.region:
+                return bool(region) and moved
             return bool(self.buckets.resolver.learn(bucket, region))
 
     def refused(self, url: str, err: curl.HttpStatusError) -> CredentialsError | None:
         """An answer whose S3 error code refuses the credentials, as a CredentialsError (s3fs would see
         no code in a HEAD's answer, which has no body, only "400 Bad Request"); not one that names the
-        bucket's region (:meth:`learn`): that one is redone on s3fs, which follows the region."""
+        bucket's region (:meth:`learn`): that one is redone, on s3fs (which follows the region) if it was
+        redone on the learned route already."""
         code = refusal(err)
         if not code or (code in _WRONG_REGION and self.learn(url, err)):
             return None
@@ -241,6 +255,7 @@ class Buckets:
         self._base = replace(base, buckets=self)  # what every bucket's route shares: credentials, TLS, headers
         self._lock = threading.Lock()
         self.learning = threading.Lock()  # held while a bucket's region is asked (S3Route.learn)
+        self.asked: set[str] = set()  # buckets whose region a HeadBucket was asked for: once each
         self._routes: dict[tuple[str, str | None], S3Route | None] = {}
 
     def learned(self, bucket: str) -> str | None:
@@ -366,6 +381,7 @@ _CODE = re.compile(rb"<Code>([A-Za-z]+)</Code>")
 _REGION = re.compile(rb"<Region>([a-z0-9-]+)</Region>")
 # Error codes of a GET signed for another region than the bucket's (botocore's S3RegionRedirectorv2 reads them).
 _WRONG_REGION = {"AuthorizationHeaderMalformed", "IllegalLocationConstraintException", "PermanentRedirect"}
+_REDIRECTS = (301, 302, 307)  # the statuses botocore's S3RegionRedirectorv2 follows to the bucket's region
 
 
 def refusal(err: BaseException) -> str:

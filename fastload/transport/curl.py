@@ -16,8 +16,9 @@ Scope: the first-block GET of a sizeless HTTP item, fetched ahead
 and the folder pages of an HTTP listing (:meth:`CurlRoute.start_pages`). So a
 cold epoch over HTTP sends its first requests without waiting for aiohttp to
 import (~0.1 s, about 3% of a 3,000-object epoch at 1 Gbit; the Source imports it
-on a thread meanwhile). HEADs, later blocks and streamed objects stay on
-fsspec's session. A Source uses curl only where its ``storage_options`` map
+on a thread meanwhile). The later blocks of a listed object go here too, as ranged
+GETs that each carry their own Range and If-Match (:meth:`CurlRoute.start_ranges`;
+fastload.source.ranged). HEADs and streamed objects stay on fsspec's session. A Source uses curl only where its ``storage_options`` map
 onto curl (headers, basic auth, ``trust_env``, ``ssl=False``; the CA bundle of
 REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE, :func:`fastload.transport.tls.ca_bundle`; :func:`route_for`), and ``Settings.http_client``
 (``FASTLOAD_HTTP_CLIENT``) can turn it off. A host that closes its connection
@@ -460,6 +461,18 @@ class CurlRoute:
         slots, and once ``stop`` is set those not finished are cancelled (:func:`pump`)."""
         return self._submit(urls, nbytes, [f"Range: bytes=0-{max(nbytes, 1) - 1}"], timeout_s, limit, stop, False)
 
+    def start_ranges(self, spans: Sequence[tuple[str, int, int]], timeout_s: float, limit: HostLimit,
+                     stop: threading.Event, conditions: Sequence[tuple[str, str]] | None = None) -> list[Pending]:
+        """As :meth:`start`, one GET of ``url[start:end]`` per span, each with its own Range and byte count, its
+        body written into the bytes its result returns. ``conditions``: per span, a query for its URL and header
+        lines ("\\r\\n" between) naming the version expected (fastload.source.ranged). Range and these lines
+        are the GET's own, unsigned (S3 asks only for host and x-amz-* headers to be signed)."""
+        conditions = conditions or [("", "")] * len(spans)
+        own = [f"Range: bytes={start}-{end - 1}" + (f"\r\n{lines}" if lines else "")
+               for (_, start, end), (_, lines) in zip(spans, conditions)]
+        return self._submit([url for url, _, _ in spans], 0, [], timeout_s, limit, stop, False, own=own,
+                            queries=[query for query, _ in conditions], sizes=[end - start for _, start, end in spans])
+
     def start_pages(self, urls: Sequence[str], timeout_s: float, limit: HostLimit, stop: threading.Event) -> list[Pending]:
         """As :meth:`start`, one GET of each folder page (redirects followed; the body kept if it is
         HTML); each Pending's result is ``(final_url, size, text or None)``."""
@@ -479,17 +492,24 @@ class CurlRoute:
         return None
 
     def _submit(self, urls: Sequence[str], max_bytes: int, extra: list[str], timeout_s: float, limit: HostLimit,
-                stop: threading.Event, page: bool) -> list[Pending]:
+                stop: threading.Event, page: bool, own: list[str] | None = None, queries: list[str] | None = None,
+                sizes: list[int] | None = None) -> list[Pending]:
+        """Hand the batch to the engine. ``own``: each GET's own header lines beside its signature; ``queries``:
+        appended to each wire URL (signed with it); ``sizes``: each GET's bytes, its body then written in place."""
         eng = engine()
         if eng is None:
             raise ConfigError(f"libcurl's engine is not running here: {unavailable()}")  # route_for checked
         host = _host(limit)
-        wire = [self.wire(u) for u in urls]
+        wire = [self.wire(u) + q for u, q in zip(urls, queries)] if queries else [self.wire(u) for u in urls]
         headers = [*self.headers, *extra, "Accept-Encoding: identity"]
         batch, lines = self.sign(wire, headers)
+        if own is not None:
+            lines = own if lines is None else [f"{signed}\r\n{mine}" for signed, mine in zip(lines, own)]
         transfers = eng.submit(host.id, wire, max_bytes, [*headers, *batch], timeout_s, self.userpwd, self.trust_env, page,
-                               lines, cainfo=self.cainfo, capath=self.capath, verify=self.verify, http2=self.http2)
-        pendings = [Pending(t, u, max_bytes, host, self.page_types if page else ()) for t, u in zip(transfers, urls)]
+                               lines, cainfo=self.cainfo, capath=self.capath, verify=self.verify, http2=self.http2,
+                               sizes=sizes, exact=sizes is not None)
+        counts = sizes or [max_bytes] * len(urls)
+        pendings = [Pending(t, u, n, host, self.page_types if page else ()) for t, u, n in zip(transfers, urls, counts)]
         state = _STATE
         with state.lock:
             entry = state.stoppable.get(id(stop))
