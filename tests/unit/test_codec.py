@@ -165,3 +165,23 @@ def test_a_chunk_larger_than_lz4_takes_is_a_codec_error_not_an_overflow() -> Non
     # lz4.block takes C ints: without the guard this is an OverflowError, which nothing maps to "corrupt".
     with pytest.raises(CodecError, match="too large"):
         codec.decode_chunk(memoryview(b"\x00" * 16), 0, 16, 2**31)
+
+
+def test_a_block_whose_first_chunk_does_not_compress_tries_lz4_on_no_other_chunk(monkeypatch) -> None:
+    # Issue 36 item 2: a large incompressible block (an 8 MiB slice of a video or a tar of JPEGs)
+    # spent 7.2 ms in LZ4 attempts thrown away; the first chunk now decides.
+    calls = []
+    real = lz4.block.compress
+    monkeypatch.setattr(lz4.block, "compress", lambda *a, **k: calls.append(1) or real(*a, **k))
+    noise = os.urandom(8 * 4096)
+    payload = codec.encode(noise, chunk_bytes=4096)
+    assert codec.parse_header(payload).codec == codec.RAW and codec.decode(payload) == noise
+    assert len(calls) == 1
+    # The choice it makes: compressible only past its first chunk is stored raw, and reads back exactly.
+    mixed = os.urandom(4096) + b"\x00" * (7 * 4096)
+    assert codec.parse_header(codec.encode(mixed, chunk_bytes=4096)).codec == codec.RAW
+    # A block that compresses from its start is compressed whole; min_saving=0 tries every chunk.
+    calls.clear()
+    text = b"abc" * (8 * 4096 // 3)
+    assert codec.parse_header(codec.encode(text, chunk_bytes=4096)).codec == codec.LZ4
+    assert codec.decode(codec.encode(mixed, chunk_bytes=4096, min_saving=0.0)) == mixed
