@@ -196,6 +196,7 @@ typedef struct Req {
     int host, state, abandoned, cancel, closes, full;
     int lent; /* buf is a bytes object's own storage (Transfer.body: submit's exact), never freed here */
     int page; /* a listing page: the body is kept only if the answer is HTML (page_wanted) */
+    int follow; /* follow redirects (as aiohttp); 0: a 3xx is the answer (an S3 route learns its region) */
     char *url, *userpwd, *final; /* final: the URL answered, after redirects */
     int trust_env;
     char *cainfo, *capath; /* its route's CA bundle (file, folder); both NULL: the engine's */
@@ -453,7 +454,7 @@ static void start(Engine *e, Req *r) {
     lib.easy_setopt(c, O_URL, r->url);
     lib.easy_setopt(c, O_HTTPHEADER, r->headers);
     lib.easy_setopt(c, O_NOSIGNAL, 1L);
-    lib.easy_setopt(c, O_FOLLOWLOCATION, 1L); /* as aiohttp: up to 10 redirects */
+    lib.easy_setopt(c, O_FOLLOWLOCATION, r->follow ? 1L : 0L); /* as aiohttp: up to 10 redirects */
     lib.easy_setopt(c, O_MAXREDIRS, 10L);
     lib.easy_setopt(c, O_TIMEOUT_MS, r->timeout_ms);
     lib.easy_setopt(c, O_CONNECTTIMEOUT_MS, r->timeout_ms);
@@ -935,15 +936,15 @@ static char *dup_utf8(PyObject *s) {
 
 static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"host", "urls", "max_bytes", "headers", "timeout_s", "userpwd", "trust_env", "page", "lines",
-                             "cainfo", "capath", "verify", "http2", "sizes", "exact", NULL};
-    int host, trust_env = 0, page = 0, verify = 1, http2 = 0, exact = 0;
+                             "cainfo", "capath", "verify", "http2", "sizes", "exact", "follow", NULL};
+    int host, trust_env = 0, page = 0, verify = 1, http2 = 0, exact = 0, follow = 1;
     PyObject *urls, *headers, *lines = NULL, *sizes = NULL;
     Py_ssize_t max_bytes;
     double timeout_s;
     const char *userpwd = NULL, *cainfo = NULL, *capath = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!nO!d|zppOzzppOp", kwlist, &host, &PyList_Type, &urls, &max_bytes,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!nO!d|zppOzzppOpp", kwlist, &host, &PyList_Type, &urls, &max_bytes,
                                      &PyList_Type, &headers, &timeout_s, &userpwd, &trust_env, &page, &lines, &cainfo,
-                                     &capath, &verify, &http2, &sizes, &exact))
+                                     &capath, &verify, &http2, &sizes, &exact, &follow))
         return NULL;
     if (sizes == Py_None)
         sizes = NULL;
@@ -1017,6 +1018,7 @@ static PyObject *Engine_submit(Engine *e, PyObject *args, PyObject *kwds) {
         r->timeout_ms = (long)(timeout_s * 1000);
         r->trust_env = trust_env;
         r->page = page;
+        r->follow = follow;
         r->url = dup_utf8(PyList_GET_ITEM(urls, i));
         r->userpwd = userpwd ? strdup(userpwd) : NULL;
         r->cainfo = cainfo ? strdup(cainfo) : NULL;
@@ -1250,13 +1252,14 @@ static PyMethodDef Engine_methods[] = {
     {"host", (PyCFunction)Engine_host, METH_NOARGS, "A new host: its id (no permits yet)."},
     {"submit", (PyCFunction)(void (*)(void))Engine_submit, METH_VARARGS | METH_KEYWORDS,
      "submit(host, urls, max_bytes, headers, timeout_s, userpwd=None, trust_env=False, page=False, lines=None, "
-     "cainfo=None, capath=None, verify=True, http2=False, sizes=None, exact=False) -> "
+     "cainfo=None, capath=None, verify=True, http2=False, sizes=None, exact=False, follow=True) -> "
      "[Transfer]: queue one GET per URL; each body is cut at max_bytes; with page, kept only if it is HTML or XML (a "
      "folder page, an object store's listing); lines: each URL's own header lines, \"\\r\\n\" between them (its "
      "Authorization, Range, If-Match); sizes: each URL's own max_bytes; exact: each body is written into a bytes "
      "object of its max_bytes, which result() returns as it is when the body filled it; cainfo, "
      "capath: the CA bundle file and folder trusted instead of the engine's; verify=False: no certificate or name "
-     "check; http2: ask for HTTP/2 over TLS (else HTTP/1.1). Paths are sent as given (no dot-segment squashing)."},
+     "check; http2: ask for HTTP/2 over TLS (else HTTP/1.1); follow=False: a redirect is the answer (an HttpStatusError). "
+     "Paths are sent as given (no dot-segment squashing)."},
     {"wait", (PyCFunction)Engine_wait, METH_VARARGS,
      "wait(transfers, timeout_s, pump_s=-1) -> bool: until all are done (True) or timeout_s passed; with "
      "pump_s >= 0 also once outcomes have waited pump_s untaken (Engine.outcomes). Releases the GIL."},

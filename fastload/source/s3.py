@@ -107,6 +107,9 @@ class S3Route(CurlRoute):
     (:class:`Buckets`), so buckets in several regions each keep theirs."""
 
     page_types: ClassVar[tuple[str, ...]] = ("application/xml",)  # its listing pages
+    # As botocore: a redirect's Location is not followed (libcurl would send it on without the Authorization,
+    # an AccessDenied); its answer names the bucket's region, or a HeadBucket asks it (learn).
+    follow: ClassVar[bool] = False
 
     bucket: str = ""
     prefix: str = ""  # the URL up to the key: "https://bucket.s3.<region>.amazonaws.com/" or "<endpoint>/bucket/"
@@ -203,10 +206,9 @@ class S3Route(CurlRoute):
         The region comes from the answer's ``<Region>`` (an ``AuthorizationHeaderMalformed``) or else one
         HeadBucket per bucket, as botocore's S3RegionRedirectorv2 asks it: for a 301 (libcurl's engine
         keeps no ``x-amz-bucket-region`` header), a 302 or 307, and a signed request's ``AccessDenied``.
-        That last is how a 307 reaches us: S3's global endpoint answers one for a bucket made recently in
-        another region, and libcurl follows its ``Location`` to the regional host without the
-        Authorization (it sends none to another host). botocore follows no ``Location`` either: it
-        re-resolves the endpoint for the region and signs for it, as :class:`Buckets` does.
+        S3's global endpoint answers a 307 for a bucket made recently in another region; as botocore, the
+        route follows no ``Location`` (:attr:`follow`): it re-resolves the endpoint for the region and signs
+        for it (:class:`Buckets`). An ``AccessDenied`` is what a 307 followed elsewhere would look like.
         """
         if self.buckets is None:
             return False

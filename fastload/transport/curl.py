@@ -454,6 +454,7 @@ class CurlRoute:
     # A listing page's content types whose body is the listing: a web server's folder index (S3 and GCS
     # routes list in XML and JSON).
     page_types: ClassVar[tuple[str, ...]] = ("text/html",)
+    follow: ClassVar[bool] = True  # follow redirects, as aiohttp (an S3 route learns its region from one instead)
 
     def start(self, urls: Sequence[str], nbytes: int, timeout_s: float, limit: HostLimit,
               stop: threading.Event) -> list[Pending]:
@@ -507,7 +508,7 @@ class CurlRoute:
             lines = own if lines is None else [f"{signed}\r\n{mine}" for signed, mine in zip(lines, own)]
         transfers = eng.submit(host.id, wire, max_bytes, [*headers, *batch], timeout_s, self.userpwd, self.trust_env, page,
                                lines, cainfo=self.cainfo, capath=self.capath, verify=self.verify, http2=self.http2,
-                               sizes=sizes, exact=sizes is not None)
+                               sizes=sizes, exact=sizes is not None, follow=self.follow)
         counts = sizes or [max_bytes] * len(urls)
         pendings = [Pending(t, u, n, host, self.page_types if page else ()) for t, u, n in zip(transfers, urls, counts)]
         state = _STATE
