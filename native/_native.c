@@ -466,7 +466,51 @@ static int direct_raw(Job *job, int fd, uint8_t *out, Scratch *s) {
     return 0;
 }
 
-static void run_job(Job *job, uint8_t *out, Scratch *s) {
+/* Pack files held open for one thread's share of a batch (work_on): a batch of small samples reads
+ * each of a few packs many times, and an open and a close per job cost more than reading a 4 KiB
+ * sample (benchmarks/scale). Within a batch, a pack replaced or punched since its open reads as
+ * the entry that named it was written, or fails the checks as any stale entry does. */
+#define OPEN_PACKS 16
+
+typedef struct {
+    const char *path[OPEN_PACKS]; /* a job's path: the batch's own bytes objects, alive while it runs */
+    int fd[OPEN_PACKS];
+    int n, next; /* slots held; the one reused next once all are */
+} Packs;
+
+static unsigned long long files_opened = 0; /* payload files opened since import (atomic): opened() */
+
+static int open_payload(const Job *job, Packs *packs) {
+    if (job->packed)
+        for (int i = 0; i < packs->n; i++)
+            if (strcmp(packs->path[i], job->path) == 0) return packs->fd[i];
+    __atomic_add_fetch(&files_opened, 1, __ATOMIC_RELAXED);
+    int fd = open(job->path, O_RDONLY | O_CLOEXEC);
+    if (!job->packed) return fd;
+    if (fd < 0) return fd;
+    int slot = packs->n;
+    if (packs->n < OPEN_PACKS) {
+        packs->n++;
+    } else {
+        slot = packs->next;
+        packs->next = (packs->next + 1) % OPEN_PACKS;
+        close(packs->fd[slot]);
+    }
+    packs->path[slot] = job->path;
+    packs->fd[slot] = fd;
+    return fd;
+}
+
+static void close_payload(const Job *job, int fd) {
+    if (!job->packed) close(fd); /* a pack's stays open until packs_close */
+}
+
+static void packs_close(Packs *packs) {
+    for (int i = 0; i < packs->n; i++) close(packs->fd[i]);
+    packs->n = packs->next = 0;
+}
+
+static void run_job(Job *job, uint8_t *out, Scratch *s, Packs *packs) {
     Info info = {0};
     int intact = 0;
     const uint8_t *payload;
@@ -479,7 +523,7 @@ static void run_job(Job *job, uint8_t *out, Scratch *s) {
         payload = job->mem;
         size = job->mem_len;
     } else {
-        int fd = open(job->path, O_RDONLY | O_CLOEXEC);
+        int fd = open_payload(job, packs);
         if (fd < 0) {
             job->err = errno;
             job->status = errno == ENOENT ? ST_MISSING : ST_OSERROR;
@@ -494,22 +538,22 @@ static void run_job(Job *job, uint8_t *out, Scratch *s) {
             if (fstat(fd, &st) != 0) {
                 job->err = errno;
                 job->status = ST_OSERROR;
-                close(fd);
+                close_payload(job, fd);
                 return;
             }
             if ((uint64_t)st.st_size != job->stored) {
-                close(fd);
+                close_payload(job, fd);
                 fail(job, ST_CORRUPT, "payload is %llu B, index says %llu B", (unsigned long long)st.st_size,
                      (unsigned long long)job->stored);
                 return;
             }
         }
         if (direct_fits(job) && direct_raw(job, fd, out, s) == 0) {
-            close(fd);
+            close_payload(job, fd);
             goto checked;
         }
         if (job->stored > (uint64_t)PTRDIFF_MAX - 65536 || ensure(&s->comp, &s->comp_cap, want) < 0) {
-            close(fd);
+            close_payload(job, fd);
             fail(job, ST_NOMEM, "cannot allocate %llu B to read a payload", (unsigned long long)want);
             return;
         }
@@ -535,7 +579,7 @@ static void run_job(Job *job, uint8_t *out, Scratch *s) {
             struct stat st;
             if (fstat(fd, &st) == 0) got = (uint64_t)st.st_size;
         }
-        close(fd);
+        close_payload(job, fd);
         if (rc < 0) {
             job->err = saved;
             job->status = ST_OSERROR;
@@ -586,11 +630,13 @@ static int busy = 0;  /* threads inside work_on, callers and helpers (atomic) */
 static void work_on(Batch *b) {
     __atomic_add_fetch(&busy, 1, __ATOMIC_RELAXED);
     Scratch *s = scratch_get();
+    Packs packs = {.n = 0};
     for (;;) {
         Py_ssize_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED);
         if (i >= b->njobs) break;
-        run_job(&b->jobs[i], b->out, s);
+        run_job(&b->jobs[i], b->out, s, &packs);
     }
+    packs_close(&packs);
     scratch_put(s);
     __atomic_sub_fetch(&busy, 1, __ATOMIC_RELAXED);
 }
@@ -934,6 +980,12 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *opened(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&files_opened, __ATOMIC_RELAXED));
+}
+
 static PyObject *trim(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
@@ -964,6 +1016,8 @@ static PyMethodDef methods[] = {
      "the partial decoder, wanted chunks are decoded in full; without all five of xxh3's streaming\n"
      "form, a large raw payload is read into scratch and copied out, not read straight into the output."},
     {"trim", trim, METH_NOARGS, "trim()\n\nFree the scratch buffers kept between calls."},
+    {"opened", opened, METH_NOARGS, "opened() -> int\n\nPayload files opened by gather() since import (a pack "
+     "once per thread's share of a batch)."},
     {NULL, NULL, 0, NULL},
 };
 
