@@ -36,7 +36,7 @@ from fastload.config import Settings, parse_size
 from fastload.device.worker_pack import Span, read_buffer
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
 from fastload.fetch import announce
-from fastload.read import gunzip
+from fastload.read import ahead, gunzip
 from fastload.read.blocks import DEFAULT_KEPT_BYTES, KeptBlocks, KeptFile, read_ranges
 from fastload.read.located import Located
 from fastload.read.reader import Reader
@@ -464,7 +464,7 @@ class TokenDataset(_CachedDataset):
         return [{"data": self._apply(out[k]), "url": item.url, "index": w} for k, w in enumerate(windows)]
 
 
-class TarDataset(_CachedDataset):
+class TarDataset(ahead.TarAhead, _CachedDataset):
     """WebDataset tar shards: consecutive members sharing a key are one sample.
 
     Shards are indexed once (the index is stored in the cache index beside the

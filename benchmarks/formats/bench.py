@@ -11,7 +11,8 @@ serves the folders with nginx (fastload/_servers), and times one pass after anot
   (streaming has no HTTP downloader, litdata refuses the scheme), so theirs is the best case:
   no link at all, files in the page cache. First pass, then second.
 * the link: every shard fetched whole from nginx with one urllib GET each (MB/s), the rate the
-  cold pass is measured against (``cold_of_link``).
+  cold pass is measured against (``cold_of_link``). Unshaped loopback by default; ``--rate 400mbit``
+  shapes it with tc (needs root: the whole run happens in a ShapedLink namespace, as benchmarks/tar's).
 
 Prints one JSON object per format (samples/s of each pass, ratios); ``--out`` appends them.
 A library that is not installed is reported as skipped.
@@ -50,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-mb", type=float, default=8.0, help="shard size limit (MDS size_limit, LitData chunk_bytes)")
     p.add_argument("--formats", default="mds,litdata")
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
+    p.add_argument("--rate", default=None, help="shape the loopback with tc tbf at this rate, e.g. 400mbit "
+                   "(needs root: the whole run then happens inside a ShapedLink namespace); default unshaped")
+    p.add_argument("--shaped-inside", default=None, help=argparse.SUPPRESS)  # set by the --rate re-run
     p.add_argument("--write-litdata", default=None, help=argparse.SUPPRESS)  # _write_litdata's child
     return p.parse_args(argv)
 
@@ -155,8 +159,19 @@ def run_format(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
     return out
 
 
+def shaped(args: argparse.Namespace) -> int:
+    """The run again, inside a namespace whose loopback carries ``tc tbf rate`` (nginx and the
+    clients both in it, so every byte crosses the shaped link; fastload._servers.netns)."""
+    if not _servers.shaping_available():
+        print(f"--rate needs root and tc: {_servers.shaping_unavailable_reason()}", file=sys.stderr)
+        return 2
+    with _servers.ShapedLink(rate=args.rate, burst="1mb") as link:
+        return link.run_in([sys.executable, __file__, *sys.argv[1:], "--shaped-inside", args.rate]).returncode
+
+
 def main(args: argparse.Namespace) -> list[dict[str, Any]]:
-    machine = f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}, nginx on loopback"
+    link = f"tc tbf rate {args.rate} in a network namespace" if args.rate else "unshaped"
+    machine = f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}, nginx on loopback ({link})"
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.formats.split(","):
@@ -174,6 +189,8 @@ if __name__ == "__main__":
     parsed = parse_args()
     if parsed.write_litdata:
         _optimize(parsed)
+    elif parsed.rate and not parsed.shaped_inside:
+        sys.exit(shaped(parsed))
     else:
         main(parsed)
     sys.exit(0)

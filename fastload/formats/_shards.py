@@ -36,6 +36,7 @@ import numpy as np
 from fastload.config import Settings, parse_size
 from fastload.dataset import Transform, _CachedDataset
 from fastload.errors import ConfigError, DecodeError
+from fastload.read.ahead import Plan, RangesAhead
 from fastload.read.blocks import DEFAULT_KEPT_BYTES, KeptBlocks, read_ranges
 from fastload.read.reader import Reader
 
@@ -116,7 +117,7 @@ def check_name(name: Any, index_url: str) -> str:
     return name
 
 
-class ShardDataset(_CachedDataset):
+class ShardDataset(RangesAhead, _CachedDataset):
     """Samples of offset-table shards, one per index; subclasses parse their ``index.json`` and decode samples.
 
     Subclasses call :meth:`_open_shards` from ``__init__`` and implement :meth:`_decode`.
@@ -254,6 +255,27 @@ class ShardDataset(_CachedDataset):
 
     def __getitem__(self, index: int) -> Any:
         return self._read([index])[0]
+
+    def _ahead_plan(self, indices: Sequence[int], load: bool) -> Plan:
+        """The ranges the samples at ``indices`` read (fastload.read.ahead): in place through the kept
+        blocks, or a compressed shard whole (not inflated yet); with ``load``, tables not read yet are read."""
+        ranged: list[tuple[Any, int, int]] = []
+        whole: dict[int, tuple[Any, int, int]] = {}
+        later: list[int] = []
+        for i in indices:
+            shard, k = self._locate(i)
+            item = self.items[shard]
+            if self.shards[shard].codec:
+                if shard not in self._unpacked:
+                    whole[shard] = (item, 0, item.size)
+                continue
+            table = self._tables.get(shard)
+            if table is None and not load:
+                later.append(i)  # its head is read on a thread of fetch_ahead's, never on the announcing one
+                continue
+            table = self._table(shard) if table is None else table
+            ranged.append((item, int(table[k]), int(table[k + 1])))
+        return Plan(ranged, list(whole.values()), later)
 
     def read_batch(self, indices: Sequence[int]) -> list[Any]:
         """``[self[i] for i in indices]``, the in-place samples' bytes read as one batch (:meth:`_ranges`)."""

@@ -2,6 +2,8 @@
 
 * :mod:`~fastload.read.reader`: :class:`~fastload.read.reader.Reader`, a dataset's one door
   to its bytes: listings, checked reads of the cache, the fetch stage on a miss;
+* :mod:`~fastload.read.ahead`: the blocks of announced samples of shard datasets, fetched ahead
+  (:data:`~fastload.read.ahead.AHEAD_BYTES` at most, per dataset and process);
 * :mod:`~fastload.read.partition`: node parts, which items each node of a cluster reads
   (``partition="node"``; the sampler and ``fastload cache --nodes`` both ask it).
 

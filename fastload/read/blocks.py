@@ -36,7 +36,7 @@ from fastload.read import gunzip
 from fastload.read.reader import Reader
 from fastload.source import RemoteItem
 
-__all__ = ["DEFAULT_KEPT_BYTES", "KeptBlocks", "KeptFile", "load_blocks", "read_ranges"]
+__all__ = ["DEFAULT_KEPT_BYTES", "KeptBlocks", "KeptFile", "keep_ahead", "load_blocks", "read_ranges"]
 
 Restore = Callable[[RemoteItem], Any]  # puts a decompressed shard's blocks back (fastload.read.gunzip)
 
@@ -105,6 +105,10 @@ class KeptBlocks:
                 _, dropped = self._blocks.popitem(last=False)
                 self.nbytes -= dropped.nbytes
                 self.evicted += 1
+
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` is kept, or a thread is reading it now (no use counted, no order changed)."""
+        return key in self._blocks or key in self._loading
 
     def claim(self, keys: Sequence[str]) -> tuple[list[str], list[tuple[str, threading.Event]]]:
         """Of ``keys`` (not kept), those this thread is to read (call :meth:`done` after), and
@@ -229,6 +233,18 @@ def _load_missing(reader: Reader, kept: KeptBlocks, missing: dict[str, tuple[Rem
             blocks[key] = got
     blocks.update(_read_blocks(reader, kept, rest, restore))
     return blocks
+
+
+def keep_ahead(reader: Reader, kept: KeptBlocks, wanted: dict[str, tuple[RemoteItem, int]]) -> int:
+    """Read and keep the blocks ``wanted`` (cache key -> (item, block)) that no thread is reading,
+    ahead of the reads that want them (:mod:`fastload.read.ahead`): such a read finds each claimed
+    and waits for it. Those another thread is reading are left to it. Returns how many were read."""
+    mine, _ = kept.claim([k for k in wanted if not kept.holds(k)])
+    try:
+        _read_blocks(reader, kept, {k: wanted[k] for k in mine}, None)
+    finally:
+        kept.done(mine)
+    return len(mine)
 
 
 def _read_blocks(reader: Reader, kept: KeptBlocks, wanted: dict[str, tuple[RemoteItem, int]],

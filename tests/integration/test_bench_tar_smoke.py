@@ -23,3 +23,4 @@ def test_tar_bench_runs(tmp_path: Path, load_script: Callable[[str], ModuleType]
     assert set(result["samples_per_s"]) == {"webdataset", "fastload_cold", "fastload_warm_kept", "fastload_warm_kept_quarter", "fastload_warm_batch",
                                             "fastload_warm_batch_1mib", "fastload_warm_per_member"}
     assert all(v > 0 for v in result["samples_per_s"].values()) and result["link_mb_s"] > 0
+    assert result["cold_indexed_vs_link"] > 0
