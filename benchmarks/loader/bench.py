@@ -25,8 +25,10 @@ Cases (``--cases``, comma-separated):
   cache each epoch, every file fetched) and warm (all cached). Workers start
   anew each epoch, as in a script without ``persistent_workers``, except in
   ``warm_workers<N>_persistent`` (median over repeats; only the first epoch
-  starts them). ``ratio`` is the worker epoch's samples/s over the
-  ``num_workers=0`` epoch's.
+  starts them). ``warm_workers<N>`` builds a new loader each epoch;
+  ``warm_workers<N>_reiterated`` iterates one loader again, as a training
+  script's epoch loop does (its workers still start anew each epoch).
+  ``ratio`` is the worker epoch's samples/s over the ``num_workers=0`` epoch's.
 
 Each variant runs ``--repeats`` times, interleaved with the others to spread drift;
 the median is reported. Output is CSV (default) or JSON on stdout, and in ``--out``
@@ -320,6 +322,7 @@ def bench_workers(args: argparse.Namespace) -> list[dict[str, Any]]:
             warm_ds = dataset(work / "warm")
             fastload.stage(url, pattern="**/*.bin", settings=warm_ds.reader.cache.settings, progress=False)
             kept = DataLoader(warm_ds, batch_size=bs, num_workers=nw, persistent_workers=True)
+            again = DataLoader(warm_ds, batch_size=bs, num_workers=nw)
             m = _measure(
                 {
                     "cold_workers0": lambda: cold(0),
@@ -328,6 +331,7 @@ def bench_workers(args: argparse.Namespace) -> list[dict[str, Any]]:
                     f"warm_workers{nw}": lambda: _files_epoch(
                         lambda: DataLoader(warm_ds, batch_size=bs, num_workers=nw)
                     ),
+                    f"warm_workers{nw}_reiterated": lambda: _files_epoch(lambda: again),
                     # The same workers every epoch: no start-up in the epochs after the first.
                     f"warm_workers{nw}_persistent": lambda: _files_epoch(lambda: kept),
                 },

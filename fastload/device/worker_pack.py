@@ -10,7 +10,9 @@ is not enough either: the parent then maps new pages for every batch and
 faults each one in.
 
 So each worker keeps ``depth`` shared uint8 buffers (one :class:`SharedBuffers`
-per loader iterator holds them all), and the parent maps each buffer once:
+holds them all), and the parent maps each buffer once. A loader keeps its
+SharedBuffers across passes: workers forked for the next pass map what the parent
+maps, so they take over the buffers of the workers before them (:meth:`SharedBuffers.idle`).
 
 * :func:`pack` (in the worker, after the user's collate_fn) puts every ``bytes``
   of at least PACK_MIN_BYTES found in the batch's dicts, lists and tuples into a
@@ -34,8 +36,14 @@ per loader iterator holds them all), and the parent maps each buffer once:
   (an object that appeared twice is one object again). Other containers and
   values travel untouched, as torch sends them.
 
+Small tensors (a batch's labels) cross by value, any dataset's (:func:`by_value`): torch
+sends each tensor as a shared-memory file descriptor that the parent fetches over a
+new socket to the worker, with an authentication handshake, about 0.4 ms a tensor
+(where 64 KB by value costs 0.1 ms), and a thread in the worker woken to answer it.
+
 Vocabulary: a *span* is one packed ``bytes``' place (offset, size) in a buffer;
-a *lease* is the parent's hold on a buffer until its bytes are copied out.
+a *lease* is the parent's hold on a buffer until its bytes are copied out;
+a tensor *by value* crosses inside the pickle, its storage's bytes copied.
 ("Slot" and "ring" are the device prefetcher's words; they are not used here.)
 """
 
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 import pickle
 import weakref
 from collections.abc import Callable
@@ -51,13 +60,17 @@ from typing import Any
 import torch
 
 __all__ = [
-    "PACK_MIN_BYTES", "BufferRef", "SharedBuffers", "Span", "activate", "pack", "pickled_bytes", "read_buffer", "unpack",
+    "BY_VALUE_MAX_BYTES", "PACK_MIN_BYTES", "BufferRef", "SharedBuffers", "Span", "activate", "by_value", "pack",
+    "pickled_bytes", "read_buffer", "unpack",
 ]  # fmt: skip
 
 #: Smaller bytes stay in the pickle: a span and its copy cost more than they save.
 PACK_MIN_BYTES = 1024
 #: A buffer that must grow gets this much headroom, so slightly larger batches fit.
 GROWTH = 1.25
+#: Tensors whose storage is at most this large cross by value (see the module docstring;
+#: benchmarks/loader/results/workers-issue36.md measured the two ways).
+BY_VALUE_MAX_BYTES = 64 * 1024
 
 _SET_IDS = itertools.count()
 # SharedBuffers alive in this (parent) process, by id: where unpickled BufferRefs find theirs.
@@ -80,28 +93,43 @@ class SharedBuffers:
 
     def __init__(self, workers: int, depth: int) -> None:
         self.id = next(_SET_IDS)
-        self.depth = depth
+        self.workers, self.depth = workers, depth
         self.free = torch.ones(workers * depth, dtype=torch.uint8).share_memory_()
         self._free = self.free.numpy()
         # worker side: index -> [generation, buffer, sent to the parent already]
         self._mine: dict[int, list[Any]] = {}
-        # parent side: (worker, index) -> (generation, buffer as a memoryview)
-        self.mapped: dict[tuple[int, int], tuple[int, memoryview]] = {}
+        self._pid = os.getpid()  # the process _mine belongs to
+        # parent side: (worker, index) -> (generation, buffer as a memoryview, the buffer)
+        self.mapped: dict[tuple[int, int], tuple[int, memoryview, torch.Tensor]] = {}
         _PARENT_BUFFERS[self.id] = self
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"id": self.id, "depth": self.depth, "free": self.free}
+        return {"id": self.id, "workers": self.workers, "depth": self.depth, "free": self.free}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.id, self.depth, self.free = state["id"], state["depth"], state["free"]
+        self.id, self.workers, self.depth, self.free = state["id"], state["workers"], state["depth"], state["free"]
         self._free = self.free.numpy()
-        self._mine, self.mapped = {}, {}
+        self._mine, self.mapped, self._pid = {}, {}, os.getpid()
+
+    def idle(self) -> bool:
+        """Parent: no buffer is leased (every batch sent was copied out or dropped)."""
+        return bool(self._free.all())
+
+    def _adopt(self, worker: int) -> None:
+        # A worker forked from the parent maps every buffer the parent mapped: the
+        # buffers of the previous workers with this id are its own, already known to
+        # the parent (no new segment, no descriptor handed over, no page faulted in
+        # again; tests/unit/test_worker_by_value.py counts them).
+        self._pid = os.getpid()
+        self._mine = {j: [gen, buf, True] for (w, j), (gen, _, buf) in self.mapped.items() if w == worker}
 
     def acquire(self, worker: int, size: int) -> tuple[BufferRef | None, torch.Tensor]:
         """A buffer of at least ``size`` bytes for this worker's next batch, and its ref.
 
         The ref is None for a one-off buffer (every buffer of this worker is leased).
         """
+        if self._pid != os.getpid():
+            self._adopt(worker)
         base = worker * self.depth
         free = self._free
         grow = None
@@ -126,7 +154,7 @@ class SharedBuffers:
 
     def learn(self, worker: int, index: int, gen: int, buf: torch.Tensor) -> None:
         """Parent: map a buffer a worker sent (called while its batch is unpickled)."""
-        self.mapped[(worker, index)] = (gen, buf.numpy().data)
+        self.mapped[(worker, index)] = (gen, buf.numpy().data, buf)
 
     def release(self, worker: int, index: int) -> None:
         """Parent: the buffer's bytes are copied out (or its batch was dropped)."""
@@ -162,7 +190,7 @@ class BufferRef:
         owner = self._owner
         if owner is None:
             raise RuntimeError(f"fastload: batch buffer {self.worker}/{self.index} arrived without its SharedBuffers")
-        gen, view = owner.mapped[(self.worker, self.index)]
+        gen, view, _ = owner.mapped[(self.worker, self.index)]
         if gen != self.gen:
             raise RuntimeError(f"fastload: batch buffer {self.worker}/{self.index} is generation {gen}, not {self.gen}")
         return view
@@ -198,29 +226,86 @@ class Span:
         return (Span, (self.start, self.size))
 
 
-def _rebuilt(obj: Any, leaf: type, fn: Callable[[Any], Any]) -> Any:
-    """``obj`` with every ``leaf`` (exact type) in its lists, dicts and tuples replaced by ``fn(leaf)``."""
+def _rebuilt(obj: Any, fns: dict[type, Callable[[Any], Any]]) -> Any:
+    """``obj`` with every leaf whose exact type is in ``fns`` (in its lists, dicts and tuples) replaced by ``fns[type](leaf)``."""
     kind = type(obj)
-    if kind is leaf:
+    fn = fns.get(kind)
+    if fn is not None:
         return fn(obj)
     if kind is list:
-        return [_rebuilt(x, leaf, fn) for x in obj]
+        return [_rebuilt(x, fns) for x in obj]
     if kind is dict:
-        return {k: _rebuilt(v, leaf, fn) for k, v in obj.items()}
+        return {k: _rebuilt(v, fns) for k, v in obj.items()}
     if kind is tuple:
-        return tuple(_rebuilt(x, leaf, fn) for x in obj)
-    return obj  # tensors, str, custom types: travel as torch sends them
+        return tuple(_rebuilt(x, fns) for x in obj)
+    return obj  # large tensors, str, custom types: travel as torch sends them
+
+
+class _StorageValue:
+    """A tensor storage that crosses by value: its bytes in the pickle."""
+
+    __slots__ = ("storage",)
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.storage = storage
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        data = torch.empty(0, dtype=torch.uint8).set_(self.storage).numpy().tobytes()
+        return (_storage_of, (data,))
+
+
+def _storage_of(data: bytes) -> torch.UntypedStorage:
+    return torch.UntypedStorage.from_buffer(data, dtype=torch.uint8)
+
+
+class _TensorValue:
+    """A small tensor that crosses by value: its storage, and its view of it, as torch rebuilds one."""
+
+    __slots__ = ("storage", "dtype", "offset", "size", "stride")
+
+    def __init__(self, storage: _StorageValue, t: torch.Tensor) -> None:
+        self.storage, self.dtype, self.offset = storage, t.dtype, t.storage_offset()
+        self.size, self.stride = tuple(t.size()), t.stride()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_tensor_of, (self.storage, self.dtype, self.offset, self.size, self.stride))
+
+
+def _tensor_of(
+    storage: torch.UntypedStorage, dtype: torch.dtype, offset: int, size: tuple[int, ...], stride: tuple[int, ...]
+) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    # What by value keeps exactly: a dense CPU tensor's values, dtype, shape and strides.
+    # Anything torch rebuilds with more (grad, a subclass, names, quantization,
+    # conj/neg bits) travels as torch sends it.
+    return (
+        t.device.type == "cpu"
+        and t.layout is torch.strided
+        and not t.requires_grad
+        and not t.is_quantized
+        and not t.is_conj()
+        and not t.is_neg()
+        and not any(getattr(t, "names", None) or ())  # named tensors: gone from recent torch
+    )
 
 
 class _Packer:
-    def __init__(self) -> None:
+    def __init__(self, pack_bytes: bool = True) -> None:
         self.found: list[bytes] = []
         self.spans: list[Span] = []
         self.span_of: dict[int, Span] = {}  # id(bytes) -> its span, so aliases stay one object
         self.size = 0
+        self.valued: dict[int, _TensorValue] = {}  # id(tensor) -> its value, so aliases stay one object
+        self.storages: dict[tuple[int, int], _StorageValue] = {}  # so views of a storage share it again
+        self.fns: dict[type, Callable[[Any], Any]] = {torch.Tensor: self._tensor}
+        if pack_bytes:
+            self.fns[bytes] = self._span
 
     def walk(self, obj: Any) -> Any:
-        return _rebuilt(obj, bytes, self._span)
+        return _rebuilt(obj, self.fns)
 
     def _span(self, data: bytes) -> bytes | Span:
         if len(data) < PACK_MIN_BYTES:
@@ -231,6 +316,26 @@ class _Packer:
             self.found.append(data)
             self.size += len(data)
         return span
+
+    def _tensor(self, t: torch.Tensor) -> torch.Tensor | _TensorValue:
+        found = self.valued.get(id(t))
+        if found is not None:
+            return found
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes > BY_VALUE_MAX_BYTES or not _plain(t):
+            return t
+        key = (storage.data_ptr(), nbytes)
+        value = self.storages.get(key) if nbytes else None  # empty storages all sit at 0
+        if value is None:
+            value = self.storages[key] = _StorageValue(storage)
+        found = self.valued[id(t)] = _TensorValue(value, t)
+        return found
+
+
+def by_value(batch: Any) -> Any:
+    """``batch`` with its small tensors (up to BY_VALUE_MAX_BYTES) in its lists, dicts and tuples set to cross by value."""
+    return _Packer(pack_bytes=False).walk(batch)
 
 
 class _Reading:
@@ -284,8 +389,9 @@ def read_buffer(size: int) -> Any:
 def pack(batch: Any, buffers: SharedBuffers, worker: int) -> tuple[Any, BufferRef | torch.Tensor | None]:
     """``batch`` with its large ``bytes`` replaced by spans, and where they went.
 
-    Returns the batch unchanged and None when it holds no such bytes; else the
-    packed batch and a BufferRef (or, when no buffer was free, a one-off
+    Its small tensors are set to cross by value too (:func:`by_value`). Returns the
+    batch unchanged and None when it holds neither; None with no such bytes; else
+    the packed batch and a BufferRef (or, when no buffer was free, a one-off
     shared tensor).
     """
     state = _READING
@@ -303,7 +409,7 @@ def pack(batch: Any, buffers: SharedBuffers, worker: int) -> tuple[Any, BufferRe
     packer = _Packer()
     out = packer.walk(batch)
     if not packer.found:
-        return batch, None
+        return (out if packer.valued else batch), None
     ref, buf = buffers.acquire(worker, packer.size)
     view = buf.numpy().data
     pos = 0
@@ -319,7 +425,7 @@ class _Unpacker:
         self.made: dict[int, bytes] = {}
 
     def walk(self, obj: Any) -> Any:
-        return _rebuilt(obj, Span, self._bytes)
+        return _rebuilt(obj, {Span: self._bytes})
 
     def _bytes(self, span: Span) -> bytes:
         data = self.made.get(span.start)

@@ -139,12 +139,7 @@ def _torch_iter(
     if loader.persistent_workers and loader._iterator is not None:
         return torch_iter()  # its workers keep the WorkerCollate they started with
     user, user_init = loader.collate_fn, loader.worker_init_fn
-    # One buffer per batch a worker may have in flight (prefetch_factor), plus one.
-    buffers = (
-        SharedBuffers(loader.num_workers, (loader.prefetch_factor or 2) + 1)
-        if _packs(loader)
-        else None
-    )
+    buffers = _buffers(loader) if _packs(loader) else None
     collate = WorkerCollate(user, loader._auto_collation, stats=stats, buffers=buffers, resume=True)
     # ...and fastload's worker_init_fn (the user's, then the saved state: fastload.loader.snapshot).
     loader.collate_fn, loader.worker_init_fn = collate, init
@@ -156,7 +151,26 @@ def _torch_iter(
         loader.__dict__["_fl_first_worker"] = (0, None)
     it._collate_fn = user
     _WORKER_COLLATE[it] = collate  # the parent's buffers live as long as torch's iterator
+    if buffers is not None:
+        loader.__dict__["_fl_buffers"] = (buffers, weakref.ref(it))
     return it
+
+
+def _buffers(loader: Any) -> SharedBuffers:
+    """The shared buffers of the workers this pass starts: the previous pass's, where they are free.
+
+    Workers forked from this process take over the buffers it mapped from the previous
+    pass's workers (fastload.device.worker_pack), so a pass without persistent workers
+    does not make and fault in new ones. Only once those workers are gone: two sets of
+    workers writing the same buffers would corrupt each other's batches.
+    """
+    depth = (loader.prefetch_factor or 2) + 1  # a buffer per batch in flight (prefetch_factor), plus one
+    kept, by = loader.__dict__.get("_fl_buffers", (None, None))
+    if kept is not None and (kept.workers, kept.depth) == (loader.num_workers, depth) and kept.idle():
+        before = by()
+        if before is None or getattr(before, "_shutdown", False):  # torch sets it once its workers are joined
+            return kept  # type: ignore[no-any-return]
+    return SharedBuffers(loader.num_workers, depth)
 
 
 def _read_ahead_iter(loader: Any, read: Callable[[list[Any]], Any]) -> tuple[Any, ReadAhead]:

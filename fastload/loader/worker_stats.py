@@ -36,6 +36,7 @@ from fastload.device.worker_pack import (
     BufferRef,
     SharedBuffers,
     activate,
+    by_value,
     pack,
     pickled_bytes,
     unpack,
@@ -142,7 +143,7 @@ class WorkerCollate:
             self._measured = True
             activate(self.buffers, worker, self.fn is default_collate)
             return WorkerBatch(out, delta, packed, pickled, state)
-        return WorkerBatch(out, delta, state=state)
+        return WorkerBatch(by_value(out), delta, state=state)
 
     def _delta(self, collate: tuple[str, int, int, float]) -> Delta:
         col = default_collector()  # reset in each forked worker (fastload.stats.active)

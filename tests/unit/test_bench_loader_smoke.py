@@ -36,7 +36,10 @@ def test_bench_main_tiny(tmp_path: Path, capsys: object, load_script: Callable[[
     assert any(c[0] == "read_batch" and c[1].startswith("fastload") for c in cases)
     assert any(c[0] == "device" for c in cases)
     workers = {r["variant"]: r for r in rows if r["case"] == "workers"}
-    assert set(workers) == {"cold_workers0", "cold_workers2", "warm_workers0", "warm_workers2", "warm_workers2_persistent"}
+    assert set(workers) == {
+        "cold_workers0", "cold_workers2", "warm_workers0", "warm_workers2", "warm_workers2_reiterated",
+        "warm_workers2_persistent",
+    }  # fmt: skip
     assert float(workers["warm_workers0"]["ratio"]) == 1.0 and float(workers["warm_workers2"]["ratio"]) > 0
     assert all(float(r["seconds"]) > 0 for r in rows if r["variant"] != "skipped")
     assert bench.main(bench.parse_args(["--cases", "nope"])) == 2

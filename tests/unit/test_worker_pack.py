@@ -14,7 +14,15 @@ from _loader_helpers import assert_same
 import fastload
 from fastload.config import Settings
 from fastload.dataset import FileDataset
-from fastload.device.worker_pack import PACK_MIN_BYTES, BufferRef, SharedBuffers, Span, pack, unpack
+from fastload.device.worker_pack import (
+    BY_VALUE_MAX_BYTES,
+    PACK_MIN_BYTES,
+    BufferRef,
+    SharedBuffers,
+    Span,
+    pack,
+    unpack,
+)
 from fastload.loader.chain import _WORKER_COLLATE
 from fastload.loader.torch_surface import TORCH_DATALOADER
 
@@ -59,7 +67,8 @@ def test_pack_moves_large_bytes_and_unpack_restores_them() -> None:
 
 
 def test_batch_without_large_bytes_is_left_alone() -> None:
-    batch = {"x": torch.ones(2), "s": ["a", "b"], "b": [b"ab"]}
+    # (A small tensor would be set to cross by value: tests/unit/test_worker_by_value.py.)
+    batch = {"x": torch.ones(BY_VALUE_MAX_BYTES), "s": ["a", "b"], "b": [b"ab"]}
     out, where = pack(batch, SharedBuffers(1, 2), 0)
     assert out is batch and where is None
 
