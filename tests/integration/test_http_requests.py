@@ -23,6 +23,7 @@ from fastload.config import Settings
 from fastload.errors import RemoteNotFoundError
 from fastload.read.reader import Reader
 from fastload.source import RemoteItem, Source
+from fastload.transport.curl import CurlRoute
 
 pytestmark = pytest.mark.integration
 
@@ -121,9 +122,11 @@ def test_misses_of_one_batch_are_fetched_concurrently(tmp_path: Path, settings: 
     assert reader.cache.get(reader.identity.key(items[3], 0)) == b"3" * 1000  # stored by the batch
 
 
-def test_http_misses_of_one_batch_go_out_together_on_the_event_loop(
+def test_http_misses_of_one_batch_go_out_together(
     tmp_path: Path, nginx_server: Callable, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # On libcurl's engine (fastload.source.ranged) where it runs, else on fsspec's event loop: either
+    # way one batch of requests, not a thread per request.
     files = _tree(tmp_path / "www")
     server = nginx_server(tmp_path / "www")
     reader = Reader(settings)
@@ -131,12 +134,18 @@ def test_http_misses_of_one_batch_go_out_together_on_the_event_loop(
     heads = _requests(server, "HEAD")
     calls: list[int] = []
     gather = fastload.source.aio.gather_ranges
+    start_ranges = CurlRoute.start_ranges
 
     async def counting(fs: object, ranges: list, *args: object, **kwargs: object) -> list:
         calls.append(len(ranges))
         return await gather(fs, ranges, *args, **kwargs)
 
+    def counting_engine(route: CurlRoute, spans: list, *args: object, **kwargs: object) -> list:
+        calls.append(len(spans))
+        return start_ranges(route, spans, *args, **kwargs)  # type: ignore[arg-type]
+
     monkeypatch.setattr(fastload.source.aio, "gather_ranges", counting)
+    monkeypatch.setattr(CurlRoute, "start_ranges", counting_engine)
     sizes = [i.size for i in items]
     out = bytearray(sum(sizes))
     offsets = [sum(sizes[:k]) for k in range(len(items))]
