@@ -14,7 +14,7 @@ MB/s of each is kept, with the peak RSS of its process (``os.wait4``). Prints on
 object: MB/s, RSS and fastload's ratio to the best curl. Data, caches and curl's output
 lie under ``--dir`` (/var/tmp) and are deleted after.
 
-    python benchmarks/large/bench.py [--big 2GB --parts 4 --part-size 256MB --rounds 2] [--out FILE.json]
+    python benchmarks/large/bench.py [--big 2GB --parts 4 --part-size 256MB --rounds 2] [--rate 2gbit] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "measures the client without the disk")
     p.add_argument("--ways", default="curl,curl_to_disk,fastload,fastload_aiohttp")
     p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--rate", default=None, help="shape the loopback with tc tbf at this rate, e.g. 2gbit (needs root: "
+                   "the whole run then happens inside a ShapedLink namespace, curl too); default unshaped")
+    p.add_argument("--shaped-inside", default=None, help=argparse.SUPPRESS)  # set by the --rate re-run
     return p.parse_args(argv)
 
 
@@ -155,10 +158,23 @@ def measure(name: str, www: Path, url: str, files: list[str], args: argparse.Nam
     return out
 
 
+def shaped(args: argparse.Namespace) -> int:
+    """The run again inside a namespace whose loopback carries ``tc tbf rate``: nginx, curl and fastload all
+    in it, so each way's bytes cross the same shaped link (issue 35: staging against curl *on the same link*)."""
+    if not _servers.shaping_available():
+        print(f"--rate needs root and tc: {_servers.shaping_unavailable_reason()}", file=sys.stderr)
+        return 2
+    with _servers.ShapedLink(rate=args.rate, burst="1mb") as link:
+        return link.run_in([sys.executable, __file__, *sys.argv[1:], "--shaped-inside", args.rate]).returncode
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.rate and not args.shaped_inside:
+        sys.exit(shaped(args))
     work = Path(tempfile.mkdtemp(dir=args.dir, prefix="fastload-bench-large-"))
     caches = Path(tempfile.mkdtemp(dir=args.caches, prefix="fastload-bench-large-")) if args.caches else work
     results: dict[str, Any] = {"machine": f"{os.cpu_count()} cores, {os.uname().release}", "caches": args.caches or args.dir,
+                               "link": f"tc tbf rate {args.rate} in a network namespace" if args.rate else "unshaped loopback",
                                "sets": []}
     try:
         pool = os.urandom(CHUNK)
