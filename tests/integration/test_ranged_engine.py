@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _cache import cached_blocks
 
 import fastload
 from fastload import _servers
-from fastload.cache import Cache
 from fastload.config import Settings
 from fastload.errors import RemoteChangedError
 from fastload.read.reader import Reader
@@ -50,14 +50,6 @@ def _gets(server: _servers.NginxServer) -> list[str]:
     return [line for line in (server.workdir / "access.log").read_text().splitlines() if '"GET /obj.bin' in line]
 
 
-def _cached(settings: Settings, url: str) -> dict[int, bytes]:
-    cache = Cache(settings)
-    try:
-        return {e.block: cache.get(e.key) or b"" for e in list(cache.entries()) if e.url == url}
-    finally:
-        cache.close()
-
-
 def test_a_multi_block_object_is_staged_through_the_engine_byte_exact(
         tmp_path: Path, nginx_server: Callable[..., _servers.NginxServer], spans: list[tuple[str, int, int]]) -> None:
     (tmp_path / "www").mkdir()
@@ -78,7 +70,7 @@ def test_a_multi_block_object_is_staged_through_the_engine_byte_exact(
     assert sum("aiohttp" in g for g in gets) <= 1
 
 
-def test_a_same_size_rewrite_mid_read_is_refused_by_if_match_on_the_engine_and_nothing_of_it_cached(
+def test_a_same_size_rewrite_mid_read_is_refused_by_if_match_on_the_engine_and_nothing_of_itcached_blocks(
         tmp_path: Path, nginx_server: Callable[..., _servers.NginxServer], spans: list[tuple[str, int, int]]) -> None:
     (tmp_path / "www").mkdir()
     path = tmp_path / "www" / "obj.bin"
@@ -96,7 +88,7 @@ def test_a_same_size_rewrite_mid_read_is_refused_by_if_match_on_the_engine_and_n
         reader.read(item)
     assert spans, "the later blocks never reached the engine"
     assert any('" 412 ' in g and g.endswith('"-" "-"') for g in _gets(server))  # nginx refused the engine's If-Match
-    assert _cached(settings, item.url) == {0: b"A" * MB}
+    assert cached_blocks(settings, item.url) == {0: b"A" * MB}
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +110,7 @@ def test_s3_later_blocks_are_signed_ranged_gets_on_the_engine(
     # A listed (sized, versioned) key needs no first-block GET: block 0 may be a ranged GET as well.
     assert {start for _, start, _ in spans} >= {b * MB for b in range(1, BLOCKS)}
     body = bytes(range(256)) * (BLOCKS * MB // 256)
-    assert _cached(settings, item.url) == {b: body[b * MB:(b + 1) * MB] for b in range(BLOCKS)}
+    assert cached_blocks(settings, item.url) == {b: body[b * MB:(b + 1) * MB] for b in range(BLOCKS)}
 
 
 def test_s3_a_same_size_rewrite_mid_read_is_a_remote_changed_error_on_the_engine(
@@ -135,4 +127,4 @@ def test_s3_a_same_size_rewrite_mid_read_is_a_remote_changed_error_on_the_engine
     with pytest.raises(RemoteChangedError, match=r"torn\.bin: remote now has .*the object changed"):
         reader.read(item)
     assert spans
-    assert _cached(settings, item.url) == {0: b"A" * MB}
+    assert cached_blocks(settings, item.url) == {0: b"A" * MB}

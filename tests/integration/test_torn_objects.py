@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import pytest
+from _cache import cached_blocks
 
 import fastload
 from fastload import _servers
@@ -213,18 +214,10 @@ def _version(letter: bytes) -> bytes:
     return letter * OBJECT
 
 
-def _cached(settings: Settings, url: str) -> dict[int, bytes]:
-    cache = Cache(settings)
-    try:
-        return {e.block: cache.get(e.key) or b"" for e in list(cache.entries()) if e.url == url}
-    finally:
-        cache.close()
-
-
 CHANGED = r"obj\.bin: remote now has .*the object changed; fix: `fastload cache --refresh`"
 
 
-def test_an_object_rewritten_mid_read_is_a_remote_changed_error_and_nothing_of_it_is_cached(
+def test_an_object_rewritten_mid_read_is_a_remote_changed_error_and_nothing_of_it_iscached_blocks(
         tmp_path: Path, store: _Store) -> None:
     settings = store.settings(tmp_path)
     store.write(_version(b"A"))
@@ -235,12 +228,12 @@ def test_an_object_rewritten_mid_read_is_a_remote_changed_error_and_nothing_of_i
     store.write(_version(b"B"))  # ... the object is rewritten at the same size ...
     with pytest.raises(RemoteChangedError, match=CHANGED):
         reader.read(item)  # ... and its later blocks are refused, never served as "ABBB..."
-    assert _cached(settings, item.url) == {0: b"A" * MB}  # nothing of version B under version A's name
+    assert cached_blocks(settings, item.url) == {0: b"A" * MB}  # nothing of version B under version A's name
     later = Reader(settings, store.options)  # a later process, with the recorded listing
     (again,) = later.list(store.folder)
     with pytest.raises(RemoteChangedError, match=CHANGED):
         later.read(again)
-    assert _cached(settings, item.url) == {0: b"A" * MB}
+    assert cached_blocks(settings, item.url) == {0: b"A" * MB}
     (fresh,) = Reader(settings, store.options).list(store.folder, refresh=True)  # the fix the message names
     assert fresh.version != item.version and Reader(settings, store.options).read(fresh) == _version(b"B")
 
@@ -257,7 +250,7 @@ def test_an_object_rewritten_between_listing_and_reading_is_a_remote_changed_err
         reader.read_into([(item, 0, OBJECT, 0)], out)  # every block in one batch, the first included
     with pytest.raises(RemoteChangedError, match=CHANGED):
         reader.sources.of(item.url).fetch_first(item, MB)  # the first-block GET (libcurl's on the curl roads)
-    assert _cached(settings, item.url) == {}
+    assert cached_blocks(settings, item.url) == {}
 
 
 @pytest.mark.parametrize("store", ["s3-curl", "gcs-curl"], indirect=True)  # a key list's first block: one GET on libcurl
@@ -280,4 +273,4 @@ def test_a_key_lists_first_block_on_libcurl_then_a_rewrite_is_a_remote_changed_e
     store.write(_version(b"B"))
     with pytest.raises(RemoteChangedError, match=CHANGED):
         reader.read(done, fresh)
-    assert _cached(settings, store.url) == {0: b"A" * MB}
+    assert cached_blocks(settings, store.url) == {0: b"A" * MB}
