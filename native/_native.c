@@ -52,6 +52,51 @@
 #define SCRATCH_KEEP_BYTES ((size_t)128 << 20)
 #define MAX_THREADS 32
 
+/* Why: a copy of a few KiB or more is done with `rep movsb`, by the kernel for a read and by
+ * glibc's memcpy, and on the benchmark machine (AMD EPYC, FSRM) that instruction runs at
+ * 1.5-2.5 GB/s instead of 8-30 when the destination's place in its 64-byte line is 1-31
+ * bytes past the source's (benchmarks/open/align.py draws the grid). A Python bytes
+ * object's memory lands there for one large read in four, and a raw body after a 38-byte
+ * header for most destinations. So: scratch buffers start on a line (a read into them is
+ * never such a copy), and such a copy out of scratch goes through SSE2 loads and stores
+ * (line_copy: 5-38 GB/s where memcpy gave 1.5-35). */
+#define LINE 64
+#define LINE_COPY_MIN 2048 /* below it glibc copies with vector loads and stores already */
+
+static int slow_copy(uintptr_t dst, uintptr_t src) {
+    uintptr_t d = dst & (LINE - 1), s = src & (LINE - 1);
+    return d > s && d - s < LINE / 2;
+}
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+static void line_copy(uint8_t *d, const uint8_t *s, size_t n) {
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    for (; n >= 64; n -= 64, d += 64, s += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_store_si128((__m128i *)d, a);
+        _mm_store_si128((__m128i *)(d + 16), b);
+        _mm_store_si128((__m128i *)(d + 32), c);
+        _mm_store_si128((__m128i *)(d + 48), e);
+    }
+    memcpy(d, s, n);
+}
+#else
+#define line_copy memcpy
+#endif
+
+/* memcpy, but not by `rep movsb` where that is slow (above). */
+static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
+    if (n >= LINE_COPY_MIN && slow_copy((uintptr_t)dst, (uintptr_t)src))
+        line_copy(dst, src, n);
+    else
+        memcpy(dst, src, n);
+}
+
 typedef int (*lz4_safe_fn)(const char *src, char *dst, int src_size, int dst_capacity);
 typedef int (*lz4_partial_fn)(const char *src, char *dst, int src_size, int target_size, int dst_capacity);
 typedef uint64_t (*xxh3_fn)(const void *data, size_t len);
@@ -270,7 +315,8 @@ static int ensure(uint8_t **buf, size_t *cap, uint64_t need) {
     size_t n = ((size_t)need + 65535) & ~(size_t)65535;
 #endif
     free(*buf);
-    *buf = malloc(n ? n : 1);
+    void *fresh = NULL; /* on a line: a read into scratch is never a slow_copy */
+    *buf = posix_memalign(&fresh, LINE, n ? n : 1) == 0 ? fresh : NULL;
     *cap = *buf ? n : 0;
     return *buf ? 0 : -1;
 }
@@ -379,7 +425,7 @@ static void finish(Job *job, const uint8_t *payload, const Info *info, uint8_t *
     for (Py_ssize_t i = 0; i < job->ncopies; i++) {
         const Copy *c = &job->copies[i];
         uint8_t *to = out + c->dst;
-        if (c->len && to != raw + c->src) memcpy(to, raw + c->src, (size_t)c->len);
+        if (c->len && to != raw + c->src) copy_out(to, raw + c->src, (size_t)c->len);
     }
 }
 
@@ -421,6 +467,12 @@ static int check_header(Job *job, const uint8_t *payload, uint64_t size, Info *i
 #define DIRECT_MIN ((uint64_t)1 << 20) /* smaller payloads: one pread into scratch costs no more */
 #define DIRECT_PIECE ((uint64_t)256 << 10) /* fits a core's L2 cache */
 
+/* Defined with the pool (below): the body read with a pool helper, or -1 when none is free. */
+static int shared_read(int fd, uint8_t *body, uint64_t start, uint64_t len, void *state, int *err, uint64_t *got);
+
+/* direct_raw's reads through a piece of scratch, and those shared with a helper (atomic): large_reads() */
+static unsigned long long reads_lined = 0, reads_shared = 0;
+
 static int direct_fits(const Job *job) {
     return xxh3_stream.digest != NULL && job->path != NULL && job->codec == CODEC_RAW && job->has_stored_checksum &&
            job->raw >= DIRECT_MIN && job->ncopies == 1 && job->copies[0].src == 0 && job->copies[0].len == job->raw &&
@@ -441,18 +493,35 @@ static int direct_raw(Job *job, int fd, uint8_t *out, Scratch *s) {
     int rc = read_full(fd, s->comp, head, job->offset, &got);
     if (rc == 0 && got == head) xxh3_stream.update(state, s->comp, (size_t)head);
     uint8_t *body = out + job->copies[0].dst;
-    for (uint64_t done = 0; rc == 0 && got == head + done && done < job->raw;) {
+    uint64_t start = job->offset + head;
+    uint8_t *piece = NULL; /* a slow_copy read goes through a piece of scratch, on a line */
+    if (slow_copy((uintptr_t)body, (uintptr_t)start)) {
+        if (ensure(&s->raw, &s->raw_cap, DIRECT_PIECE) < 0) {
+            xxh3_stream.free(state);
+            return -1;
+        }
+        piece = s->raw;
+        __atomic_add_fetch(&reads_lined, 1, __ATOMIC_RELAXED);
+    }
+    int err = 0; /* a shared read's errno */
+    int shared = piece == NULL && rc == 0 && got == head &&
+                 shared_read(fd, body, start, job->raw, state, &err, &got) == 0;
+    if (shared && err) rc = -1;
+    for (uint64_t done = 0; !shared && rc == 0 && got == head + done && done < job->raw;) {
         uint64_t want = job->raw - done < DIRECT_PIECE ? job->raw - done : DIRECT_PIECE, more = 0;
-        rc = read_full(fd, body + done, want, job->offset + head + done, &more);
-        if (rc == 0 && more) xxh3_stream.update(state, body + done, (size_t)more);
+        uint8_t *to = piece != NULL ? piece : body + done;
+        rc = read_full(fd, to, want, start + done, &more);
+        if (rc == 0 && more) xxh3_stream.update(state, to, (size_t)more);
+        if (rc == 0 && more && piece != NULL) line_copy(body + done, piece, (size_t)more);
         got += more;
         done += more;
         if (more < want) break; /* end of file: a short payload */
     }
+    int saved = err ? err : errno;
     uint64_t digest = xxh3_stream.digest(state);
     xxh3_stream.free(state);
     if (rc < 0) {
-        job->err = errno;
+        job->err = saved;
         job->status = ST_OSERROR;
     } else if (got != job->stored) {
         fail(job, ST_CORRUPT, "payload is %llu B, index says %llu B", (unsigned long long)got,
@@ -617,6 +686,7 @@ typedef struct Batch {
     int helpers_wanted;   /* helpers that may still join (pool_lock) */
     int active;           /* threads working on it (pool_lock) */
     struct Batch *link;   /* queue of batches that want helpers (pool_lock) */
+    struct Shared *shared; /* not jobs but a large read to share (shared_read) */
 } Batch;
 
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -649,6 +719,8 @@ static void unqueue(Batch *b) {
         }
 }
 
+static void shared_work(struct Shared *f);
+
 static void *pool_main(void *arg) {
     (void)arg;
     pthread_mutex_lock(&pool_lock);
@@ -662,28 +734,20 @@ static void *pool_main(void *arg) {
         if (--b->helpers_wanted <= 0) unqueue(b);
         b->active++;
         pthread_mutex_unlock(&pool_lock);
-        work_on(b);
+        if (b->shared != NULL)
+            shared_work(b->shared);
+        else
+            work_on(b);
         pthread_mutex_lock(&pool_lock);
         if (--b->active == 0) pthread_cond_broadcast(&pool_done);
     }
     return NULL;
 }
 
-static void run_batch(Batch *b, int threads) {
-    if (threads > b->njobs) threads = (int)b->njobs;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    /* Helpers only for idle CPUs: when the loader already calls from several threads
-       (read_threads=8), each call runs in its caller, and no more scratch buffers are
-       in use than there are CPUs working (benchmarks/native/bench.py, loader case). */
-    int room = cpus - __atomic_load_n(&busy, __ATOMIC_RELAXED);
-    if (threads > room) threads = room;
-    if (threads <= 1) {
-        work_on(b);
-        return;
-    }
+/* Queue b for up to `helpers` pool threads, starting threads so that enough are idle. */
+static void pool_lend(Batch *b, int helpers) {
     pthread_mutex_lock(&pool_lock);
-    /* Start workers so that enough are idle for this batch (up to MAX_THREADS). */
-    int want = threads - 1 - pool_idle;
+    int want = helpers - pool_idle;
     if (want > 0) {
         pthread_attr_t attr;
         int have_attr = pthread_attr_init(&attr) == 0;
@@ -698,21 +762,116 @@ static void run_batch(Batch *b, int threads) {
         }
         if (have_attr) pthread_attr_destroy(&attr);
     }
-    b->helpers_wanted = threads - 1;
+    b->helpers_wanted = helpers;
     b->active = 1;
     b->link = pool_queue;
     pool_queue = b;
     pthread_cond_broadcast(&pool_work);
     pthread_mutex_unlock(&pool_lock);
+}
 
-    work_on(b); /* all jobs are taken when this returns; helpers may still be finishing */
-
+/* Once the caller has nothing left to take: no new helpers, and wait for those that joined. */
+static void pool_wait(Batch *b) {
     pthread_mutex_lock(&pool_lock);
-    if (b->helpers_wanted > 0) unqueue(b); /* no new helpers: nothing is left to take */
+    if (b->helpers_wanted > 0) unqueue(b);
     b->helpers_wanted = 0;
     b->active--;
     while (b->active > 0) pthread_cond_wait(&pool_done, &pool_lock);
     pthread_mutex_unlock(&pool_lock);
+}
+
+static void run_batch(Batch *b, int threads) {
+    if (threads > b->njobs) threads = (int)b->njobs;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    /* Helpers only for idle CPUs: when the loader already calls from several threads
+       (read_threads=8), each call runs in its caller, and no more scratch buffers are
+       in use than there are CPUs working (benchmarks/native/bench.py, loader case). */
+    int room = cpus - __atomic_load_n(&busy, __ATOMIC_RELAXED);
+    if (threads > room) threads = room;
+    if (threads <= 1) {
+        work_on(b);
+        return;
+    }
+    pool_lend(b, threads - 1);
+    work_on(b); /* all jobs are taken when this returns; helpers may still be finishing */
+    pool_wait(b);
+}
+
+/* -- a large read shared with a pool helper ------------------------------------------
+ *
+ * Why: reading an 8 MiB raw block back, the kernel's copy into the output and the stored
+ * checksum over it ran one after the other, at 0.68-0.72 of open() (issue 35). With a CPU
+ * idle, a pool helper reads pieces too, and the caller reads those not yet taken and
+ * hashes them all in order: the checksum overlaps the reads. */
+#define SHARED_MIN ((uint64_t)2 << 20) /* below it a helper's wake-up costs what it saves */
+#define UNREAD (-2)
+
+typedef struct Shared {
+    int fd;
+    uint8_t *body;
+    uint64_t start, len, pieces;
+    uint64_t next; /* the next piece to take (atomic) */
+    int64_t *got;  /* per piece: UNREAD, -1 (failed: errno in err) or the bytes read (atomic) */
+    int err;       /* (atomic) */
+} Shared;
+
+static uint64_t shared_want(const Shared *f, uint64_t i) {
+    uint64_t at = i * DIRECT_PIECE;
+    return f->len - at < DIRECT_PIECE ? f->len - at : DIRECT_PIECE;
+}
+
+static void shared_take(Shared *f, uint64_t i) {
+    uint64_t more = 0;
+    int64_t r = read_full(f->fd, f->body + i * DIRECT_PIECE, shared_want(f, i), f->start + i * DIRECT_PIECE, &more)
+                    == 0 ? (int64_t)more : -1;
+    if (r < 0) __atomic_store_n(&f->err, errno, __ATOMIC_RELAXED);
+    __atomic_store_n(&f->got[i], r, __ATOMIC_RELEASE);
+}
+
+static void shared_work(Shared *f) {
+    __atomic_add_fetch(&busy, 1, __ATOMIC_RELAXED);
+    for (;;) {
+        uint64_t i = __atomic_fetch_add(&f->next, 1, __ATOMIC_RELAXED);
+        if (i >= f->pieces) break;
+        shared_take(f, i);
+    }
+    __atomic_sub_fetch(&busy, 1, __ATOMIC_RELAXED);
+}
+
+/* Read the body [start, start + len) of fd into body and update the xxh3 state over it in
+ * order, with a pool helper. Returns -1 (nothing read) when no CPU is idle or memory is
+ * short; else 0, with *got grown by the bytes read up to the first short piece, and *err
+ * the errno of a failed read (0: none). */
+static int shared_read(int fd, uint8_t *body, uint64_t start, uint64_t len, void *state, int *err, uint64_t *got) {
+    if (len < SHARED_MIN || cpus - __atomic_load_n(&busy, __ATOMIC_RELAXED) < 1) return -1;
+    Shared f = {.fd = fd, .body = body, .start = start, .len = len, .pieces = (len + DIRECT_PIECE - 1) / DIRECT_PIECE};
+    f.got = malloc(f.pieces * sizeof *f.got);
+    if (f.got == NULL) return -1;
+    for (uint64_t i = 0; i < f.pieces; i++) f.got[i] = UNREAD;
+    Batch b = {.shared = &f};
+    pool_lend(&b, 1);
+    __atomic_add_fetch(&reads_shared, 1, __ATOMIC_RELAXED);
+    uint64_t done = 0;
+    for (uint64_t i = 0; i < f.pieces; i++) {
+        int64_t r;
+        while ((r = __atomic_load_n(&f.got[i], __ATOMIC_ACQUIRE)) == UNREAD) {
+            uint64_t j = __atomic_fetch_add(&f.next, 1, __ATOMIC_RELAXED);
+            if (j < f.pieces)
+                shared_take(&f, j);
+            else
+                sched_yield(); /* the helper is reading piece i */
+        }
+        if (r < 0) break;
+        xxh3_stream.update(state, body + done, (size_t)r);
+        done += (uint64_t)r;
+        if ((uint64_t)r < shared_want(&f, i)) break; /* end of file: a short payload */
+    }
+    __atomic_store_n(&f.next, f.pieces, __ATOMIC_RELAXED); /* after a failure: take no more */
+    pool_wait(&b);
+    *err = __atomic_load_n(&f.err, __ATOMIC_RELAXED);
+    free(f.got);
+    *got += done;
+    return 0;
 }
 
 /* A fork while another thread holds a lock must not leave the child deadlocked.
@@ -986,6 +1145,13 @@ static PyObject *opened(PyObject *self, PyObject *noargs) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&files_opened, __ATOMIC_RELAXED));
 }
 
+static PyObject *large_reads(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return Py_BuildValue("{sKsK}", "lined", __atomic_load_n(&reads_lined, __ATOMIC_RELAXED), "shared",
+                         __atomic_load_n(&reads_shared, __ATOMIC_RELAXED));
+}
+
 static PyObject *trim(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
@@ -1018,6 +1184,9 @@ static PyMethodDef methods[] = {
     {"trim", trim, METH_NOARGS, "trim()\n\nFree the scratch buffers kept between calls."},
     {"opened", opened, METH_NOARGS, "opened() -> int\n\nPayload files opened by gather() since import (a pack "
      "once per thread's share of a batch)."},
+    {"large_reads", large_reads, METH_NOARGS, "large_reads() -> dict\n\nLarge raw payloads read since import "
+     "through a piece of scratch ('lined': their destination lay where the kernel's copy is slow, slow_copy) "
+     "and with a pool helper ('shared')."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -161,8 +161,11 @@ def test_a_large_raw_payload_read_into_the_output_is_checked_byte_for_byte(tmp_p
     assert codec.parse_header(payload).codec == codec.RAW
     path = write(tmp_path, "big.flp", payload)
     out = bytearray(len(raw) + 9)
+    shared = gather._STATE["native"].large_reads()["shared"] if NATIVE else 0
     assert gather.gather([job_for(path, payload, raw, [(0, len(raw), 9)])], out) == [None]
     assert bytes(out[9:]) == raw
+    if backend == "native" and len(os.sched_getaffinity(0)) > 1:  # a CPU idle: a helper read pieces too
+        assert gather._STATE["native"].large_reads()["shared"] == shared + 1
     flips = [*range(head), head, head + len(raw) // 2, len(payload) - 1]
     cases = {f"flip@{at}": (payload[:at] + bytes([payload[at] ^ 0x10]) + payload[at + 1:], {}) for at in flips}
     cases |= {"short": (payload[:-1], {}), "longer": (payload + b"x", {}),
@@ -176,6 +179,55 @@ def test_a_large_raw_payload_read_into_the_output_is_checked_byte_for_byte(tmp_p
             job = job._replace(copies=[(0, job.raw, 0)])
         result = gather.gather([job], bytearray(len(raw)))
         assert result[0] is not None and result[0][0] == "corrupt", (name, result)
+
+
+def on_line(n: int, at: int) -> np.ndarray:
+    """A zeroed buffer of ``n`` bytes whose first byte lies ``at`` bytes into a 64-byte line."""
+    base = np.zeros(n + 128, dtype=np.uint8)
+    skip = (-base.ctypes.data) % 64 + at
+    return base[skip : skip + n]
+
+
+@pytest.mark.skipif(not NATIVE, reason="counts the native backend's reads through scratch")
+def test_a_large_raw_read_goes_through_scratch_only_where_the_kernels_copy_is_slow(tmp_path: Path) -> None:
+    # native/_native.c slow_copy: a destination 1-31 bytes past the source's place in a line
+    # (the kernel's `rep movsb` runs at a fifth of its speed there, benchmarks/open/align.py)
+    # is read through a piece of scratch on a line; every other one straight into the output.
+    # Both roads give the same bytes and the same checks.
+    native = gather._STATE["native"]
+    raw = os.urandom((2 << 20) + 5)
+    payload = codec.encode(raw, min_saving=1.0)
+    body_at = (len(payload) - len(raw)) % 64  # where the body starts within its line on disk
+    path = write(tmp_path, "big.flp", payload)
+    at_body = len(payload) - len(raw) + len(raw) // 2
+    bad = write(tmp_path, "bad.flp", payload[:at_body] + bytes([payload[at_body] ^ 1]) + payload[at_body + 1 :])
+    through = []
+    for at in range(64):
+        out = on_line(len(raw), at)
+        before = native.large_reads()["lined"]
+        assert gather.gather_native([job_for(path, payload, raw, [(0, len(raw), 0)])], out) == [None], at
+        if native.large_reads()["lined"] > before:
+            through.append(at)
+        assert out.tobytes() == raw, at
+        result = gather.gather_native([job_for(bad, payload, raw, [(0, len(raw), 0)])], on_line(len(raw), at))
+        assert result[0] is not None and result[0][0] == "corrupt", (at, result)
+    assert through == [at for at in range(64) if 0 < at - body_at < 32]
+
+
+@pytest.mark.parametrize("n", [2048, 2049, 9000, 20_000])
+def test_copies_out_of_scratch_are_exact_at_every_place_in_a_line(tmp_path: Path, backend: str, n: int) -> None:
+    # finish()'s copies go through SSE2 loads and stores where memcpy would be slow (copy_out):
+    # every destination offset within a line, lengths around its 64-byte steps.
+    raw = os.urandom(20_000)
+    payload = codec.encode(raw, min_saving=1.0)
+    path = write(tmp_path, "raw.flp", payload)
+    for at in range(64):
+        copies = [(src, min(n, len(raw) - src), 0) for src in (0, 7, 64 - at)]
+        for src, length, _ in copies:
+            out = on_line(length + 3, at)
+            assert gather.gather([job_for(path, payload, raw, [(src, length, 0)])], out) == [None]
+            assert out[:length].tobytes() == raw[src : src + length], (at, src, length)
+            assert not out[length:].any(), (at, src, length)  # nothing written past the copy
 
 
 @pytest.mark.skipif(not NATIVE or not Path("/proc/self/statm").exists(), reason="the native backend's scratch buffers")
