@@ -11,11 +11,9 @@ stats can name it. They work with ``fastload.DataLoader`` and with torch's own.
 * :class:`TokenDataset` - fixed-length windows over a raw 1-D token file.
 * :class:`TarDataset` - WebDataset-style tar shards, members grouped by key.
 
-``read_batch(indices)`` is the fast-path hook ``fastload.DataLoader`` uses to
-read many samples from threads. File, array and token datasets assemble a batch
-with :meth:`Reader.read_into`: every cache block the batch touches is read,
-checked and decoded once, into one buffer, by ``fastload._native`` with the GIL
-released (or its pure-Python fallback), and samples are views or slices of it.
+``read_batch(indices)`` is ``fastload.DataLoader``'s hook to read many samples from threads:
+a batch is assembled by :meth:`Reader.read_into` (each cache block it touches read, checked and
+decoded once, into one buffer, by ``fastload._native`` without the GIL, or its Python fallback).
 """
 
 from __future__ import annotations
@@ -36,9 +34,8 @@ from fastload.config import Settings, parse_size
 from fastload.device.worker_pack import Span, read_buffer
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
 from fastload.fetch import announce
-from fastload.read import ahead, gunzip
+from fastload.read import ahead, gunzip, located
 from fastload.read.blocks import DEFAULT_KEPT_BYTES, KeptBlocks, KeptFile, read_ranges
-from fastload.read.located import Located
 from fastload.read.reader import Reader
 from fastload.read.shards import expand_braces, group_members, list_members
 from fastload.source import RemoteItem
@@ -212,10 +209,9 @@ class FileDataset(_CachedDataset):
         if is_parent:
             self.classes = sorted({p.rsplit("/", 2)[-2] if "/" in p else "" for p in self.relpaths})
             self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-        # Each small sample's cache entry by index, where the dataset fits the cache and its memo
-        # (fastload.read.located says why); None: found by key at each read.
+        # Small samples' cache entries by index, if the dataset fits cache and memo (read.located says why).
         fits = len(self.items) <= self.reader.cache.memo_max and self.reader.fits(self.items)
-        self._located = Located(len(self.items)) if fits else None
+        self._located = located.Located(len(self.items)) if fits else None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -263,6 +259,10 @@ class FileDataset(_CachedDataset):
         todo = list(indices) if self._located is None else self._located.unknown(list(indices))
         if todo:
             self.reader.fetcher.ahead(self._pinned(todo))
+
+    def locate(self) -> int:
+        """Fill samples' cache slots from the index, before workers fork (read.located.fill): slots filled."""
+        return located.fill(self._located, self.items, self.reader.identity, self.reader.cache) if self._located else 0
 
     def read_batch(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """``[self[i] for i in indices]``, with the files read as one batch."""
@@ -591,10 +591,9 @@ class TarDataset(ahead.TarAhead, _CachedDataset):
         return out
 
 
-# Blocks of a shard read together while indexing it (one read_into: their GETs overlap), and
-# shards indexed at once. On loopback with 2 busy cores, 4 ahead took a cold index of 8 x 11 MB
-# shards from a median of 1.76 s to 1.35 s; 4 threads changed nothing measurable there (the
-# CPU is the limit) and are kept for links where each request waits a round trip.
+# Blocks of a shard read together while indexing it (one read_into: their GETs overlap), and shards
+# indexed at once. On loopback with 2 busy cores, 4 ahead took a cold index of 8 x 11 MB shards from a
+# median of 1.76 s to 1.35 s; 4 threads changed nothing there (CPU-bound), kept for round trips.
 _INDEX_AHEAD = 4
 _INDEX_THREADS = 4
 _TAR_RULE = "webdataset-1"  # the grouping rule of recorded tar indexes (fastload.read.shards)

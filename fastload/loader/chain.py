@@ -19,6 +19,7 @@ in the class), so torch builds its own iterators exactly as it would for its own
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -138,6 +139,9 @@ def _torch_iter(
     # it starts them, in the constructor.
     if loader.persistent_workers and loader._iterator is not None:
         return torch_iter()  # its workers keep the WorkerCollate they started with
+    locate = getattr(loader.dataset, "locate", None)
+    if callable(locate) and _forks(loader):
+        locate()  # forked workers start from these slots (fastload.read.located)
     user, user_init = loader.collate_fn, loader.worker_init_fn
     buffers = _buffers(loader) if _packs(loader) else None
     collate = WorkerCollate(user, loader._auto_collation, stats=stats, buffers=buffers, resume=True)
@@ -154,6 +158,12 @@ def _torch_iter(
     if buffers is not None:
         loader.__dict__["_fl_buffers"] = (buffers, weakref.ref(it))
     return it
+
+
+def _forks(loader: Any) -> bool:
+    """Whether the workers start as forks of this process (a spawned one gets the dataset pickled)."""
+    ctx = loader.multiprocessing_context
+    return (ctx.get_start_method() if ctx is not None else multiprocessing.get_start_method()) == "fork"
 
 
 def _buffers(loader: Any) -> SharedBuffers:

@@ -84,3 +84,57 @@ def test_slots_are_not_pickled_into_workers(tmp_path: Path, files: dict[str, byt
     assert isinstance(copy._located, Located)
     assert copy._located.slots == [None] * 24
     assert [s["data"] for s in copy.read_batch([4, 9])] == [files["004.bin"], files["009.bin"]]
+
+
+def test_locate_fills_the_slots_of_cached_samples_from_the_index_reading_no_payload(
+        tmp_path: Path, files: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    range0 = range(0, 24, 2)
+    _dataset(tmp_path).read_batch(list(range0))  # half the samples cached
+    ds = _dataset(tmp_path)  # a new process's view: no slot known
+
+    def no_read(*args: object, **kwargs: object) -> object:
+        raise AssertionError("locate read a payload")
+
+    monkeypatch.setattr(ds.reader.cache, "read_into", no_read)
+    assert ds.locate() == 12
+    assert ds._located is not None
+    assert [i for i, e in enumerate(ds._located.slots) if e is not None] == list(range0)
+    monkeypatch.undo()
+    assert [s["data"] for s in ds.read_batch([4, 5])] == [files["004.bin"], files["005.bin"]]
+
+
+def test_locate_on_a_cold_cache_asks_only_its_probe(tmp_path: Path, files: dict[str, bytes],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cold first epoch: none of the probe's keys is held, so the other samples are not asked.
+    from fastload.read import located
+
+    monkeypatch.setattr(located, "PROBE", 5)
+    ds = _dataset(tmp_path)
+    asked: list[int] = []
+    real = ds.reader.cache.entries_for
+    monkeypatch.setattr(ds.reader.cache, "entries_for", lambda names: asked.append(len(names)) or real(names))
+    assert ds.locate() == 0
+    assert asked == [5]
+
+
+def test_workers_forked_for_an_epoch_look_up_no_sample_their_parent_located(
+        tmp_path: Path, files: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiprocessing
+    import os
+
+    import fastload
+
+    if multiprocessing.get_start_method() != "fork":
+        pytest.skip("workers start as forks only where fork is the start method")
+    _dataset(tmp_path).read_batch(list(range(24)))  # a previous run staged every sample
+    ds = _dataset(tmp_path)
+    parent, real = os.getpid(), ds.reader.cache.entries_for
+
+    def parent_only(names: object) -> object:
+        assert os.getpid() == parent, "a worker looked samples up in the index"
+        return real(names)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ds.reader.cache, "entries_for", parent_only)
+    for _ in range(2):  # each epoch forks new workers (no persistent_workers)
+        got = [s for batch in fastload.DataLoader(ds, batch_size=5, num_workers=2) for s in batch["data"]]
+        assert sorted(bytes(b) for b in got) == sorted(files.values())
