@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 .PHONY: test test-all test-deps reliability-doc demo bench bench-cache lint clean gpu-check gpu-bundle
 
-$(STAMP): pyproject.toml setup.py native/_native.c native/_curl.c
+$(STAMP): pyproject.toml setup.py native/_native.c native/_curl.c native/lines.h
 	@if [ ! -x $(BIN)/python ]; then \
 	  if $(PY) -c "import sys, torch; sys.exit(sys.prefix != sys.base_prefix)" 2>/dev/null; then \
 	    $(PY) -m venv --system-site-packages $(VENV); \

@@ -18,6 +18,7 @@ setup(
         Extension(
             "fastload._native",
             sources=["native/_native.c"],
+            depends=["native/lines.h"],
             extra_compile_args=CFLAGS,
             extra_link_args=["-pthread"],
             optional=True,
@@ -27,6 +28,7 @@ setup(
         Extension(
             "fastload._curl",
             sources=["native/_curl.c"],
+            depends=["native/lines.h"],
             extra_compile_args=CFLAGS,
             extra_link_args=["-pthread"],
             libraries=["dl"],

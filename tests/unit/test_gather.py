@@ -160,7 +160,7 @@ def test_a_large_raw_payload_read_into_the_output_is_checked_byte_for_byte(tmp_p
     head = len(payload) - len(raw)
     assert codec.parse_header(payload).codec == codec.RAW
     path = write(tmp_path, "big.flp", payload)
-    out = bytearray(len(raw) + 9)
+    out = on_line(len(raw) + 9, (head - 9) % 64)  # the body's place in a line, as on disk: read straight in
     shared = gather._STATE["native"].large_reads()["shared"] if NATIVE else 0
     assert gather.gather([job_for(path, payload, raw, [(0, len(raw), 9)])], out) == [None]
     assert bytes(out[9:]) == raw
