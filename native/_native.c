@@ -408,8 +408,9 @@ static int check_header(Job *job, const uint8_t *payload, uint64_t size, Info *i
     if (parse_header(payload, size, info, job) != 0) return -1;
     if (info->checksum != job->checksum || info->raw_size != job->raw || info->codec != job->codec)
         return fail(job, ST_CORRUPT, "payload header disagrees with the index");
-    uint32_t m = info->meta_len;
-    if (m == 0 || (m == 2 && payload[info->meta_off] == '{' && payload[info->meta_off + 1] == '}')) return 0;
+    uint32_t m = info->meta_len, blank = m;
+    while (blank > 0 && payload[info->meta_off + blank - 1] == ' ') blank--; /* spaces place the body (codec.line_pad) */
+    if (m == 0 || (blank == 2 && payload[info->meta_off] == '{' && payload[info->meta_off + 1] == '}')) return 0;
     job->meta = malloc(m);
     if (job->meta == NULL) return fail(job, ST_NOMEM, "cannot allocate %u B of metadata", m);
     memcpy(job->meta, payload + info->meta_off, m);

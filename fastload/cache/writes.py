@@ -75,7 +75,8 @@ class CacheWrites(CacheReads):
         payloads: dict[int, codec.Encoded] = {}
         for i in todo:  # only blocks not cached yet: an LZ4 attempt costs ~30 us per 100 KB
             _, raw, url, block = items[i]
-            payload = codec.encode_parts(raw, chunk_bytes=s.chunk_bytes, level=s.lz4_level, min_saving=s.min_saving, meta=meta)
+            payload = codec.encode_parts(raw, chunk_bytes=s.chunk_bytes, level=s.lz4_level, min_saving=s.min_saving,
+                                         meta=meta, placed=True)
             need = _charged(len(payload), len(payload) <= s.pack_max_bytes)
             if need > limit:
                 raise CacheLimitError(

@@ -134,6 +134,11 @@ def test_a_block_shared_with_a_live_neighbour_is_freed_when_the_neighbour_goes(s
     cache = Cache(settings)
     entries = cache.put_many([(f"k{i}", os.urandom(10_000), f"mem://k{i}", 0) for i in range(3)])
     pack = cache.data_dir / entries[0].path
+    # Written back first: a last block still in delayed allocation when its part up to the end of
+    # the file is punched stays reserved until writeback (1 run in ~100, by where the entries end).
+    fd = os.open(pack, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
     full = allocated(pack)
     assert cache.drop("k1")  # both neighbours live: only the blocks wholly inside it go
     middle = allocated(pack)

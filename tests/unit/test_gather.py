@@ -534,3 +534,27 @@ def test_resolve_names_what_it_tried_when_a_symbol_is_missing() -> None:
         gather._resolve(["LZ4_decompress_safe"], ["/nonexistent/liblz4.so"])
     address, where = gather._resolve(["strlen"], ["/nonexistent/liblz4.so", libc])
     assert address > 0 and where == f"strlen from {libc}"
+
+
+@pytest.mark.parametrize("size", [3000, 110_000, 3 << 20])
+def test_cached_bodies_lie_at_their_memorys_place_and_read_back_with_no_metadata_parse(
+        tmp_path: Path, backend: str, size: int) -> None:
+    # The cache writes with codec.line_pad: the body lies in its file at the place in a line its
+    # bytes had in memory (a pack slot or a file starts on a line). The native read takes the
+    # padding for what it is ("{}" and spaces: no metadata), with no JSON parse in Python.
+    cache = Cache(Settings(cache_dir=tmp_path / "cache"))
+    raws = [os.urandom(size) for _ in range(4)]
+    entries = [cache.put(f"k{i}", raw, url=f"u{i}") for i, raw in enumerate(raws)]
+    for raw, e in zip(raws, entries):
+        assert e.codec == codec.RAW
+        assert ((e.offset or 0) + e.stored - e.raw) % 64 == np.frombuffer(raw, dtype=np.uint8).ctypes.data % 64
+    out = bytearray(sum(map(len, raws)))
+    jobs, at = [], 0
+    for e in entries:
+        jobs.append(gather.Job(cache.data_prefix + e.path, e.stored, e.raw, e.codec, e.checksum, e.stored_checksum, [(0, e.raw, at)], e.offset))
+        at += e.raw
+    if backend == "native":  # the C results themselves: no ("meta", ...) handed to Python
+        assert gather._STATE["native"].gather(jobs, out, 1) == [None] * 4
+    else:
+        assert gather.gather(jobs, out) == [None] * 4
+    assert bytes(out) == b"".join(raws)
