@@ -13,7 +13,7 @@ reads a sample as one ranged read of its bytes through the cache; a batch is one
 memory are copied from, the rest read by one :meth:`Reader.read_into` and kept (a 20 KB
 sample no longer costs a check and decode of its whole 8 MiB block, as TarDataset found).
 A shard's offset table is read the first time one of its samples is read (a ranged read
-of its head).
+of its head), or fetched ahead with the blocks of announced samples (fastload.read.ahead).
 
 Words: a **shard** is one file of samples; its **table** is its offset table; a
 **codec** is a whole-shard compression (MDS ``.mds.zstd`` and friends): such a shard
@@ -208,7 +208,7 @@ class ShardDataset(RangesAhead, _CachedDataset):
             return table
         spec, item = self.shards[shard], self.items[shard]
         n = spec.samples
-        head_bytes = 4 * (n + 2)
+        head_bytes = self._head_bytes(shard)
         if spec.codec:
             body = self._unpack(shard)
             head, size = body[:head_bytes], len(body)
@@ -227,6 +227,10 @@ class ShardDataset(RangesAhead, _CachedDataset):
         self._check_table(shard, table)
         self._tables[shard] = table
         return table
+
+    def _head_bytes(self, shard: int) -> int:
+        """Bytes of shard ``shard``'s head: its sample count and offset table."""
+        return 4 * (self.shards[shard].samples + 2)
 
     def _check_table(self, shard: int, table: np.ndarray) -> None:
         """A format's own check of a shard's offset table (raise DecodeError); none by default."""
@@ -261,7 +265,7 @@ class ShardDataset(RangesAhead, _CachedDataset):
         blocks, or a compressed shard whole (not inflated yet); with ``load``, tables not read yet are read."""
         ranged: list[tuple[Any, int, int]] = []
         whole: dict[int, tuple[Any, int, int]] = {}
-        later: list[int] = []
+        later: list[tuple[int, tuple[Any, int, int]]] = []
         for i in indices:
             shard, k = self._locate(i)
             item = self.items[shard]
@@ -271,7 +275,8 @@ class ShardDataset(RangesAhead, _CachedDataset):
                 continue
             table = self._tables.get(shard)
             if table is None and not load:
-                later.append(i)  # its head is read on a thread of fetch_ahead's, never on the announcing one
+                # Planned on a thread of fetch_ahead's once its head is in, never on the announcing one.
+                later.append((i, (item, 0, min(self._head_bytes(shard), item.size))))
                 continue
             table = self._table(shard) if table is None else table
             ranged.append((item, int(table[k]), int(table[k + 1])))

@@ -13,12 +13,16 @@ samples were decoded, and a cold pass ran at a fraction of the link
 ahead (:meth:`fastload.fetch.Fetcher.ahead`); a shard dataset fetches the blocks its
 announced samples fall in, here.
 
-How: ``fetch_ahead`` plans on the announcing thread with what is in memory (a shard whose
-offset table is not read yet is planned later, on a thread of this module: the announcing
+How: ``fetch_ahead`` plans on the announcing thread with what is in memory (the announcing
 thread never waits on the network), drops blocks that are cached (known here), kept, being
 read or queued, and queues the rest; at most ``AHEAD_THREADS`` threads fetch them, a chunk a
-call. Blocks read through a kept store (:class:`~fastload.read.blocks.KeptBlocks`) are
-claimed and kept there, so a read that wants one waits for it and copies from memory; the
+call. A sample of a shard whose offset table is not read yet is planned *later*: the block
+holding the table is queued like the others, and the thread that fetched it plans the samples
+that waited for it (a free thread plans those whose table's block is not queued here). Read
+one after another by the planning thread, each shard's table waited for the one before it,
+and the link idled while each was stored (benchmarks/formats: MDS in shard order).
+Blocks read through a kept store (:class:`~fastload.read.blocks.KeptBlocks`) are claimed and
+kept there, so a read that wants one waits for it and copies from memory; the
 rest (compressed shards, read whole from the cache) go through ``Fetcher.fetch``, whose
 table of fetches in flight makes a read of such a block wait for it. Either way a block is
 fetched once. Threads end when nothing is queued, so none outlives its loader's pass for
@@ -61,11 +65,12 @@ Range = tuple[RemoteItem, int, int]  # (item, start, end) bytes a sample reads
 
 class Plan(NamedTuple):
     """What announced samples read: ranges through the kept store, ranges read whole from the
-    cache (compressed shards), and indices to plan again on a thread (their table is unread)."""
+    cache (compressed shards), and indices to plan again on a thread (their table is unread),
+    each with the range it waits for (the table's bytes, fetched ahead as a kept range)."""
 
     kept: list[Range]
     cached: list[Range]
-    later: list[int]
+    later: list[tuple[int, Range]]
 
 
 Planner = Callable[[Sequence[int], bool], Plan]  # (indices, may read) -> Plan
@@ -90,7 +95,8 @@ class BlocksAhead:
         self._lock = threading.Lock()
         self._queued: OrderedDict[str, tuple[RemoteItem, int, bool]] = OrderedDict()  # key -> (item, block, keep)
         self._running: set[str] = set()
-        self._later: list[int] = []
+        self._later: list[int] = []  # indices to plan on a free thread
+        self._waiting: dict[str, list[int]] = {}  # a queued or running block's key -> later indices that wait for it
         self._bytes = 0  # of queued and running blocks
         self._threads = 0
         self.fetched = 0  # blocks fetched (or read) here
@@ -115,7 +121,10 @@ class BlocksAhead:
         last = indices[-1] if indices else -1
         if length > last + 1 and list(indices) == list(range(indices[0], last + 1)):
             nbytes = sum(end - start for _, start, end in plan.kept + plan.cached)
-            more = -(-self.reader.settings.block_bytes * len(indices) // nbytes) if nbytes else len(indices)
+            # The mean of the samples planned: counted over all, a batch reaching into a shard whose table
+            # is unread reached to the end of the dataset, and its far shards' tables took the threads.
+            planned = len(indices) - len(plan.later)
+            more = -(-self.reader.settings.block_bytes * planned // nbytes) if nbytes else len(indices)
             # Every 8th of a block's worth: each block of the window is met, at a few samples' cost (the
             # whole window cost as much as reading its batch, warm: 12 us a sample).
             step = max(1, more // 8)
@@ -134,7 +143,8 @@ class BlocksAhead:
         ident, known, kept = self.reader.identity, self.reader.cache.known, self.kept
         bb = self.reader.settings.block_bytes
         blocks: dict[tuple[str, int], tuple[RemoteItem, int, bool]] = {}  # by (URL, block): a key each, not a range each
-        for ranges, keep in ((plan.kept, kept is not None), (plan.cached, False)):
+        tables = [r for _, r in plan.later]  # after the plan's samples: those are read first
+        for ranges, keep in ((plan.kept, kept is not None), (plan.cached, False), (tables, kept is not None)):
             for item, start, end in ranges:
                 for b in range(start // bb, -(-end // bb)) if end > start else ():
                     blocks.setdefault((item.url, b), (item, b, keep))
@@ -152,7 +162,12 @@ class BlocksAhead:
                     break  # read when its batch is, as without fetching ahead
                 self._queued[key] = (item, b, keep)
                 self._bytes += hi - lo
-            self._later.extend(plan.later)
+            for i, (item, lo, _) in plan.later:
+                key = ident.key(item, lo // bb)
+                if key in self._queued or key in self._running:
+                    self._waiting.setdefault(key, []).append(i)  # planned by the thread that fetches it
+                else:  # cached, kept, read by a read, or past the bound: a free thread reads it
+                    self._later.append(i)
             start = max(0, min(AHEAD_THREADS - self._threads, len(self._queued) + (1 if self._later else 0)))
             self._threads += start
         for k in range(start):
@@ -169,8 +184,9 @@ class BlocksAhead:
                 with self._lock:
                     if self.reader.stop.is_set():  # stopping: nothing more starts
                         self._drop()
-                    later, self._later = self._later, []
-                    chunk = [] if later else self._take()
+                    # Blocks first: planning may wait on a read's block, and the link must not wait on it.
+                    chunk = self._take()
+                    later, self._later = ([], self._later) if chunk else (self._later, [])
                     if not later and not chunk:
                         self._threads -= 1  # under the lock that found no work: an announce now starts a thread
                         return
@@ -190,6 +206,7 @@ class BlocksAhead:
             self._bytes -= hi - lo
         self._queued.clear()
         self._later.clear()
+        self._waiting.clear()
 
     def _take(self) -> list[tuple[str, RemoteItem, int, bool]]:
         """Queued blocks for one call, first queued first, about a thread's share of the bound (lock held)."""
@@ -214,7 +231,9 @@ class BlocksAhead:
         self._queue(plan)
 
     def _fetch(self, chunk: list[tuple[str, RemoteItem, int, bool]]) -> None:
+        """Fetch ``chunk``'s blocks, then plan the indices that waited for them."""
         fetched, failed = 0, 0
+        waiting: list[int] = []
         try:
             # Stored already (by another process, or a read since it was queued): nothing to fetch.
             entries = self.reader.cache.entries_for([key for key, _, _, _ in chunk])
@@ -236,8 +255,11 @@ class BlocksAhead:
                 self.failed += failed
                 for key, item, b, _ in chunk:
                     self._running.discard(key)
+                    waiting += self._waiting.pop(key, ())
                     lo, hi = ident.span(item, b)
                     self._bytes -= hi - lo
+        if waiting:  # their tables are kept (or cached) now: no wait
+            self._plan_later(waiting)
 
 
 def _none() -> None:

@@ -160,6 +160,48 @@ def test_mds_blocks_are_fetched_ahead_once_each(tmp_path: Path, nginx_server: Ca
     _no_thread_left(ds)
 
 
+def test_unread_shards_tables_are_fetched_ahead_together(tmp_path: Path, nginx_server: Callable) -> None:
+    """The blocks holding unread shards' tables are fetched ahead like any other block, so the next shard's
+    table is asked for while the one before it is still in flight. Read by the planning thread instead, each
+    waited for the one before it, and the link idled while each was stored (benchmarks/formats, MDS)."""
+    rng = np.random.default_rng(3)
+    rows = [rng.bytes(3000) for _ in range(160)]
+    _write_mds(tmp_path / "www" / "ds", rows, per_shard=40, gz=False)
+    server = nginx_server(tmp_path / "www")
+    ds = MDSDataset(f"{server.url}/ds", settings=_settings(tmp_path / "cache"))
+    asked: set[tuple[str, int]] = set()
+    lock = threading.Lock()
+    answer = threading.Event()
+    fetch = ds.reader.fetcher.fetch
+
+    def held(blocks: Sequence[Any], **kw: Any) -> Any:  # nothing is answered until both tables are asked for
+        with lock:
+            asked.update((item.url.rsplit("/", 1)[1], b) for item, b in blocks)
+        answer.wait(10)
+        return fetch(blocks, **kw)
+
+    def seen() -> set[tuple[str, int]]:
+        with lock:
+            return set(asked)
+
+    ds.reader.fetcher.fetch = held  # type: ignore[method-assign]
+    heads = {("shard.00000.mds", 0), ("shard.00001.mds", 0)}
+    ds.fetch_ahead(list(range(80)))  # shards 0 and 1, neither table read yet
+    deadline = time.monotonic() + 5
+    while not heads <= seen() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    before_any_answer = seen()
+    answer.set()
+    assert heads <= before_any_answer, sorted(before_any_answer)
+    _no_thread_left(ds)
+    # Each table's samples were planned once it was in: all their blocks fetched ahead, each once.
+    gets = _gets(server)
+    for shard, item in list(zip(ds.shards, ds.items))[:2]:
+        assert len(gets[shard.name]) == len(ds.reader.identity.blocks(item)) and sum(gets[shard.name]) == item.size
+    assert [s["b"] for s in ds.read_batch(list(range(80)))] == rows[:80]
+    assert _gets(server) == gets  # read from what was fetched ahead
+
+
 def test_tar_blocks_are_fetched_ahead_once_each(tmp_path: Path, nginx_server: Callable) -> None:
     (tmp_path / "www" / "ds").mkdir(parents=True)
     rng = np.random.default_rng(1)
