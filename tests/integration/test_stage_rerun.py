@@ -73,7 +73,9 @@ def test_a_rerun_after_an_entry_was_dropped_fetches_only_that_one(
     again = fastload.stage(url, settings=settings, progress=False)
     assert calls[0] >= first.blocks  # the summary no longer stands: every entry checked
     assert (again.fetched_blocks, again.skipped_blocks) == (1, first.blocks - 1)
-    assert (again.remote_bytes, again.stored_bytes) == (first.remote_bytes, first.stored_bytes)
+    assert again.remote_bytes == first.remote_bytes
+    # The block stored again may lie elsewhere in memory: its metadata's padding (codec.line_pad, < 64 B) differs.
+    assert abs(again.stored_bytes - first.stored_bytes) < 64
     # Counted again at its end: the next rerun is checked from the summary once more.
     calls[0] = 0
     third = fastload.stage(url, settings=settings, progress=False)
