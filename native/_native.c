@@ -739,13 +739,16 @@ static void pool_wait(Batch *b) {
     pthread_mutex_unlock(&pool_lock);
 }
 
+/* CPUs not working on a gather now: the one bound on helpers, for batches and shared reads alike. */
+static int idle_cpus(void) { return cpus - __atomic_load_n(&busy, __ATOMIC_RELAXED); }
+
 static void run_batch(Batch *b, int threads) {
     if (threads > b->njobs) threads = (int)b->njobs;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     /* Helpers only for idle CPUs: when the loader already calls from several threads
        (read_threads=8), each call runs in its caller, and no more scratch buffers are
        in use than there are CPUs working (benchmarks/native/bench.py, loader case). */
-    int room = cpus - __atomic_load_n(&busy, __ATOMIC_RELAXED);
+    int room = idle_cpus();
     if (threads > room) threads = room;
     if (threads <= 1) {
         work_on(b);
@@ -802,7 +805,7 @@ static void shared_work(Shared *f) {
  * short; else 0, with *got grown by the bytes read up to the first short piece, and *err
  * the errno of a failed read (0: none). */
 static int shared_read(int fd, uint8_t *body, uint64_t start, uint64_t len, void *state, int *err, uint64_t *got) {
-    if (len < SHARED_MIN || cpus - __atomic_load_n(&busy, __ATOMIC_RELAXED) < 1) return -1;
+    if (len < SHARED_MIN || idle_cpus() < 1) return -1;
     Shared f = {.fd = fd, .body = body, .start = start, .len = len, .pieces = (len + DIRECT_PIECE - 1) / DIRECT_PIECE};
     f.got = malloc(f.pieces * sizeof *f.got);
     if (f.got == NULL) return -1;
