@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 CHILD = Path(__file__).with_name("train_child.py")
 N, SIZE = 200, 20_000
 LIMIT = 1_000_000  # a quarter of the dataset
-BLOCK = SIZE + codec.HEADER_BYTES + 2  # the one payload size here: one item, stored raw
+BLOCK = SIZE + codec.HEADER_BYTES + 2 + codec.LINE - 1  # the one payload size here: one item, stored raw, meta "{}" and at most 63 B of line padding
 PAGE = 4096
 
 

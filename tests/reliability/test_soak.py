@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 CHILD = Path(__file__).with_name("train_child.py")
 N, SIZE = 150, 20_000
 LIMIT = 1_000_000  # a third of the dataset: every epoch evicts and refetches
-BLOCK = SIZE + codec.HEADER_BYTES + 2
+BLOCK = SIZE + codec.HEADER_BYTES + 2 + codec.LINE - 1  # meta "{}" and at most 63 B of line padding (codec.line_pad)
 INDEX_BOUND = 8 * 1024**2  # SQLite db + WAL (checkpointed every 1000 pages, 4 MiB)
 FD_SLACK = 12  # 8 read-ahead threads may still hold their connections at the sample, plus keep-alive sockets; a leak is +16 per epoch
 

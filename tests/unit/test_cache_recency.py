@@ -116,11 +116,13 @@ def test_a_clean_exit_writes_the_last_uses_held(tmp_path: Path, how: str) -> Non
 def test_eviction_keeps_the_pack_read_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fastload.cache import packs
 
-    each = aligned(4096 + codec.HEADER_BYTES)  # a 4 KiB payload's range in a pack
+    # Payloads below LINE_PAD_MIN get no line padding, so every range in a pack is this size.
+    size = codec.LINE_PAD_MIN - codec.LINE
+    each = aligned(size + codec.HEADER_BYTES)
     s = _settings(tmp_path).replace(cache_limit_bytes=120 * each)
     monkeypatch.setattr(packs, "ROTATE_BYTES", 40 * each)  # three packs of 40 entries
     cache = Cache(s)
-    names = [n for part in range(3) for n in _fill_named(cache, f"p{part}", 40)]
+    names = [n for part in range(3) for n in _fill_named(cache, f"p{part}", 40, size)]
     by_pack: dict[str, list[str]] = {}
     for e in cache.entries():
         by_pack.setdefault(e.clock, []).append(e.key)
@@ -135,10 +137,10 @@ def test_eviction_keeps_the_pack_read_last(tmp_path: Path, monkeypatch: pytest.M
     assert len(kept) == 80 and len(names) == 120
 
 
-def _fill_named(cache: Cache, prefix: str, n: int) -> list[str]:
+def _fill_named(cache: Cache, prefix: str, n: int, size: int) -> list[str]:
     names = [f"{prefix}-{i:03d}" for i in range(n)]
     for k in names:
-        cache.put(k, os.urandom(4096), url=f"mem://{k}")
+        cache.put(k, os.urandom(size), url=f"mem://{k}")
     return names
 
 
