@@ -30,6 +30,7 @@ import torch.utils.data
 from torch.utils.data import get_worker_info
 
 from fastload.cache import cannot_write, keys
+from fastload.cache.gather import split
 from fastload.config import Settings, parse_size
 from fastload.device.worker_pack import Span, read_buffer
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
@@ -291,9 +292,8 @@ class FileDataset(_CachedDataset):
             data.append(got)
         out, offsets = _batch_buffer([sizes[k] for k in rest])
         self.reader.read_samples([items[k] for k in rest], offsets, out, fresh, self._located, [indices[k] for k in rest])
-        view = out.data
-        for k, off in zip(rest, offsets):
-            data[k] = bytes(view[off : off + items[k].size])
+        for k, got in zip(rest, split(out, [(off, items[k].size) for k, off in zip(rest, offsets)])):
+            data[k] = got
         return [self._sample(index, item, d) for index, item, d in zip(indices, items, data)]
 
 

@@ -59,6 +59,8 @@ from typing import Any
 
 import torch
 
+from fastload.cache.gather import split
+
 __all__ = [
     "BY_VALUE_MAX_BYTES", "PACK_MIN_BYTES", "BufferRef", "SharedBuffers", "Span", "activate", "by_value", "pack",
     "pickled_bytes", "read_buffer", "unpack",
@@ -422,16 +424,49 @@ def pack(batch: Any, buffers: SharedBuffers, worker: int) -> tuple[Any, BufferRe
 class _Unpacker:
     def __init__(self, view: memoryview) -> None:
         self.view = view
-        self.made: dict[int, bytes] = {}
 
     def walk(self, obj: Any) -> Any:
-        return _rebuilt(obj, {Span: self._bytes})
+        spans: dict[int, int] = {}  # start -> size: a bytes packed once however often it appears
+        _spans_in(obj, spans)
+        made = dict(zip(spans, split(self.view, list(spans.items()))))  # one call: the copies at once
+        return _filled(obj, made)
 
-    def _bytes(self, span: Span) -> bytes:
-        data = self.made.get(span.start)
-        if data is None:
-            data = self.made[span.start] = bytes(self.view[span.start : span.start + span.size])
-        return data
+
+# What _rebuilt walks, for the two walks below. They test each element's type inline, with no
+# call per leaf: a FileDataset batch is 64+ Spans beside 64+ URLs, and _rebuilt's call per leaf
+# cost the parent about 9 us per sample, two walks per batch.
+_WALKED = (list, dict, tuple)
+
+
+def _spans_in(obj: Any, into: dict[int, int]) -> None:
+    """Every Span in ``obj``'s lists, dicts and tuples, as ``into[start] = size``."""
+    kind = type(obj)
+    if kind is Span:
+        into[obj.start] = obj.size
+        return
+    if kind not in _WALKED:
+        return
+    for x in obj.values() if kind is dict else obj:
+        kind = type(x)
+        if kind is Span:
+            into[x.start] = x.size
+        elif kind in _WALKED:
+            _spans_in(x, into)
+
+
+def _filled(obj: Any, made: dict[int, bytes]) -> Any:
+    """``obj`` with each Span replaced by ``made[span.start]`` (as :func:`_rebuilt` does)."""
+    kind = type(obj)
+    if kind is Span:
+        return made[obj.start]
+    if kind is list:
+        return [made[x.start] if type(x) is Span else _filled(x, made) if type(x) in _WALKED else x for x in obj]
+    if kind is dict:
+        return {k: made[v.start] if type(v) is Span else _filled(v, made) if type(v) in _WALKED else v
+                for k, v in obj.items()}  # fmt: skip
+    if kind is tuple:
+        return tuple([made[x.start] if type(x) is Span else _filled(x, made) if type(x) in _WALKED else x for x in obj])
+    return obj
 
 
 def unpack(batch: Any, where: BufferRef | torch.Tensor) -> Any:

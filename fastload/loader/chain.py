@@ -33,7 +33,7 @@ from fastload.device.prefetch import DevicePrefetcher
 from fastload.device.torch_compat import accelerator_available
 from fastload.device.worker_pack import SharedBuffers
 from fastload.fetch import Announcer, depth_for
-from fastload.loader import resume
+from fastload.loader import forks, resume
 from fastload.loader.iterator import (
     _Calls,
     _LiveLoaderIter,
@@ -139,9 +139,11 @@ def _torch_iter(
     # it starts them, in the constructor.
     if loader.persistent_workers and loader._iterator is not None:
         return torch_iter()  # its workers keep the WorkerCollate they started with
-    locate = getattr(loader.dataset, "locate", None)
-    if callable(locate) and _forks(loader):
-        locate()  # forked workers start from these slots (fastload.read.located)
+    if _forks(loader):
+        forks.before_fork()
+        locate = getattr(loader.dataset, "locate", None)
+        if callable(locate):
+            locate()  # forked workers start from these slots (fastload.read.located)
     user, user_init = loader.collate_fn, loader.worker_init_fn
     buffers = _buffers(loader) if _packs(loader) else None
     collate = WorkerCollate(user, loader._auto_collation, stats=stats, buffers=buffers, resume=True)

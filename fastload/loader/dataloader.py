@@ -32,7 +32,7 @@ import torch.utils.data as tud
 from fastload.device.prefetch import DevicePrefetcher
 from fastload.errors import ConfigError
 from fastload.fetch import AheadSampler, depth_for
-from fastload.loader import chain, resume
+from fastload.loader import chain, heap, resume
 from fastload.loader.iterator import _LoaderIter, _Progress, loader_stats
 from fastload.loader.resume import resumed_iterator
 from fastload.loader.sampler import ResumableSampler, ShardedSampler
@@ -251,6 +251,7 @@ class DataLoader(tud.DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+        heap.keep_freed()  # each batch's samples reuse the last one's memory (fastload.loader.heap)
         # Public, under their parameter names, so code that rebuilds a loader from its
         # attributes (as Lightning does) finds them.
         self.device = None if device is None else torch.device(device)

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from fastload.cache.gather import split
 from fastload.read import gunzip
 from fastload.read.reader import Reader
 from fastload.source import RemoteItem
@@ -347,5 +348,4 @@ def _read_direct(reader: Reader, ranges: Sequence[tuple[RemoteItem, int, int]], 
         dst += end - start
     buf = np.empty(dst, dtype=np.uint8)
     _read_into(reader, [(item, start, end, off) for (item, start, end), off in zip(ranges, offsets)], buf, restore)
-    view = buf.data
-    return [bytes(view[off : off + end - start]) for (_, start, end), off in zip(ranges, offsets)]
+    return split(buf, [(off, end - start) for (_, start, end), off in zip(ranges, offsets)])

@@ -558,3 +558,59 @@ def test_cached_bodies_lie_at_their_memorys_place_and_read_back_with_no_metadata
     else:
         assert gather.gather(jobs, out) == [None] * 4
     assert bytes(out) == b"".join(raws)
+
+
+# -- split: a batch's samples copied out as bytes ---------------------------------------
+
+
+def test_split_copies_each_span_exactly_at_every_place_in_a_line(backend: str) -> None:
+    # Spans at every offset within a line, sizes around the native copy's 2 KiB and 64 KiB
+    # steps (line_copy; the GIL released), an empty one, and two that overlap.
+    src = np.frombuffer(os.urandom(300_000), dtype=np.uint8)
+    raw = src.tobytes()
+    spans = [(at, n) for at in range(64) for n in (0, 1, 2047, 2048, 5000)] + [(100, 70_000), (5, 200_000)]
+    got = gather.split(src, spans)
+    assert all(type(b) is bytes for b in got)
+    assert got == [raw[s : s + n] for s, n in spans]
+    assert gather.split(memoryview(raw)[10:], [(0, 3)]) == [raw[10:13]]  # any buffer, from its start
+
+
+@pytest.mark.parametrize("span", [(-1, 4), (0, -1), (299_999, 2), (300_001, 0)])
+def test_split_refuses_a_span_outside_the_buffer(backend: str, span: tuple[int, int]) -> None:
+    with pytest.raises(ValueError, match="outside the buffer of 300000 bytes"):
+        gather.split(bytes(300_000), [(0, 10), span])
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native split releases the GIL")
+def test_split_lets_other_threads_run_while_it_copies() -> None:
+    import threading
+
+    big = np.frombuffer(os.urandom(64 * 1024**2), dtype=np.uint8)
+    spans = [(i * 1024**2, 1024**2) for i in range(64)]
+    ticks = 0
+    stop = threading.Event()
+
+    def count() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        while ticks == 0:
+            pass
+        before = sys.getswitchinterval()
+        # Five splits take well under 0.5 s: holding the GIL, they would leave the counter none.
+        sys.setswitchinterval(0.5)
+        try:
+            start = ticks
+            for _ in range(5):
+                gather.split(big, spans)
+            ran = ticks - start
+        finally:
+            sys.setswitchinterval(before)
+    finally:
+        stop.set()
+        t.join()
+    assert ran > 0
