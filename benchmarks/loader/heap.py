@@ -1,4 +1,4 @@
-"""Freed batches kept by glibc (fastload.loader.heap) against glibc's defaults, side by side.
+"""Freed batches kept by glibc (fastload.read.heap) against glibc's defaults, side by side.
 
 Each round runs two child processes, one with ``FASTLOAD_KEEP_FREED=0`` (glibc as it
 is) and one without (the loader sets the thresholds), in alternating order. Each child:
@@ -40,7 +40,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import fastload
     from fastload.cache.gather import split
     from fastload.config import Settings
-    from fastload.loader import heap
+    from fastload.read import heap
 
     settings = Settings(cache_dir=Path(args.work) / "cache")
     ds = fastload.FileDataset(f"file://{Path(args.work) / 'src'}", settings=settings)

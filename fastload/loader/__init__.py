@@ -9,7 +9,8 @@ and ``fastload/__init__.py``. Modules:
 * sampler: index order, ranks and node parts, resumable; listing_check: the ranks agree
   on the items they split; resume / snapshot: the state
   and a worker's part of it; received: what torch's worker messages tell the parent
-  besides the batch; readahead: the read_batch path's threads;
+  besides the batch; readahead: the read_batch path's threads; forks: a forked
+  worker's start-up done once in the parent;
 * worker_stats: what workers ship with each batch; torch_surface: torch's classes as
   imported; patch: ``patch_torch()``; live: ``log_every=`` and ``summary_writer=``.
 

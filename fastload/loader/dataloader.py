@@ -32,12 +32,13 @@ import torch.utils.data as tud
 from fastload.device.prefetch import DevicePrefetcher
 from fastload.errors import ConfigError
 from fastload.fetch import AheadSampler, depth_for
-from fastload.loader import chain, heap, resume
+from fastload.loader import chain, resume
 from fastload.loader.iterator import _LoaderIter, _Progress, loader_stats
 from fastload.loader.resume import resumed_iterator
 from fastload.loader.sampler import ResumableSampler, ShardedSampler
 from fastload.loader.snapshot import WorkerStates
 from fastload.loader.torch_surface import TORCH_DATALOADER
+from fastload.read import heap
 from fastload.stats import LoaderStats, StatsCollector
 
 __all__ = ["DataLoader"]
@@ -251,7 +252,7 @@ class DataLoader(tud.DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        heap.keep_freed()  # each batch's samples reuse the last one's memory (fastload.loader.heap)
+        heap.keep_freed()  # each batch's samples reuse the last one's memory (fastload.read.heap)
         # Public, under their parameter names, so code that rebuilds a loader from its
         # attributes (as Lightning does) finds them.
         self.device = None if device is None else torch.device(device)

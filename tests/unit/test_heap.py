@@ -1,4 +1,4 @@
-"""The loader keeps freed batches' memory for the next batch (fastload.loader.heap)."""
+"""The loader keeps freed batches' memory for the next batch (fastload.read.heap)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import fastload
-from fastload.loader import heap
+from fastload.read import heap
 
 # A fresh process (the thresholds are process-wide): two batches of 64 samples of
 # 112 KB, one after the other, as a training loop drops one and reads the next.
@@ -19,7 +19,7 @@ _BATCHES = """
 import json, resource, sys
 import fastload
 loader = fastload.DataLoader(list(range(4)))  # constructing a loader is enough
-from fastload.loader import heap
+from fastload.read import heap
 def batch():
     return [b"x" * 112_000 for _ in range(64)]
 b = batch(); del b

@@ -1,5 +1,8 @@
 """glibc's allocator told to keep the memory of freed batches for the next ones.
 
+The DataLoader sets it when constructed, and staging (``fastload cache``, fastload.stage)
+when it starts: both make a new ``bytes`` object per object read or received.
+
 Why: a batch's samples are new ``bytes`` objects of tens to hundreds of KB. glibc
 serves them from its heaps and, once the batch is dropped, hands the free memory at a
 heap's top back to the kernel as soon as it exceeds the trim threshold (128 KiB; at
