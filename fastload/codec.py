@@ -202,7 +202,7 @@ def encode_parts(
 
 # Where a bytes object's data starts after its address (id) in CPython: its header and the NUL
 # that sizeof counts. Another interpreter gets no padding (line_pad).
-_BYTES_DATA = sys.getsizeof(b"") - 1 if sys.implementation.name == "cpython" else None
+BYTES_DATA = sys.getsizeof(b"") - 1 if sys.implementation.name == "cpython" else None
 LINE = 64
 LINE_PAD_MIN = 2048  # bodies whose copy is done with `rep movsb` (native/lines.h)
 
@@ -216,9 +216,9 @@ def line_pad(head_len: int, body: bytes, meta_len: int) -> bytes:
     past the source's (native/lines.h, benchmarks/open/align.py): about half of all bodies. The
     write of 256 MB objects spent 20% of `fastload cache`'s CPU in that copy. At most 63 bytes.
     """
-    if _BYTES_DATA is None or len(body) < LINE_PAD_MIN or type(body) is not bytes or meta_len > MAX_META_BYTES - LINE:
+    if BYTES_DATA is None or len(body) < LINE_PAD_MIN or type(body) is not bytes or meta_len > MAX_META_BYTES - LINE:
         return b""
-    return b" " * ((id(body) + _BYTES_DATA - head_len) % LINE)
+    return b" " * ((id(body) + BYTES_DATA - head_len) % LINE)
 
 
 INT_MAX = 2**31 - 1  # lz4.block takes sizes as C ints

@@ -30,7 +30,7 @@ import torch.utils.data
 from torch.utils.data import get_worker_info
 
 from fastload.cache import cannot_write, keys
-from fastload.cache.gather import split
+from fastload.cache.gather import FILL_MIN, filled, split
 from fastload.config import Settings, parse_size
 from fastload.device.worker_pack import Span, read_buffer
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
@@ -290,6 +290,14 @@ class FileDataset(_CachedDataset):
                 got = b""
                 rest.append(k)
             data.append(got)
+        # A large sample is read straight into its own bytes (gather.filled): no batch buffer to split.
+        for k in [k for k in rest if sizes[k] >= FILL_MIN]:
+            made = filled(sizes[k])
+            if made is None:
+                break
+            self.reader.read_samples([items[k]], [0], made[1], fresh, self._located, [indices[k]])
+            data[k] = made[0]
+            rest.remove(k)
         out, offsets = _batch_buffer([sizes[k] for k in rest])
         self.reader.read_samples([items[k] for k in rest], offsets, out, fresh, self._located, [indices[k] for k in rest])
         for k, got in zip(rest, split(out, [(off, items[k].size) for k, off in zip(rest, offsets)])):
