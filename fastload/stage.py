@@ -35,7 +35,6 @@ from fastload.errors import (
     StoppedError,
 )
 from fastload.fetch.identity import CachedItems
-from fastload.read import heap
 from fastload.read.reader import Reader
 from fastload.source import RemoteItem
 from fastload.source.listing import progress_line
@@ -166,7 +165,6 @@ def stage(
         ConfigError: One of ``nodes``/``node_rank`` given and the other not found.
     """
     settings = settings or Settings.from_env()
-    heap.keep_freed()  # each object's received bytes reuse the memory of the ones before (fastload.read.heap)
     reader = Reader(settings, storage_options)
     # No key memo (~0.3 KB per object at 100k), an entry memo of the latest writes only (~390 B per object
     # each): the Fetcher sees blocks stored meanwhile in it (a Range-less server's object stores all at once).

@@ -7,7 +7,7 @@
 * :mod:`~fastload.read.partition`: node parts, which items each node of a cluster reads
   (``partition="node"``; the sampler and ``fastload cache --nodes`` both ask it);
 * :mod:`~fastload.read.heap`: glibc told to keep freed memory for the next objects read (the
-  DataLoader and staging set it once per process).
+  DataLoader sets it once per process).
 
 Layer: above fastload.fetch (the Reader calls it on a miss), fastload.cache, fastload.source
 and fastload.stats; beside fastload.device (neither imports the other); imported by the faces
