@@ -7,6 +7,7 @@
 * :mod:`~fastload.device.batch_tree`: walking a batch's nested tensors (collect, rebuild, nbytes);
 * :mod:`~fastload.device.torch_compat`: the newest torch accelerator API, or older torch's.
 
-Layer: imports only fastload.stats and the ground (config, errors); beside fastload.read;
+Layer: imports only fastload.stats, fastload.cache.gather (split: a batch's samples copied out
+of a buffer) and the ground (config, errors); beside fastload.read;
 imported by the faces (fastload.dataset), fastload.loader and fastload.pipelines.
 """
