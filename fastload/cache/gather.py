@@ -371,7 +371,7 @@ def filled(size: int) -> tuple[bytes, Any] | None:
         return None
     data = bytes(size)  # calloc: the kernel's zero pages, faulted in as the read fills them
     into = (ctypes.c_char * size).from_address(id(data) + codec.BYTES_DATA)
-    return data, np.frombuffer(into, dtype=np.uint8)
+    return data, np.frombuffer(memoryview(into), dtype=np.uint8)
 
 
 def split(buffer: Any, spans: Sequence[tuple[int, int]]) -> list[bytes]:
