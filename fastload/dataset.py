@@ -18,7 +18,6 @@ decoded once, into one buffer, by ``fastload._native`` without the GIL, or its P
 
 from __future__ import annotations
 
-import io
 import math
 import sqlite3
 from collections.abc import Callable, Sequence
@@ -35,14 +34,13 @@ from fastload.config import Settings, parse_size
 from fastload.device.worker_pack import Span, read_buffer
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
 from fastload.fetch import announce
-from fastload.read import ahead, gunzip, located
+from fastload.read import ahead, gunzip, located, npy
 from fastload.read.blocks import DEFAULT_KEPT_BYTES, KeptBlocks, KeptFile, read_ranges
 from fastload.read.reader import Reader
 from fastload.read.shards import expand_braces, group_members, list_members
 from fastload.source import RemoteItem
 
 Transform = Callable[[Any], Any]
-_NPY_HEADER_MAX = 64 * 1024
 _ALIGN = 64  # sample offsets in a batch buffer, as .npy aligns its data
 
 
@@ -305,25 +303,6 @@ class FileDataset(_CachedDataset):
         return [self._sample(index, item, d) for index, item, d in zip(indices, items, data)]
 
 
-def _parse_npy_header(head: bytes, url: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
-    """dtype, shape, fortran order and data offset of a .npy file; never unpickles."""
-    buf = io.BytesIO(head)
-    try:
-        version = np.lib.format.read_magic(buf)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(buf)
-        else:
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(buf)
-    except (ValueError, EOFError) as err:
-        raise DecodeError(f"{url}: not a valid .npy header ({err}); fix: write it with numpy.save") from err
-    if dtype.hasobject:
-        raise DecodeError(
-            f"{url}: .npy holds Python objects (dtype {dtype}); fastload never unpickles remote bytes; "
-            "fix: save a numeric or fixed-size string dtype"
-        )
-    return dtype, tuple(shape), bool(fortran), buf.tell()
-
-
 class ArrayDataset(_CachedDataset):
     """Rows of one ``.npy`` file (``url`` is the file), or one ``.npy`` per sample (``url`` is a folder).
 
@@ -341,8 +320,8 @@ class ArrayDataset(_CachedDataset):
         self.shape: tuple[int, ...] = ()
         if self.single:
             item = self.items[0]
-            head = self.reader.read_range(item, 0, min(item.size, _NPY_HEADER_MAX))
-            self.dtype, self.shape, fortran, self.offset = _parse_npy_header(head, item.url)
+            head = self.reader.read_range(item, 0, min(item.size, npy.HEADER_MAX))
+            self.dtype, self.shape, fortran, self.offset = npy.parse_header(head, item.url)
             self.row_dtype: np.dtype = self.dtype
             if fortran or not self.shape:
                 raise DecodeError(
@@ -400,8 +379,8 @@ class ArrayDataset(_CachedDataset):
 
 def _npy_array(buf: memoryview, start: int, size: int, url: str) -> np.ndarray:
     """The array in the ``size``-byte .npy file at ``buf[start:]``."""
-    head = bytes(buf[start : start + min(size, _NPY_HEADER_MAX)])
-    dtype, shape, fortran, offset = _parse_npy_header(head, url)
+    head = bytes(buf[start : start + min(size, npy.HEADER_MAX)])
+    dtype, shape, fortran, offset = npy.parse_header(head, url)
     count = math.prod(shape)  # Python ints: no int64 wrap-around on a hostile shape
     if offset + count * dtype.itemsize != size:
         raise DecodeError(

@@ -6,6 +6,7 @@
   (:data:`~fastload.read.ahead.AHEAD_BYTES` at most, per dataset and process);
 * :mod:`~fastload.read.partition`: node parts, which items each node of a cluster reads
   (``partition="node"``; the sampler and ``fastload cache --nodes`` both ask it);
+* :mod:`~fastload.read.npy`: a remote .npy file's header, parsed without unpickling;
 * :mod:`~fastload.read.heap`: glibc told to keep freed memory for the next objects read (the
   DataLoader sets it once per process).
 
