@@ -17,14 +17,25 @@ Clients (each a fresh process; ``SPEAKS`` says over which of http:// and path-st
   ``--requests`` in flight under the host's adaptive limit; the "C limit" every row is weighed by;
 * ``s3torchconnector``: AWS's ``S3MapDataset.from_objects`` + torch DataLoader, 2 workers, no
   cache (``--peers-python``: an interpreter with s3torchconnector and torch);
-* ``urllib3``: a ``ThreadPoolExecutor`` of ``--requests`` threads, one urllib3 GET per object.
+* ``urllib3``: a ``ThreadPoolExecutor`` of ``--requests`` threads, one urllib3 GET per object;
+* ``write``: no network: the data set's bytes written into new files beside the caches, in
+  ``write()`` calls of at most 8 MiB from one buffer (objects of at most 1 MiB appended to one
+  file, as fastload's packs hold them): what putting them in the page cache costs this core,
+  the ceiling of any client that keeps what it fetches (``x_write_mb_s``). On a VM whose host
+  hands memory out lazily (Firecracker here) it is far below memcpy speed and moves from run
+  to run, so it runs in the same rounds as the rest.
+
+The engine's GETs of a large object are one ranged GET per object whose body lands in the
+bytes it returns (``start_ranges``, as fastload's own ranged GETs do); a small object's is the
+first-block GET fastload sends for it (``start``).
 
 Vocabulary: a *row* is one client over one scheme on one data set in one round; *epoch CPU*
 is user + system of the client process and its reaped children between its clock's start and
 stop (what the client prints); *setup CPU* is the rest of the process's CPU (interpreter
 start, imports, the dataset's set-up, exit), from the benchmark's RUSAGE_CHILDREN around the
 run, reported apart. Ratios (``x_engine_*``) are against the engine row of the same data set
-and scheme in the same round. nginx's access log counts each row's requests.
+and scheme in the same round; ``x_write_mb_s`` against the write row of the same data set.
+nginx's access log counts each row's requests.
 
 Run as root (pinning nginx's processes): ``python benchmarks/percore/bench.py
 [--objects 3000 --kb 110 --large 8 --large-mb 256] [--peers-python PY] [--out FILE.json]``.
@@ -53,11 +64,11 @@ sys.path.insert(0, str(ROOT))
 
 from fastload import _servers  # noqa: E402
 
-CLIENTS = ("dataloader", "cache", "engine", "s3torchconnector", "urllib3")
+CLIENTS = ("dataloader", "cache", "engine", "s3torchconnector", "urllib3", "write")
 SCHEMES = ("http", "s3")
 SIZES = ("small", "large")
 SPEAKS = {"dataloader": SCHEMES, "cache": SCHEMES, "engine": SCHEMES, "s3torchconnector": ("s3",),
-          "urllib3": ("http",)}
+          "urllib3": ("http",), "write": ("http",)}  # write: no network; listed once
 CLIENT_CORE, SERVER_CORE = 0, 1
 _PREFIX = ["taskset", "-c", str(CLIENT_CORE)]  # every client process (its threads and workers inherit it)
 PEERS_VENV_PYTHON = ROOT / "benchmarks" / "peers" / ".venv-peers" / "bin" / "python"
@@ -109,7 +120,10 @@ assert route is not None, why
 limit = limit_for(endpoint, requests)
 stop = threading.Event()
 c0, t0 = cpu(), time.perf_counter()
-pending = route.start(urls, nbytes, 600.0, limit, stop)
+if sys.argv[5] == "large":  # one ranged GET per object, its body written into the bytes returned
+    pending = route.start_ranges([(u, 0, nbytes) for u in urls], 600.0, limit, stop)
+else:
+    pending = route.start(urls, nbytes, 600.0, limit, stop)
 curl.settle(pending, stop, 600.0)
 n = sum(len(p.result(0)[1]) for p in pending)
 print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": cpu() - c0, "bytes": n, "n": len(urls)}))
@@ -148,6 +162,26 @@ c0, t0 = cpu(), time.perf_counter()
 with ThreadPoolExecutor(threads) as ex:
     n = sum(ex.map(get, urls))
 print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": cpu() - c0, "bytes": n, "n": len(urls)}))
+"""
+
+# The page-cache ceiling: the data set's bytes written to new files, at most 8 MiB per write();
+# objects of at most 1 MiB appended to one file, as fastload packs them (FASTLOAD_PACK_MAX).
+_WRITE = _CPU + r"""
+import contextlib, os
+folder, count, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.makedirs(folder, exist_ok=True)
+piece = memoryview(os.urandom(min(nbytes, 8 << 20)))
+packed = nbytes <= (1 << 20)
+c0, t0 = cpu(), time.perf_counter()
+pack = open(os.path.join(folder, "pack.bin"), "wb", buffering=0) if packed else None
+for k in range(count):
+    with open(os.path.join(folder, f"{k}.bin"), "wb", buffering=0) if pack is None else contextlib.nullcontext(pack) as f:
+        left = nbytes
+        while left:
+            left -= f.write(piece[:min(left, len(piece))])
+if pack is not None:
+    pack.close()
+print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": cpu() - c0, "bytes": count * nbytes, "n": count}))
 """
 
 
@@ -238,9 +272,12 @@ def _plan(client: str, scheme: str, size: str, args: argparse.Namespace, endpoin
     if client == "cache":
         return sys.executable, _CACHE, [endpoint, str(urls), str(cache)]
     if client == "engine":
-        return sys.executable, _ENGINE, [endpoint, str(urls), str(nbytes), str(args.requests)]
+        return sys.executable, _ENGINE, [endpoint, str(urls), str(nbytes), str(args.requests), size]
     if client == "s3torchconnector":
         return args.peers_python, _S3TC, [endpoint, str(urls), str(batch)]
+    if client == "write":
+        count = args.objects if size == "small" else args.large
+        return sys.executable, _WRITE, [str(cache), str(count), str(nbytes)]
     return sys.executable, _URLLIB3, [str(urls), str(args.requests)]
 
 
@@ -313,21 +350,24 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if base is not None and "error" not in line:
             line["x_engine_objects_per_s"] = round(line["objects_per_s"] / base["objects_per_s"], 3)
             line["x_engine_cpu"] = round(line["cpu_ms_per_object"] / base["cpu_ms_per_object"], 3)
+        ceiling = next((e for e in out if (e["size"], e["client"]) == (line["size"], "write") and "error" not in e), None)
+        if ceiling is not None and "error" not in line:
+            line["x_write_mb_s"] = round(line["mb_s"] / ceiling["mb_s"], 3)
     return out
 
 
 def table(summary: list[dict[str, Any]]) -> str:
     """The summary as a Markdown table."""
     head = ("| set | scheme | client | MB/s | objects/s | CPU ms/object | setup CPU s | x engine objects/s "
-            "| x engine CPU/object | requests/object |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+            "| x engine CPU/object | x write MB/s | requests/object |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for s in summary:
         if "error" in s:
-            lines.append(f"| {s['size']} | {s['scheme']} | {s['client']} | {s['error']} | | | | | | |")
+            lines.append(f"| {s['size']} | {s['scheme']} | {s['client']} | {s['error']} | | | | | | | |")
             continue
         lines.append(f"| {s['size']} | {s['scheme']} | {s['client']} | {s['mb_s']:,.1f} | {s['objects_per_s']:,.1f} | "
                      f"{s['cpu_ms_per_object']:.4g} | {s['setup_cpu_s']:.2f} | {s.get('x_engine_objects_per_s', '')} | "
-                     f"{s.get('x_engine_cpu', '')} | {s['requests_per_object']} |")
+                     f"{s.get('x_engine_cpu', '')} | {s.get('x_write_mb_s', '')} | {s['requests_per_object']} |")
     return "\n".join(lines)
 
 

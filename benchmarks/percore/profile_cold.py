@@ -66,7 +66,7 @@ PARTS: list[tuple[str, str]] = [
 ]
 # A leaf frame that blocks with the GIL released: a wait, not CPU.
 _WAIT = re.compile(r"^(Condition\.wait|Event\.wait|Future\.result|_worker \(concurrent/futures/thread\.py:81\)|"
-                   r"_watch \(fastload/transport/curl\.py:174\)|wait \(fastload/transport/curl\.py|\w*\.?acquire|"
+                   r"_watch \(fastload/transport/curl\.py:\d+\)|wait \(fastload/transport/curl\.py|\w*\.?acquire|"
                    r"select|sleep)(?: |$)")
 _COMPILED = [(name, re.compile(rule)) for name, rule in PARTS]
 C_ENGINE = "curl engine (C thread: libcurl, recv)"
