@@ -260,7 +260,20 @@ class FileDataset(_CachedDataset):
             self.reader.fetcher.ahead(self._pinned(todo))
 
     def locate(self) -> int:
-        """Fill samples' cache slots from the index, before workers fork (read.located.fill): slots filled."""
+        """Before workers fork: size the samples still sizeless here from their recorded pins, then
+        fill their cache slots from the index (read.located.fill). Returns the slots filled.
+
+        What a worker learns of sizes dies with it: a parent whose listing came without sizes
+        (HTTP, a URL list) forked workers that each pinned every batch's samples again and
+        located none, every epoch (a pin query per batch; issue 36, workers' warm epoch).
+        """
+        todo = [k for k, i in enumerate(self.items) if i.size < 0]
+        for part in (todo[: located.PROBE], todo[located.PROBE :]):  # none pinned in the first: a cold listing
+            before = self._unsized
+            if part:
+                self._pinned(part)
+            if self._unsized == before:
+                break
         return located.fill(self._located, self.items, self.reader.identity, self.reader.cache) if self._located else 0
 
     def read_batch(self, indices: Sequence[int]) -> list[dict[str, Any]]:

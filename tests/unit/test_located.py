@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -138,3 +139,46 @@ def test_workers_forked_for_an_epoch_look_up_no_sample_their_parent_located(
     for _ in range(2):  # each epoch forks new workers (no persistent_workers)
         got = [s for batch in fastload.DataLoader(ds, batch_size=5, num_workers=2) for s in batch["data"]]
         assert sorted(bytes(b) for b in got) == sorted(files.values())
+
+
+def test_locate_sizes_a_sizeless_listing_from_its_pins_then_fills_its_slots(tmp_path: Path, files: dict[str, bytes]) -> None:
+    urls = [str(tmp_path / "data" / name) for name in sorted(files)]  # a URL list: no sizes until read
+    settings = Settings(cache_dir=tmp_path / "cache")
+    ds = FileDataset(urls, settings=settings)
+    assert ds._unsized == len(files)
+    FileDataset(urls, settings=settings).read_batch(list(range(len(files))))  # another process read them all
+    assert ds.locate() == len(files)
+    assert ds._unsized == 0 and [i.size for i in ds.items] == [len(files[n]) for n in sorted(files)]
+
+
+def test_workers_of_a_sizeless_listing_start_sized_and_located_after_the_first_epoch(
+        tmp_path: Path, files: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A first run over a listing without sizes: the first epoch's workers learn every size, and
+    # that dies with them; the next epoch's workers must not pin and look up every batch again.
+    import multiprocessing
+    import os
+
+    import fastload
+
+    if multiprocessing.get_start_method() != "fork":
+        pytest.skip("workers start as forks only where fork is the start method")
+    urls = [str(tmp_path / "data" / name) for name in sorted(files)]
+    ds = FileDataset(urls, settings=Settings(cache_dir=tmp_path / "cache"))
+
+    def epoch() -> list[bytes]:
+        return sorted(bytes(b) for batch in fastload.DataLoader(ds, batch_size=5, num_workers=2) for b in batch["data"])
+
+    assert epoch() == sorted(files.values())  # cold: the workers fetch, size and pin every sample
+    assert ds._unsized == len(files)  # what they learnt is not the parent's
+    parent = os.getpid()
+
+    def parent_only(real: Any) -> Any:
+        def call(*args: Any) -> Any:
+            assert os.getpid() == parent, "a worker looked samples up in the index"
+            return real(*args)
+        return call
+
+    monkeypatch.setattr(ds.reader.cache, "entries_for", parent_only(ds.reader.cache.entries_for))
+    monkeypatch.setattr(ds.reader.identity, "pinned", parent_only(ds.reader.identity.pinned))
+    assert epoch() == sorted(files.values())
+    assert ds._unsized == 0
