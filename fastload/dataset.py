@@ -106,6 +106,12 @@ class _CachedDataset(torch.utils.data.Dataset):
             self._adopt(indices, items)
         return items
 
+    def _size_from_pins(self) -> None:
+        """Size every sample still sizeless here from its recorded pin, where one is (Identity.pinned:
+        one query per 500 keys, none while nothing is pinned)."""
+        if self._unsized:
+            self._pinned([k for k, i in enumerate(self.items) if i.size < 0])
+
     def _adopt(self, indices: Sequence[int], items: Sequence[RemoteItem]) -> None:
         """Keep the sizes learnt for ``items`` (at ``indices``) in the listing."""
         for i, item in zip(indices, items):
@@ -223,8 +229,7 @@ class FileDataset(_CachedDataset):
         """Each sample's size in bytes, for node partitions: the listing's, an nginx or Apache index
         page's exact ones included (Source.plan_sizes); the rest cost one HEAD per item, once (the
         sizes are recorded with the manifest), so every node splits alike."""
-        if self._unsized:  # what another process pinned meanwhile (a rank beside this one) needs no HEAD
-            self._pinned([k for k, i in enumerate(self.items) if i.size < 0])
+        self._size_from_pins()  # what another process pinned meanwhile (a rank beside this one) needs no HEAD
         if self._unsized:
             todo = [k for k, i in enumerate(self.items) if i.size < 0]
             src = self.reader.sources.of(self.items[todo[0]].url)
@@ -267,13 +272,7 @@ class FileDataset(_CachedDataset):
         (HTTP, a URL list) forked workers that each pinned every batch's samples again and
         located none, every epoch (a pin query per batch; issue 36, workers' warm epoch).
         """
-        todo = [k for k, i in enumerate(self.items) if i.size < 0]
-        for part in (todo[: located.PROBE], todo[located.PROBE :]):  # none pinned in the first: a cold listing
-            before = self._unsized
-            if part:
-                self._pinned(part)
-            if self._unsized == before:
-                break
+        self._size_from_pins()
         return located.fill(self._located, self.items, self.reader.identity, self.reader.cache) if self._located else 0
 
     def read_batch(self, indices: Sequence[int]) -> list[dict[str, Any]]:

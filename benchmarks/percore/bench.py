@@ -167,20 +167,23 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": cpu() - c0, "byt
 # The page-cache ceiling: the data set's bytes written to new files, at most 8 MiB per write();
 # objects of at most 1 MiB appended to one file, as fastload packs them (FASTLOAD_PACK_MAX).
 _WRITE = _CPU + r"""
-import contextlib, os
+import os
 folder, count, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 os.makedirs(folder, exist_ok=True)
 piece = memoryview(os.urandom(min(nbytes, 8 << 20)))
-packed = nbytes <= (1 << 20)
+def put(f):
+    left = nbytes
+    while left:
+        left -= f.write(piece[:min(left, len(piece))])
 c0, t0 = cpu(), time.perf_counter()
-pack = open(os.path.join(folder, "pack.bin"), "wb", buffering=0) if packed else None
-for k in range(count):
-    with open(os.path.join(folder, f"{k}.bin"), "wb", buffering=0) if pack is None else contextlib.nullcontext(pack) as f:
-        left = nbytes
-        while left:
-            left -= f.write(piece[:min(left, len(piece))])
-if pack is not None:
-    pack.close()
+if nbytes <= (1 << 20):
+    with open(os.path.join(folder, "pack.bin"), "wb", buffering=0) as f:
+        for _ in range(count):
+            put(f)
+else:
+    for k in range(count):
+        with open(os.path.join(folder, f"{k}.bin"), "wb", buffering=0) as f:
+            put(f)
 print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": cpu() - c0, "bytes": count * nbytes, "n": count}))
 """
 
