@@ -550,8 +550,8 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
                 progress.skipped(end - start)
             else:
                 missing.append((item, block))
-        for data in fetcher.fetch_in_turn(missing, per_call, strict=True, gate=stop.write, check=stop.check):
-            progress.fetched(len(data))
+        for nbytes in fetcher.fetch_in_turn(missing, per_call, strict=True, gate=stop.write, check=stop.check):
+            progress.fetched(nbytes)
         for _ in indices:
             progress.item_done()
 

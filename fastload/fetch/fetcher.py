@@ -267,29 +267,42 @@ class Fetcher(FetcherAhead):
         return cast("list[bytes]", out)  # every block was this caller's (fetched above) or waited for
 
     def fetch_in_turn(self, blocks: Sequence[Block], per_call: int, *, strict: bool = False, gate: Gate | None = None,
-                      check: Callable[[], None] | None = None) -> Iterator[bytes]:
-        """:meth:`fetch` of ``blocks``, ``per_call`` a call, each block's bytes yielded in order; OVERLAP calls at
-        once, so one call's blocks are stored while the next one's GETs run. One call after another left the
-        link idle while each stored: staging a 2 GB object spent more time storing than fetching
-        (benchmarks/large). ``check`` runs before each call (staging's stop)."""
+                      check: Callable[[], None] | None = None) -> Iterator[int]:
+        """Staging's :meth:`fetch`: ``blocks`` stored, ``per_call`` a call, each block's byte count yielded;
+        OVERLAP calls at once, so one call's blocks are stored while the next one's GETs run. One call after
+        another left the link idle while each stored: staging a 2 GB object spent more time storing than
+        fetching (benchmarks/large). ``check`` runs before each call (staging's stop).
+
+        Blocks this process stored since the caller listed them (a host that ignores Range streams a whole
+        object in its first call) are counted, not read back: that read held two calls' blocks in memory
+        (128 MB of a 256 MB object) and read what was just written."""
         calls: collections.deque[Future[list[bytes]]] = collections.deque()
+        known = self.cache.known
         with ThreadPoolExecutor(OVERLAP, thread_name_prefix="fastload-fetch-turn") as pool:
             try:
                 for k in range(0, len(blocks), per_call):
-                    part = blocks[k : k + per_call]
+                    part = []
+                    for b in blocks[k : k + per_call]:
+                        if self.identity.key(*b) in known:
+                            start, end = self.identity.span(*b)
+                            yield end - start
+                        else:
+                            part.append(b)
+                    if not part:
+                        continue
                     # A host whose Range support is unknown is probed by a call (_fetch_mine) and, if it ignores
                     # Range, sent one GET of the whole object: that call runs alone, never beside its twin
                     # (tests/integration/test_rangeless_stream.py: one GET, bounded memory).
                     alone = any(self.sources.of(item.url).honours_ranges(item.url) is None for item, _ in part)
                     while calls and (alone or len(calls) >= OVERLAP):
-                        yield from calls.popleft().result()
+                        yield from map(len, calls.popleft().result())
                     if check is not None:
                         check()
                     calls.append(pool.submit(self.fetch, part, strict=strict, gate=gate))
                     if alone:
-                        yield from calls.popleft().result()
+                        yield from map(len, calls.popleft().result())
                 while calls:
-                    yield from calls.popleft().result()
+                    yield from map(len, calls.popleft().result())
             finally:
                 for call in calls:
                     call.cancel()

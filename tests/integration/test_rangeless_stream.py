@@ -180,3 +180,20 @@ def test_a_read_of_one_block_of_a_sized_object_is_one_get_streamed(tmp_path: Pat
     gets = [g for g in handler.gets if g["path"] == "/big/one.bin"]
     assert len(gets) == 1 and gets[0]["whole"] and gets[0]["range"] == f"bytes={40 * MB}-{41 * MB - 1}", gets
     assert reader.read_block(item, 63) and len(handler.gets) == 1  # every block was stored from that answer
+
+
+def test_staging_a_streamed_object_reads_none_of_its_blocks_back(
+        tmp_path: Path, server: tuple[str, Any, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The whole object streams in the first fetch call; the later calls found its blocks stored by
+    # this process and read each back only to count it, two calls' blocks (128 MB of 256) at once.
+    base, handler, www = server
+    _write(www / "big" / "one.bin", 32)
+    monkeypatch.setattr(sys.modules["fastload.stage"], "BATCH_BYTES", 4 * MB)  # four blocks a fetch call: eight calls
+    reads: list[str] = []
+    real = Cache.get
+    monkeypatch.setattr(Cache, "get", lambda self, key, *a, **k: reads.append(key) or real(self, key, *a, **k))
+    settings = Settings(cache_dir=tmp_path / "cache", block_bytes=MB, retries=2)
+    report = fastload.stage(f"{base}/big/one.bin", settings=settings, progress=False)
+    assert report.fetched_blocks == 32 and report.fetched_bytes == 32 * MB
+    assert reads == []
+    assert [g["whole"] for g in handler.gets if g["path"] == "/big/one.bin"].count(True) == 1
