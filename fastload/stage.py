@@ -579,11 +579,10 @@ def _fetch_all(reader: Reader, items: list[RemoteItem], report: StageReport, sho
 
 def _fetch_blocks(reader: Reader, todo: list[tuple[RemoteItem, int]], report: StageReport, show: bool, label: str) -> None:
     progress = _Progress(report, sum(e - s for s, e in (reader.identity.span(i, b) for i, b in todo)), len(todo), show, label)
-    per_call = max(1, BATCH_BYTES // reader.settings.block_bytes)
     with progress.bar:
-        for k in range(0, len(todo), per_call):
-            for data in reader.fetcher.fetch(todo[k : k + per_call], strict=True):
-                progress.fetched(len(data))
+        # Bad entries were dropped (and forgotten) when verify read them, so none counts as known here.
+        for nbytes in reader.fetcher.fetch_in_turn(todo, max(1, BATCH_BYTES // reader.settings.block_bytes), strict=True):
+            progress.fetched(nbytes)
 
 
 def _verify(reader: Reader, items: list[RemoteItem], threads: int, show: bool) -> list[tuple[RemoteItem, int]]:

@@ -80,4 +80,8 @@ def test_verify_says_all_is_well_and_refetched_entries_add_up(
     out = capsys.readouterr().out
     assert "fetched     2 entries, " in out and f"(skipped {entries - 2} already cached)" in out, out
     assert f"verify      {entries} entries checked, 2 bad, dropped and refetched" in out, out
+    cache = Cache(Settings(cache_dir=tmp_path / "c"))  # refetched for real, not only counted
+    stored = list(cache.entries())
+    assert len(stored) == entries and all(cache.get(e.key) is not None for e in stored)
+    cache.close()
     assert len(files) == 20
