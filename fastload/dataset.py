@@ -216,7 +216,7 @@ class FileDataset(_CachedDataset):
             self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         # Small samples' cache entries by index, if the dataset fits cache and memo (read.located says why).
         fits = len(self.items) <= self.reader.cache.memo_max and self.reader.fits(self.items)
-        self._located = located.Located(len(self.items)) if fits else None
+        self._located = located.Located(len(self.items), self.reader.cache.data_prefix) if fits else None
 
     def __len__(self) -> int:
         return len(self.items)

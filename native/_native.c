@@ -1001,31 +1001,28 @@ error:
     return -1;
 }
 
+static PyObject *job_result(const Job *job) {
+    switch (job->status) {
+    case ST_OK:
+        return Py_NewRef(Py_None);
+    case ST_MISSING:
+        return Py_BuildValue("(ss)", "missing", "payload file is missing");
+    case ST_OSERROR:
+        return Py_BuildValue("(si)", "oserror", job->err);
+    case ST_META:
+        return Py_BuildValue("(sy#)", "meta", (const char *)job->meta, (Py_ssize_t)job->meta_len);
+    case ST_NOMEM:
+        return Py_BuildValue("(ss)", "nomem", job->msg);
+    default:
+        return Py_BuildValue("(ss)", "corrupt", job->msg);
+    }
+}
+
 static PyObject *results(Parsed *p) {
     PyObject *list = PyList_New(p->njobs);
     if (list == NULL) return NULL;
     for (Py_ssize_t i = 0; i < p->njobs; i++) {
-        Job *job = &p->jobs[i];
-        PyObject *r;
-        switch (job->status) {
-        case ST_OK:
-            r = Py_NewRef(Py_None);
-            break;
-        case ST_MISSING:
-            r = Py_BuildValue("(ss)", "missing", "payload file is missing");
-            break;
-        case ST_OSERROR:
-            r = Py_BuildValue("(si)", "oserror", job->err);
-            break;
-        case ST_META:
-            r = Py_BuildValue("(sy#)", "meta", (const char *)job->meta, (Py_ssize_t)job->meta_len);
-            break;
-        case ST_NOMEM:
-            r = Py_BuildValue("(ss)", "nomem", job->msg);
-            break;
-        default:
-            r = Py_BuildValue("(ss)", "corrupt", job->msg);
-        }
+        PyObject *r = job_result(&p->jobs[i]);
         if (r == NULL) {
             Py_DECREF(list);
             return NULL;
@@ -1070,6 +1067,109 @@ static PyObject *gather(PyObject *self, PyObject *args) {
 static PyObject *gather_buffers(PyObject *self, PyObject *args) {
     (void)self;
     return do_gather(args, 1);
+}
+
+/* A row of fastload.read.located: one sample's one payload, as numbers (uint64 each), so a warm
+ * batch makes no Python object per sample to describe its jobs (issue 31: at a million samples each
+ * such object is a cache miss, and the young GC's visits of them are more). */
+enum { ROW_PATH, ROW_OFFSET, ROW_STORED, ROW_RAW, ROW_CODEC, ROW_CHECKSUM, ROW_STORED_CHECKSUM, ROW_HAS_STORED, ROW_WIDTH };
+#define ROW_WHOLE_FILE UINT64_MAX /* ROW_OFFSET of a payload that is a whole file */
+
+static PyObject *gather_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *paths, *rows_obj, *picks_obj, *dsts_obj, *out, *failed = NULL;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "O!OOOO|i", &PyList_Type, &paths, &rows_obj, &picks_obj, &dsts_obj, &out, &threads))
+        return NULL;
+    if (lz4_decompress_safe == NULL || xxh3_64 == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "fastload._native is not bound to LZ4/xxh3; call bind() first");
+        return NULL;
+    }
+    Py_buffer rows = {0}, picks = {0}, dsts = {0}, view = {0};
+    Job *jobs = NULL;
+    Copy *copies = NULL;
+    PyObject **keep = NULL;
+    Py_ssize_t n = 0;
+    if (PyObject_GetBuffer(rows_obj, &rows, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(picks_obj, &picks, PyBUF_SIMPLE) < 0 ||
+        PyObject_GetBuffer(dsts_obj, &dsts, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(out, &view, PyBUF_CONTIG) < 0)
+        goto done;
+    if (rows.len % (8 * ROW_WIDTH) != 0 || picks.len % 8 != 0 || dsts.len != picks.len) {
+        PyErr_SetString(PyExc_ValueError, "rows must be uint64 rows of 8 columns; picks and dsts 8-byte integers, as many each");
+        goto done;
+    }
+    Py_ssize_t nrows = rows.len / (8 * ROW_WIDTH), npaths = PyList_GET_SIZE(paths);
+    n = picks.len / 8;
+    const uint64_t *row = rows.buf, *dst = dsts.buf;
+    const int64_t *pick = picks.buf;
+    uint64_t out_len = (uint64_t)view.len;
+    jobs = PyMem_Calloc((size_t)n + 1, sizeof(Job));
+    copies = PyMem_Calloc((size_t)n + 1, sizeof(Copy));
+    keep = PyMem_Calloc((size_t)n + 1, sizeof(PyObject *));
+    if (!jobs || !copies || !keep) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (pick[i] < 0 || pick[i] >= nrows) {
+            PyErr_Format(PyExc_ValueError, "pick %lld is not a row (0 to %lld)", (long long)pick[i], (long long)nrows - 1);
+            goto done;
+        }
+        const uint64_t *c = row + pick[i] * ROW_WIDTH;
+        if (c[ROW_PATH] == 0 || c[ROW_PATH] > (uint64_t)npaths || !PyBytes_Check(PyList_GET_ITEM(paths, c[ROW_PATH] - 1))) {
+            PyErr_Format(PyExc_ValueError, "row %lld names no path (a bytes object of paths)", (long long)pick[i]);
+            goto done;
+        }
+        Job *job = &jobs[i];
+        keep[i] = Py_NewRef(PyList_GET_ITEM(paths, c[ROW_PATH] - 1)); /* alive without the GIL, whatever the list does */
+        job->path = PyBytes_AS_STRING(keep[i]);
+        job->stored = c[ROW_STORED];
+        job->raw = c[ROW_RAW];
+        job->checksum = c[ROW_CHECKSUM];
+        job->codec = c[ROW_CODEC] > 255 ? 256 : (int)c[ROW_CODEC];
+        if (c[ROW_OFFSET] != ROW_WHOLE_FILE) {
+            job->offset = c[ROW_OFFSET];
+            job->packed = 1;
+        }
+        if (c[ROW_HAS_STORED]) {
+            job->stored_checksum = c[ROW_STORED_CHECKSUM];
+            job->has_stored_checksum = 1;
+        }
+        if (job->raw > out_len || dst[i] > out_len - job->raw) {
+            PyErr_Format(PyExc_ValueError, "copy of %llu B to %llu is outside the %llu B output buffer",
+                         (unsigned long long)job->raw, (unsigned long long)dst[i], (unsigned long long)out_len);
+            goto done;
+        }
+        copies[i] = (Copy){.src = 0, .len = job->raw, .dst = dst[i]};
+        job->copies = &copies[i];
+        job->ncopies = 1;
+    }
+    Batch b = {.jobs = jobs, .njobs = n, .out = view.buf};
+    if (n > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        run_batch(&b, threads < 1 ? 1 : threads);
+        Py_END_ALLOW_THREADS
+    }
+    failed = PyList_New(0);
+    for (Py_ssize_t i = 0; failed != NULL && i < n; i++) {
+        if (jobs[i].status == ST_OK) continue;
+        PyObject *r = job_result(&jobs[i]);
+        PyObject *pair = r == NULL ? NULL : Py_BuildValue("(nN)", i, r);
+        if (pair == NULL || PyList_Append(failed, pair) < 0) Py_CLEAR(failed);
+        Py_XDECREF(pair);
+    }
+done:
+    for (Py_ssize_t i = 0; i < n && jobs != NULL; i++) {
+        Py_XDECREF(keep ? keep[i] : NULL);
+        free(jobs[i].meta);
+    }
+    PyMem_Free(jobs);
+    PyMem_Free(copies);
+    PyMem_Free(keep);
+    if (rows.obj) PyBuffer_Release(&rows);
+    if (picks.obj) PyBuffer_Release(&picks);
+    if (dsts.obj) PyBuffer_Release(&dsts);
+    if (view.obj) PyBuffer_Release(&view);
+    return failed;
 }
 
 static PyObject *bind(PyObject *self, PyObject *args) {
@@ -1200,6 +1300,12 @@ static PyMethodDef methods[] = {
      "copies: sequence of (src, length, dst). Returns one result per job: None when done, else a tuple\n"
      "('missing'|'corrupt'|'nomem', message), ('oserror', errno) or ('meta', bytes) when the\n"
      "job succeeded but its metadata is not '{}' and must be checked as JSON by the caller."},
+    {"gather_rows", gather_rows, METH_VARARGS,
+     "gather_rows(paths, rows, picks, dsts, out, threads=1) -> list\n\n"
+     "gather() of whole payloads described by rows of numbers: row picks[i] of `rows` (uint64, 8 columns:\n"
+     "path id + 1 into `paths` (a list of bytes), offset in a pack or 2**64-1 for a whole file, stored, raw,\n"
+     "codec, checksum, stored_checksum, has stored_checksum) is copied whole to byte dsts[i] of `out`.\n"
+     "Returns (i, result) for each pick that did not succeed, results as gather()'s."},
     {"gather_buffers", gather_buffers, METH_VARARGS,
      "gather_buffers(jobs, out, threads=1) -> list\n\n"
      "gather() with in-memory payloads (any bytes-like object) in place of paths."},

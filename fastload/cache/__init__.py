@@ -8,6 +8,7 @@ The package splits the cache along its jobs; :class:`Cache` combines them::
     reads.py    checked reads: lookups + memo, payload checks, read_into, last use
     writes.py   reserve, write and publish
     packs.py    pack files: small payloads appended per writing process, holes punched
+    rows.py     Rows: entries as rows of numbers by a caller's index (read_rows, gather.gather_rows)
     repair.py   eviction, dead reservations, check (recover: only after a crash), clear, the byte counter
     held.py     what a process holds until it writes it: last uses, its writer row
     index.py    the index (one SQLite table) and its concurrency: fork gate, write locks, connections, flock

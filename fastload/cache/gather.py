@@ -48,7 +48,7 @@ from fastload import codec
 from fastload.config import pure_python
 from fastload.errors import CodecError
 
-__all__ = ["Job", "backend", "gather", "gather_native", "gather_python", "info", "read_payload_file", "use_backend"]
+__all__ = ["Job", "backend", "gather", "gather_native", "gather_rows", "gather_python", "info", "read_payload_file", "use_backend"]
 
 Result = tuple[str, Any] | None
 
@@ -417,6 +417,48 @@ def gather(jobs: Sequence[Job], out: Any, threads: int | None = None) -> list[Re
     if _STATE["backend"] == "native":
         return gather_native(jobs, out, threads)
     return gather_python(jobs, out, threads)
+
+
+
+#: A row's columns (fastload.read.located; native/_native.c's ROW_*): what a whole payload's job needs.
+ROW_PATH, ROW_OFFSET, ROW_STORED, ROW_RAW, ROW_CODEC, ROW_CHECKSUM, ROW_STORED_CHECKSUM, ROW_HAS_STORED = range(8)
+ROW_WIDTH = 8
+ROW_WHOLE_FILE = 2**64 - 1  # ROW_OFFSET of a payload that is a whole file
+
+
+def gather_rows(paths: list[bytes], rows: np.ndarray, picks: np.ndarray, dsts: np.ndarray, out: Any,
+                threads: int | None = None) -> list[tuple[int, Result]]:
+    """:func:`gather` of whole payloads given as rows of numbers: row ``picks[i]`` of ``rows``
+    (uint64, :data:`ROW_WIDTH` columns, ``ROW_PATH`` an id + 1 into ``paths``) copied whole to
+    byte ``dsts[i]`` of ``out``. Returns ``(i, result)`` for the picks that did not succeed.
+
+    Why: a warm batch of small samples described by a Job each made several Python objects per
+    sample, and at a million samples the entries they were made from sit in DRAM, not the CPU's
+    caches (issue 31). Rows make none; the fallback builds the Jobs and runs :func:`gather_python`.
+    """
+    picks = np.ascontiguousarray(picks, dtype=np.int64)
+    dsts = np.ascontiguousarray(dsts, dtype=np.uint64)
+    if _STATE["backend"] == "native":
+        if threads is None:
+            stored = int(rows[picks, ROW_STORED].sum()) if len(picks) else 0
+            threads = max(1, min(_CPUS, 8, len(picks), stored >> 18))  # as _threads
+        _output(out).release()
+        failed: list[tuple[int, Result]] = _STATE["native"].gather_rows(paths, rows, picks, dsts, out, threads)
+        for k, (i, res) in enumerate(failed):
+            if res is not None and res[0] == "meta":
+                failed[k] = (i, _check_meta(res[1]))
+            elif res is not None and res[0] == "nomem":
+                raise MemoryError(res[1])
+        return [(i, res) for i, res in failed if res is not None]
+    jobs = []
+    for pick, dst in zip(picks.tolist(), dsts.tolist()):
+        c = rows[pick].tolist()
+        if not 0 < c[ROW_PATH] <= len(paths):
+            raise ValueError(f"row {pick} names no path")
+        jobs.append(Job(os.fsdecode(paths[c[ROW_PATH] - 1]), c[ROW_STORED], c[ROW_RAW], c[ROW_CODEC], c[ROW_CHECKSUM],
+                        c[ROW_STORED_CHECKSUM] if c[ROW_HAS_STORED] else None, ((0, c[ROW_RAW], dst),),
+                        None if c[ROW_OFFSET] == ROW_WHOLE_FILE else c[ROW_OFFSET]))
+    return [(i, res) for i, res in enumerate(gather_python(jobs, out)) if res is not None]
 
 
 _load()

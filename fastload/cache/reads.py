@@ -18,6 +18,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from fastload import codec
 from fastload.cache import gather, keys
 from fastload.cache.base import MEMO_EVICT
@@ -25,6 +27,7 @@ from fastload.cache.disk import cannot_write
 from fastload.cache.entry import STORED_SQL, Entry
 from fastload.cache.held import hook_exit
 from fastload.cache.repair import CacheRepair
+from fastload.cache.rows import Rows
 from fastload.errors import CodecError
 from fastload.stats import current_collector
 
@@ -273,6 +276,27 @@ class CacheReads(CacheRepair):
         self._touch(hits)
         return sorted(missed)
 
+    def read_rows(self, rows: Rows, picks: np.ndarray, dsts: np.ndarray, out: Any) -> list[int]:
+        """:meth:`read_into` of whole payloads described by ``rows`` (fastload.cache.rows): row
+        ``picks[j]`` read whole to byte ``dsts[j]`` of ``out``, looked up by no key.
+
+        Returns the positions in ``picks`` that failed (gone, rewritten or bad since the row was
+        put): their rows are emptied, and the caller reads them the usual way (:meth:`read_into`:
+        looked up again, dropped and counted if bad) and puts the entries it finds.
+        """
+        failed = gather.gather_rows(rows.paths, rows.table, picks, dsts, out)
+        bad = []
+        for j, res in failed:
+            if res is not None and res[0] == "oserror":
+                path = rows.paths[int(rows.table[picks[j], gather.ROW_PATH]) - 1]
+                raise OSError(res[1], os.strerror(res[1]), os.fsdecode(path))
+            bad.append(j)
+        if bad:
+            rows.put([int(picks[j]) for j in bad], [None] * len(bad))
+        ids = rows.table[np.delete(picks, bad) if bad else picks, gather.ROW_PATH]
+        self._touch_clocks([rows.clocks[k - 1] for k in np.unique(ids).tolist() if k])
+        return bad
+
     def contains(self, key: str) -> bool:
         """Cheap validity check (index record + file of the right size, or a pack that
         reaches its end), no checksum."""
@@ -288,13 +312,16 @@ class CacheReads(CacheRepair):
     def _touch(self, entries: Sequence[Entry]) -> None:
         """Hold these entries' last use in memory, under their clocks (Entry.clock); written
         in batches (RECENCY_FLUSH_*)."""
-        if not entries:
+        self._touch_clocks([e.clock for e in entries])
+
+    def _touch_clocks(self, clocks: Sequence[str]) -> None:
+        if not clocks:
             return
         now, held = time.time(), self._held
         if not held.clocks:
             held.since = now
             hook_exit()
-        held.clocks.update(dict.fromkeys([e.clock for e in entries], now))
+        held.clocks.update(dict.fromkeys(clocks, now))
         if len(held.clocks) >= RECENCY_FLUSH_KEYS or now - held.since > RECENCY_FLUSH_S:
             self.flush_recency()
 

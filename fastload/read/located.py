@@ -5,16 +5,17 @@ by URL in :class:`~fastload.fetch.identity.Identity`, then the entry by key in t
 memo), and its fetch ahead did both again only to learn that nothing was needed. At a
 million samples read at random, each look-up touches objects spread over a gigabyte of
 heap: a warm epoch took 36 us per object against 25 at 10k (benchmarks/scale, issue 31). A
-slot per index is one read of a list, and the fetch ahead skips the samples it has.
+slot per index is one row of numbers (:class:`fastload.cache.rows.Rows`: no Python object per
+sample, read by C), and the fetch ahead skips the samples it has.
 
 Only small samples have a slot (one cache block: the whole sample is its block 0), and
 only where the dataset fits the cache and the cache's memo (:data:`fastload.cache.base.MEMO_MAX`):
-the slots hold the entries the memo holds already (no memory but a pointer per sample),
-and a dataset that streams through a smaller cache would find them gone each epoch. A slot
+a slot is 64 B per sample beside the memo's entry, and a dataset that streams through a smaller cache would find them gone each epoch. A slot
 gone stale (its entry evicted or rewritten since) fails the read's checks like any memo's
-entry (:meth:`fastload.cache.Cache.read_into` rechecks it) and is filled again.
+entry (:meth:`fastload.cache.Cache.read_rows` empties it; the read goes the usual way) and is filled again.
 
-Not pickled: a DataLoader worker fills its own. Workers forked anew each epoch (no
+Not pickled: a DataLoader worker fills its own. A forked one reads its parent's rows without
+writing to their pages (a list of entries had each read bump a reference count in them). Workers forked anew each epoch (no
 ``persistent_workers``) start from their parent's slots, so the loader has the parent fill
 them from the index before it forks (:func:`fill`): an epoch's workers then look up no
 sample their parent found, where each new set of workers looked up every sample again
@@ -26,7 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from fastload.cache import Entry
+import numpy as np
+
+from fastload.cache.rows import Rows
 
 if TYPE_CHECKING:
     from fastload.cache import Cache
@@ -38,22 +41,19 @@ if TYPE_CHECKING:
 PROBE = 256
 
 
-class Located:
-    """The cache entry of each sample's only block, by sample index (None: not known here)."""
-
-    def __init__(self, n: int) -> None:
-        self.slots: list[Entry | None] = [None] * n
+class Located(Rows):
+    """The cache entry of each sample's only block, as a row by sample index (empty: not known here)."""
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"n": len(self.slots)}
+        return {"n": len(self), "prefix": self._prefix}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["n"])  # type: ignore[misc]
+        self.__init__(state["n"], state["prefix"])  # type: ignore[misc]
 
     def unknown(self, indices: Sequence[int]) -> list[int]:
         """Those of ``indices`` without a slot filled."""
-        slots = self.slots
-        return [i for i in indices if slots[i] is None]
+        picks = np.asarray(indices, dtype=np.int64)
+        return picks[~self.has(picks)].tolist()  # type: ignore[no-any-return]
 
 
 def fill(located: Located, items: Sequence[RemoteItem], identity: Identity, cache: Cache) -> int:
@@ -64,8 +64,7 @@ def fill(located: Located, items: Sequence[RemoteItem], identity: Identity, cach
     for lo, hi in ((0, PROBE), (PROBE, len(todo))):
         part = todo[lo:hi]
         found = cache.entries_for([identity.key(items[i], 0) for i in part])
-        for i, entry in zip(part, found):
-            located.slots[i] = entry
+        located.put(part, found)
         filled += sum(e is not None for e in found)
         if not filled:
             break

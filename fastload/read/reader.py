@@ -29,7 +29,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from fastload.cache import Cache
+from fastload.cache.gather import ROW_RAW
 from fastload.config import Settings, format_size
 from fastload.errors import ConfigError, EmptyDatasetError
 from fastload.fetch import Fetcher
@@ -262,29 +265,22 @@ class Reader:
         if located is None or fresh:  # a cold batch (fresh blocks) looks its entries up as it stores them
             self.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], out, fresh)
             return
-        slots = located.slots
-        entries = [slots[i] for i in indices]
-        have = [k for k, e in enumerate(entries) if e is not None]
-        rest = [k for k, e in enumerate(entries) if e is None]
-        if have:
+        picks = np.asarray(indices, dtype=np.int64)
+        have = located.has(picks)
+        rest = np.flatnonzero(~have).tolist()
+        if len(rest) < len(picks):
             t0 = time.perf_counter()
-            known = [entries[k] for k in have]
-            missed = set(self.cache.read_into([(e.key, ((0, e.raw, offsets[k]),))  # type: ignore[union-attr]
-                                               for k, e in zip(have, known)], out, entries=known))
-            nbytes = 0
-            for j, (k, e) in enumerate(zip(have, known)):
-                slots[indices[k]] = e
-                if j in missed:
-                    rest.append(k)
-                else:
-                    nbytes += e.raw  # type: ignore[union-attr]
-            self.record_hits(len(have) - len(missed), nbytes, t0)
+            pos = np.flatnonzero(have)
+            missed = self.cache.read_rows(located, picks[pos], np.asarray(offsets, dtype=np.uint64)[pos], out)
+            if missed:
+                rest += pos[missed].tolist()
+                pos = np.delete(pos, missed)
+            self.record_hits(len(pos), int(located.table[picks[pos], ROW_RAW].sum()), t0)
         if rest:
             self.read_into([(items[k], 0, items[k].size, offsets[k]) for k in rest], out)
             memo, bb = self.cache.known, self.settings.block_bytes
-            for k in rest:
-                if items[k].size <= bb:
-                    slots[indices[k]] = memo.get(self.identity.key(items[k], 0))
+            small = [k for k in rest if items[k].size <= bb]
+            located.put([indices[k] for k in small], [memo.get(self.identity.key(items[k], 0)) for k in small])
 
     # -- whole objects and ranges ---------------------------------------------
 

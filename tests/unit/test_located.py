@@ -42,8 +42,8 @@ def test_a_warm_read_finds_entries_by_index_not_by_key(tmp_path: Path, files: di
     order = [5, 3, 17, 0, 23, 11]
     first = ds.read_batch(order)
     assert ds._located is not None
-    assert all(ds._located.slots[i] is not None for i in order)
-    assert all(ds._located.slots[i] is None for i in range(24) if i not in order)
+    assert all(ds._located.location(i) is not None for i in order)
+    assert all(ds._located.location(i) is None for i in range(24) if i not in order)
 
     def no_lookup(*args: object, **kwargs: object) -> object:
         raise AssertionError("a located sample was looked up")
@@ -60,16 +60,16 @@ def test_a_stale_slot_is_read_again_and_refilled(tmp_path: Path, files: dict[str
     ds = _dataset(tmp_path)
     ds.read_batch([1, 2, 3])
     assert ds._located is not None
-    old = ds._located.slots[2]
+    old = ds._located.location(2)
     assert old is not None
     # Another process drops the entry (eviction): the slot still points at where it was.
     other = Cache(Settings(cache_dir=tmp_path / "cache"))
-    other.drop(old.key)
+    other.drop(ds.reader.identity.key(ds.items[2], 0))
     other.close()
     got = ds.read_batch([2, 1])
     assert [s["data"] for s in got] == [files[n] for n in _names(got)]
-    new = ds._located.slots[2]
-    assert new is not None and new.key == old.key and new.location != old.location  # read back and stored anew
+    new = ds._located.location(2)
+    assert new is not None and new != old  # read back and stored anew
 
 
 def test_a_dataset_larger_than_the_cache_keeps_no_slots(tmp_path: Path, files: dict[str, bytes]) -> None:
@@ -83,7 +83,7 @@ def test_slots_are_not_pickled_into_workers(tmp_path: Path, files: dict[str, byt
     ds.read_batch(list(range(24)))
     copy = pickle.loads(pickle.dumps(ds))
     assert isinstance(copy._located, Located)
-    assert copy._located.slots == [None] * 24
+    assert [copy._located.location(i) for i in range(24)] == [None] * 24
     assert [s["data"] for s in copy.read_batch([4, 9])] == [files["004.bin"], files["009.bin"]]
 
 
@@ -99,7 +99,7 @@ def test_locate_fills_the_slots_of_cached_samples_from_the_index_reading_no_payl
     monkeypatch.setattr(ds.reader.cache, "read_into", no_read)
     assert ds.locate() == 12
     assert ds._located is not None
-    assert [i for i, e in enumerate(ds._located.slots) if e is not None] == list(range0)
+    assert [i for i in range(24) if ds._located.location(i) is not None] == list(range0)
     monkeypatch.undo()
     assert [s["data"] for s in ds.read_batch([4, 5])] == [files["004.bin"], files["005.bin"]]
 
@@ -182,3 +182,26 @@ def test_workers_of_a_sizeless_listing_start_sized_and_located_after_the_first_e
     monkeypatch.setattr(ds.reader.identity, "pinned", parent_only(ds.reader.identity.pinned))
     assert epoch() == sorted(files.values())
     assert ds._unsized == 0
+
+
+def test_a_rotten_slot_is_dropped_counted_and_read_again_from_the_remote(tmp_path: Path, files: dict[str, bytes],
+                                                                        backend: str) -> None:
+    from fastload.cache import keys
+
+    ds = _dataset(tmp_path)
+    ds.read_batch([1, 2, 3])
+    assert ds._located is not None
+    where = ds._located.location(2)
+    assert where is not None and where[1] is not None  # packed
+    with open(tmp_path / "cache" / "data" / where[0], "r+b") as f:  # bit rot in the last byte of sample 2's payload
+        entry = ds.reader.cache.entry(ds.reader.identity.key(ds.items[2], 0))
+        assert entry is not None
+        f.seek(where[1] + entry.stored - 1)
+        last = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([last ^ 0xFF]))
+    got = ds.read_batch([3, 2, 1])
+    assert [s["data"] for s in got] == [files[n] for n in _names(got)]
+    assert ds.reader.cache.index.get(keys.CORRUPT) == 1
+    again = ds._located.location(2)
+    assert again is not None and again != where  # refetched, stored anew and located there
