@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fastload.cache.gather import ROW_RAW
 from fastload.cache.rows import Rows
 
 if TYPE_CHECKING:
@@ -54,6 +55,13 @@ class Located(Rows):
         """Those of ``indices`` without a slot filled."""
         picks = np.asarray(indices, dtype=np.int64)
         return picks[~self.has(picks)].tolist()  # type: ignore[no-any-return]
+
+
+    def sizes(self, indices: Sequence[int]) -> list[int]:
+        """The size of each of ``indices`` from its slot (its one block is all of it); -1 where it has none."""
+        picks = np.asarray(indices, dtype=np.int64)
+        raw = self.table[picks, ROW_RAW].astype(np.int64)
+        return np.where(self.has(picks), raw, -1).tolist()  # type: ignore[no-any-return]
 
 
 def fill(located: Located, items: Sequence[RemoteItem], identity: Identity, cache: Cache) -> int:
