@@ -580,9 +580,9 @@ def markdown(res: dict[str, Any]) -> str:
         "- Speedups are the baseline's time over fastload's (>1: fastload faster); `fl/torch` is fastload's "
         "objects/s over torch's. Staging times are the child's wall time (interpreter start included, both sides); "
         "`report s` is the time `fastload cache --json` reports, `/listing` that over the listing's time.",
-        "- RSS is each child's peak (`os.wait4` ru_maxrss); RSS B/obj = (peak at N - peak staging a 1-object "
-        f"dataset: fastload {res['at_rest'].get('fastload_peak_rss_bytes', 0) / 1e6:.0f} MB, baseline "
-        f"{res['at_rest'].get('baseline_peak_rss_bytes', 0) / 1e6:.0f} MB) / N.",
+        *(["- RSS is each child's peak (`os.wait4` ru_maxrss); RSS B/obj = (peak at N - peak staging a 1-object "
+           f"dataset: fastload {res['at_rest']['fastload_peak_rss_bytes'] / 1e6:.0f} MB, baseline "
+           f"{res['at_rest']['baseline_peak_rss_bytes'] / 1e6:.0f} MB) / N."] if res["at_rest"] else []),
         "- `requests` are lines of nginx's access log during the phase; a warm epoch must send none.",
         f"- Load average {m['loadavg_at_start']} at the start and {m.get('loadavg_at_end')} at the end on "
         f"{m['cpus']} CPUs (a shared machine): compare within one run, not across runs."
