@@ -217,8 +217,8 @@ class FileDataset(_CachedDataset):
         if is_parent:
             self.classes = sorted({p.rsplit("/", 2)[-2] if "/" in p else "" for p in self.relpaths})
             self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-        # Small samples' cache entries by index, if the dataset fits cache and memo (read.located says why).
-        fits = len(self.items) <= self.reader.cache.memo_max and self.reader.fits(self.items)
+        # Small samples' cache entries by index, if the dataset fits the cache (read.located says why).
+        fits = self.reader.fits(self.items)
         self._located = located.Located(len(self.items), self.reader.cache.data_prefix) if fits else None
 
     def __len__(self) -> int:

@@ -100,6 +100,13 @@ class CacheReads(CacheRepair):
         """Entries this process has written or looked up (they may have gone since)."""
         return self._memo
 
+    def forget(self, keys: Sequence[str]) -> None:
+        """Drop these keys' entries from the memo: for a caller that keeps them itself (a dataset's
+        rows, fastload.cache.rows). At a million samples the memo's entries took 440 MB beside them."""
+        memo = self._memo
+        for key in keys:
+            memo.pop(key, None)
+
     def _remember(self, entry: Entry) -> Entry:
         memo = self._memo
         if len(memo) >= self.memo_max:

@@ -5,21 +5,22 @@ by URL in :class:`~fastload.fetch.identity.Identity`, then the entry by key in t
 memo), and its fetch ahead did both again only to learn that nothing was needed. At a
 million samples read at random, each look-up touches objects spread over a gigabyte of
 heap: a warm epoch took 36 us per object against 25 at 10k (benchmarks/scale, issue 31). A
-slot per index is one row of numbers (:class:`fastload.cache.rows.Rows`: no Python object per
-sample, read by C), and the fetch ahead skips the samples it has.
+slot is a row of numbers (:class:`fastload.cache.rows.Rows`, 64 B: no Python object per
+sample, read by C), and the fetch ahead skips the samples that have one. The memo forgets
+what the slots hold (440 B an entry beside the slot's 64).
 
 Only small samples have a slot (one cache block: the whole sample is its block 0), and
-only where the dataset fits the cache and the cache's memo (:data:`fastload.cache.base.MEMO_MAX`):
-a slot is 64 B per sample beside the memo's entry, and a dataset that streams through a smaller cache would find them gone each epoch. A slot
-gone stale (its entry evicted or rewritten since) fails the read's checks like any memo's
-entry (:meth:`fastload.cache.Cache.read_rows` empties it; the read goes the usual way) and is filled again.
+only where the dataset fits the cache: one that streams through a smaller cache would find
+them gone each epoch. A slot gone stale (its entry evicted or rewritten since) fails the
+read's checks like any entry; :meth:`fastload.cache.Cache.read_rows` empties it, the read
+goes the usual way, and the slot is filled again.
 
-Not pickled: a DataLoader worker fills its own. A forked one reads its parent's rows without
-writing to their pages (a list of entries had each read bump a reference count in them). Workers forked anew each epoch (no
+Not pickled: a DataLoader worker fills its own. Workers forked anew each epoch (no
 ``persistent_workers``) start from their parent's slots, so the loader has the parent fill
 them from the index before it forks (:func:`fill`): an epoch's workers then look up no
 sample their parent found, where each new set of workers looked up every sample again
-(17% of such a worker's warm epoch, issue 36).
+(17% of such a worker's warm epoch, issue 36). Reading rows writes nothing to their pages,
+so the forks share them (a list of entries had each read bump reference counts there).
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ def fill(located: Located, items: Sequence[RemoteItem], identity: Identity, cach
     filled = 0
     for lo, hi in ((0, PROBE), (PROBE, len(todo))):
         part = todo[lo:hi]
-        found = cache.entries_for([identity.key(items[i], 0) for i in part])
+        keys = [identity.key(items[i], 0) for i in part]
+        found = cache.entries_for(keys)
         located.put(part, found)
+        cache.forget(keys)  # the rows hold them now
         filled += sum(e is not None for e in found)
         if not filled:
             break

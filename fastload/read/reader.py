@@ -280,7 +280,9 @@ class Reader:
             self.read_into([(items[k], 0, items[k].size, offsets[k]) for k in rest], out)
             memo, bb = self.cache.known, self.settings.block_bytes
             small = [k for k in rest if items[k].size <= bb]
-            located.put([indices[k] for k in small], [memo.get(self.identity.key(items[k], 0)) for k in small])
+            keys = [self.identity.key(items[k], 0) for k in small]
+            located.put([indices[k] for k in small], [memo.get(key) for key in keys])
+            self.cache.forget(keys)  # the rows hold them now
 
     # -- whole objects and ranges ---------------------------------------------
 

@@ -205,3 +205,29 @@ def test_a_rotten_slot_is_dropped_counted_and_read_again_from_the_remote(tmp_pat
     assert ds.reader.cache.index.get(keys.CORRUPT) == 1
     again = ds._located.location(2)
     assert again is not None and again != where  # refetched, stored anew and located there
+
+
+def test_the_memo_forgets_what_the_slots_hold(tmp_path: Path, files: dict[str, bytes]) -> None:
+    # At 1M samples the memo's entries took 440 MB beside the slots' 64 MB: one copy is enough.
+    ds = _dataset(tmp_path)
+    ds.read_batch(list(range(24)))
+    keys = [ds.reader.identity.key(item, 0) for item in ds.items]
+    assert not set(keys) & set(ds.reader.cache.known)
+    again = _dataset(tmp_path)  # another process: slots filled from the index
+    assert again.locate() == 24 and not set(keys) & set(again.reader.cache.known)
+    assert [s["data"] for s in again.read_batch([7, 0])] == [files["007.bin"], files["000.bin"]]
+
+
+def test_a_dataset_with_more_samples_than_the_memo_holds_has_slots(tmp_path: Path, files: dict[str, bytes],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Slots once pointed at the memo's entries, so a dataset larger than the memo (ImageNet's
+    # 1.28M samples against MEMO_MAX's 1,048,576) had none.
+    from fastload.cache import base
+
+    monkeypatch.setattr(base, "MEMO_MAX", 8)
+    ds = _dataset(tmp_path)
+    assert ds.reader.cache.memo_max == 8 and ds._located is not None
+    for k in range(0, 24, 4):  # batches the memo holds while they are read (a real one holds 1M entries)
+        ds.read_batch(list(range(k, k + 4)))
+    assert all(ds._located.location(i) is not None for i in range(24))
+    assert [s["data"] for s in ds.read_batch([23, 1])] == [files["023.bin"], files["001.bin"]]
