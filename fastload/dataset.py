@@ -292,7 +292,6 @@ class FileDataset(_CachedDataset):
             fresh, sizes = {}, self._located.sizes(indices)
             for k in [k for k, size in enumerate(sizes) if size < 0]:
                 sizes[k] = self.items[indices[k]].size
-        todo = _Picked(self.items, indices)  # the items of those read the usual way, fetched when asked for
         if self.transform is None and get_worker_info() is not None:
             # In a DataLoader worker whose batches cross through shared buffers, and
             # no transform to see the bytes: read into the batch's buffer, hand out
@@ -300,7 +299,7 @@ class FileDataset(_CachedDataset):
             offsets, end = _offsets(sizes)
             lease = read_buffer(end) if sizes else None
             if lease is not None:
-                self.reader.read_samples(todo, offsets, lease, fresh, self._located, indices)
+                self.reader.read_samples(_Picked(self.items, indices), offsets, lease, fresh, self._located, indices)
                 return [self._sample(i, Span(off, size)) for i, size, off in zip(indices, sizes, offsets)]
         # A whole object fetched just now is its sample's bytes as it is: no copy into the
         # batch buffer and out again (two copies of every cold object).
