@@ -231,3 +231,19 @@ def test_a_dataset_with_more_samples_than_the_memo_holds_has_slots(tmp_path: Pat
         ds.read_batch(list(range(k, k + 4)))
     assert all(ds._located.location(i) is not None for i in range(24))
     assert [s["data"] for s in ds.read_batch([23, 1])] == [files["023.bin"], files["001.bin"]]
+
+
+def test_a_located_read_touches_no_listing_item(tmp_path: Path, files: dict[str, bytes], backend: str) -> None:
+    # At 1M samples read at random an item, its size and its URL were three cache misses a
+    # sample (0.75 us against 0.09 at 10k): sizes come from the slots, URLs from ds.urls.
+    ds = _dataset(tmp_path)
+    first = ds.read_batch([6, 2, 19])
+
+    class Untouchable(list):  # type: ignore[type-arg]
+        def __getitem__(self, i: Any) -> Any:
+            raise AssertionError(f"item {i} was touched")
+
+    ds.items = Untouchable(ds.items)
+    again = ds.read_batch([6, 2, 19])
+    assert [(s["url"], s["data"]) for s in again] == [(s["url"], s["data"]) for s in first]
+    assert [s["data"] for s in again] == [files[n] for n in _names(again)]
