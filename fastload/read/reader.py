@@ -264,6 +264,8 @@ class Reader:
         no key. The slots of single-block items read are filled, and emptied where they missed."""
         if located is None or fresh:  # a cold batch (fresh blocks) looks its entries up as it stores them
             self.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], out, fresh)
+            if located is not None:  # so the first warm epoch reads rows, as the later ones do
+                self._locate(located, items, indices)
             return
         picks = np.asarray(indices, dtype=np.int64)
         have = located.has(picks)
@@ -278,11 +280,16 @@ class Reader:
             self.record_hits(len(pos), int(located.table[picks[pos], ROW_RAW].sum()), t0)
         if rest:
             self.read_into([(items[k], 0, items[k].size, offsets[k]) for k in rest], out)
-            memo, bb = self.cache.known, self.settings.block_bytes
-            small = [k for k in rest if items[k].size <= bb]
-            keys = [self.identity.key(items[k], 0) for k in small]
-            located.put([indices[k] for k in small], [memo.get(key) for key in keys])
-            self.cache.forget(keys)  # the rows hold them now
+            self._locate(located, [items[k] for k in rest], [indices[k] for k in rest])
+
+    def _locate(self, located: Located, items: Sequence[RemoteItem], indices: Sequence[int]) -> None:
+        """Fill the slots of those single-block ``items`` (at ``indices``) that a read just looked up
+        or stored (the memo holds them), and empty the rest; the memo then forgets them."""
+        memo, bb = self.cache.known, self.settings.block_bytes
+        small = [k for k in range(len(items)) if 0 <= items[k].size <= bb]
+        keys = [self.identity.key(items[k], 0) for k in small]
+        located.put([indices[k] for k in small], [memo.get(key) for key in keys])
+        self.cache.forget(keys)  # the rows hold them now
 
     # -- whole objects and ranges ---------------------------------------------
 
