@@ -218,10 +218,13 @@ _CPUS = os.cpu_count() or 1
 def _threads(jobs: Sequence[Job], threads: int | None) -> int:
     if threads is not None:
         return max(1, threads)
+    return _thread_count(len(jobs), sum(job.stored for job in jobs))
+
+
+def _thread_count(njobs: int, stored: int) -> int:
     # A thread per 256 KiB of payload at most: waking one costs some microseconds,
     # as much as reading a few small payloads (benchmarks/native/bench.py).
-    total = sum(job.stored for job in jobs)
-    return max(1, min(_CPUS, 8, len(jobs), total >> 18))
+    return max(1, min(_CPUS, 8, njobs, stored >> 18))
 
 
 # -- choosing, resolving and self-testing -----------------------------------------------
@@ -440,8 +443,7 @@ def gather_rows(paths: list[bytes], rows: np.ndarray, picks: np.ndarray, dsts: n
     dsts = np.ascontiguousarray(dsts, dtype=np.uint64)
     if _STATE["backend"] == "native":
         if threads is None:
-            stored = int(rows[picks, ROW_STORED].sum()) if len(picks) else 0
-            threads = max(1, min(_CPUS, 8, len(picks), stored >> 18))  # as _threads
+            threads = _thread_count(len(picks), int(rows[picks, ROW_STORED].sum()))
         _output(out).release()
         failed: list[tuple[int, Result]] = _STATE["native"].gather_rows(paths, rows, picks, dsts, out, threads)
         for k, (i, res) in enumerate(failed):

@@ -24,10 +24,6 @@ import numpy as np
 from fastload.cache import gather
 from fastload.cache.entry import Entry
 
-_COLUMNS = (gather.ROW_PATH, gather.ROW_OFFSET, gather.ROW_STORED, gather.ROW_RAW, gather.ROW_CODEC,
-            gather.ROW_CHECKSUM, gather.ROW_STORED_CHECKSUM, gather.ROW_HAS_STORED)
-assert _COLUMNS == tuple(range(gather.ROW_WIDTH))  # _row below writes them in this order
-
 
 class Rows:
     """One row per index: where its entry's payload lies and what it must decode to (all zeros: none)."""
@@ -54,7 +50,7 @@ class Rows:
                     pid = self._ids[entry.path] = len(self.paths)
         return pid
 
-    def _row(self, entry: Entry) -> tuple[int, ...]:
+    def _row(self, entry: Entry) -> tuple[int, ...]:  # in gather.ROW_*'s order
         return (self._path_id(entry), gather.ROW_WHOLE_FILE if entry.offset is None else entry.offset, entry.stored,
                 entry.raw, entry.codec, entry.checksum, entry.stored_checksum or 0, entry.stored_checksum is not None)
 
