@@ -22,7 +22,7 @@ import math
 import sqlite3
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 import torch.utils.data
@@ -39,6 +39,7 @@ from fastload.read.blocks import DEFAULT_KEPT_BYTES, KeptBlocks, KeptFile, read_
 from fastload.read.reader import Reader
 from fastload.read.shards import expand_braces, group_members, list_members
 from fastload.source import RemoteItem
+from fastload.source.items import Picked
 
 Transform = Callable[[Any], Any]
 _ALIGN = 64  # sample offsets in a batch buffer, as .npy aligns its data
@@ -299,7 +300,7 @@ class FileDataset(_CachedDataset):
             offsets, end = _offsets(sizes)
             lease = read_buffer(end) if sizes else None
             if lease is not None:
-                self.reader.read_samples(_Picked(self.items, indices), offsets, lease, fresh, self._located, indices)
+                self.reader.read_samples(Picked(self.items, indices), offsets, lease, fresh, self._located, indices)
                 return [self._sample(i, Span(off, size)) for i, size, off in zip(indices, sizes, offsets)]
         # A whole object fetched just now is its sample's bytes as it is: no copy into the
         # batch buffer and out again (two copies of every cold object).
@@ -318,36 +319,15 @@ class FileDataset(_CachedDataset):
             made = filled(sizes[k])
             if made is None:
                 break
-            self.reader.read_samples(_Picked(self.items, [indices[k]]), [0], made[1], fresh, self._located, [indices[k]])
+            self.reader.read_samples(Picked(self.items, [indices[k]]), [0], made[1], fresh, self._located, [indices[k]])
             data[k] = made[0]
             rest.remove(k)
         picked = [indices[k] for k in rest]
         out, offsets = _batch_buffer([sizes[k] for k in rest])
-        self.reader.read_samples(_Picked(self.items, picked), offsets, out, fresh, self._located, picked)
+        self.reader.read_samples(Picked(self.items, picked), offsets, out, fresh, self._located, picked)
         for k, got in zip(rest, split(out, [(off, sizes[k]) for k, off in zip(rest, offsets)])):
             data[k] = got
         return [self._sample(index, d) for index, d in zip(indices, data)]
-
-
-class _Picked(Sequence[RemoteItem]):
-    """``[items[i] for i in picks]``, each item taken when asked for: a located read asks for none."""
-
-    __slots__ = ("_items", "_picks")
-
-    def __init__(self, items: list[RemoteItem], picks: Sequence[int]) -> None:
-        self._items, self._picks = items, picks
-
-    def __len__(self) -> int:
-        return len(self._picks)
-
-    @overload
-    def __getitem__(self, k: int) -> RemoteItem: ...
-    @overload
-    def __getitem__(self, k: slice) -> list[RemoteItem]: ...
-    def __getitem__(self, k: int | slice) -> RemoteItem | list[RemoteItem]:
-        if isinstance(k, slice):
-            return [self._items[i] for i in self._picks[k]]
-        return self._items[self._picks[k]]
 
 
 class ArrayDataset(_CachedDataset):
@@ -402,7 +382,7 @@ class ArrayDataset(_CachedDataset):
         else:
             item = self.items[index]
             raw = self.reader.read(item)
-            arr = _npy_array(memoryview(raw), 0, len(raw), item.url)
+            arr = npy.array_at(memoryview(raw), 0, len(raw), item.url)
         return {"data": self._apply(arr), "url": item.url, "index": index}
 
     def read_batch(self, indices: Sequence[int]) -> list[dict[str, Any]]:
@@ -419,23 +399,9 @@ class ArrayDataset(_CachedDataset):
         buf, offsets = _batch_buffer([item.size for item in items])
         self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], buf)
         return [
-            {"data": self._apply(_npy_array(buf.data, off, item.size, item.url)), "url": item.url, "index": index}
+            {"data": self._apply(npy.array_at(buf.data, off, item.size, item.url)), "url": item.url, "index": index}
             for index, item, off in zip(indices, items, offsets)
         ]
-
-
-def _npy_array(buf: memoryview, start: int, size: int, url: str) -> np.ndarray:
-    """The array in the ``size``-byte .npy file at ``buf[start:]``."""
-    head = bytes(buf[start : start + min(size, npy.HEADER_MAX)])
-    dtype, shape, fortran, offset = npy.parse_header(head, url)
-    count = math.prod(shape)  # Python ints: no int64 wrap-around on a hostile shape
-    if offset + count * dtype.itemsize != size:
-        raise DecodeError(
-            f"{url}: header says {shape} {dtype} but the payload is {size - offset} B; "
-            "fix: rewrite it with numpy.save (the header disagrees with the data)"
-        )
-    arr = np.frombuffer(buf, dtype=dtype, offset=start + offset, count=count)
-    return arr.reshape(shape, order="F" if fortran else "C")
 
 
 class TokenDataset(_CachedDataset):

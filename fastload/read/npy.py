@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import numpy as np
 
@@ -29,3 +30,17 @@ def parse_header(head: bytes, url: str) -> tuple[np.dtype, tuple[int, ...], bool
             "fix: save a numeric or fixed-size string dtype"
         )
     return dtype, tuple(shape), bool(fortran), buf.tell()
+
+
+def array_at(buf: memoryview, start: int, size: int, url: str) -> np.ndarray:
+    """The array in the ``size``-byte .npy file at ``buf[start:]`` (a view of ``buf``, no copy)."""
+    head = bytes(buf[start : start + min(size, HEADER_MAX)])
+    dtype, shape, fortran, offset = parse_header(head, url)
+    count = math.prod(shape)  # Python ints: no int64 wrap-around on a hostile shape
+    if offset + count * dtype.itemsize != size:
+        raise DecodeError(
+            f"{url}: header says {shape} {dtype} but the payload is {size - offset} B; "
+            "fix: rewrite it with numpy.save (the header disagrees with the data)"
+        )
+    arr = np.frombuffer(buf, dtype=dtype, offset=start + offset, count=count)
+    return arr.reshape(shape, order="F" if fortran else "C")
