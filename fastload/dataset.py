@@ -31,7 +31,7 @@ from torch.utils.data import get_worker_info
 from fastload.cache import cannot_write, keys
 from fastload.cache.gather import FILL_MIN, filled, split
 from fastload.config import Settings, parse_size
-from fastload.device.worker_pack import Span, read_buffer
+from fastload.device.worker_pack import Span, read_buffer, split_read
 from fastload.errors import ConfigError, DecodeError, EmptyDatasetError
 from fastload.fetch import announce
 from fastload.read import ahead, gunzip, located, npy
@@ -323,9 +323,14 @@ class FileDataset(_CachedDataset):
             data[k] = made[0]
             rest.remove(k)
         picked = [indices[k] for k in rest]
-        out, offsets = _batch_buffer([sizes[k] for k in rest])
+        offsets, end = _offsets([sizes[k] for k in rest])
+        # In a DataLoader worker that packs its batches, the shared buffer the batch crosses in:
+        # the bytes made from it cross as spans of it, not copied there again (worker_pack.split_read).
+        lease = read_buffer(end, spans=False) if rest else None
+        out = lease if lease is not None else np.empty(end, dtype=np.uint8)
         self.reader.read_samples(Picked(self.items, picked), offsets, out, fresh, self._located, picked)
-        for k, got in zip(rest, split(out, [(off, sizes[k]) for k, off in zip(rest, offsets)])):
+        spans = [(off, sizes[k]) for k, off in zip(rest, offsets)]
+        for k, got in zip(rest, split_read(out, spans) if lease is not None else split(out, spans)):
             data[k] = got
         return [self._sample(index, d) for index, d in zip(indices, data)]
 

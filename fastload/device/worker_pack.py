@@ -31,6 +31,10 @@ maps, so they take over the buffers of the workers before them (:meth:`SharedBuf
   and its samples hold Spans instead of ``bytes``; torch's default_collate lists
   them as it lists bytes. The payload is then copied once, in the parent, as
   with ``num_workers=0``.
+* Any other collate_fn sees ``bytes``: a FileDataset still reads the batch into a
+  leased buffer and makes the bytes from it (:func:`split_read`), and those bytes,
+  where they are still in the collated batch, cross as spans of that buffer: no second
+  copy into a buffer in the worker.
 * :func:`unpack` (in the parent, before anything sees the batch) puts equal
   ``bytes`` back, so the batch the user gets is what their collate_fn returned
   (an object that appeared twice is one object again). Other containers and
@@ -63,7 +67,7 @@ from fastload.cache.gather import split
 
 __all__ = [
     "BY_VALUE_MAX_BYTES", "PACK_MIN_BYTES", "BufferRef", "SharedBuffers", "Span", "activate", "by_value", "pack",
-    "pickled_bytes", "read_buffer", "unpack",
+    "pickled_bytes", "read_buffer", "split_read", "unpack",
 ]  # fmt: skip
 
 #: Smaller bytes stay in the pickle: a span and its copy cost more than they save.
@@ -295,23 +299,31 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 class _Packer:
-    def __init__(self, pack_bytes: bool = True) -> None:
+    def __init__(self, pack_bytes: bool = True, known: dict[int, tuple[bytes, Span]] | None = None) -> None:
+        self.known = known or {}  # bytes already in the batch's buffer (split_read): their spans
         self.found: list[bytes] = []
         self.spans: list[Span] = []
         self.span_of: dict[int, Span] = {}  # id(bytes) -> its span, so aliases stay one object
         self.size = 0
         self.valued: dict[int, _TensorValue] = {}  # id(tensor) -> its value, so aliases stay one object
         self.storages: dict[tuple[int, int], _StorageValue] = {}  # so views of a storage share it again
-        self.fns: dict[type, Callable[[Any], Any]] = {torch.Tensor: self._tensor}
-        if pack_bytes:
-            self.fns[bytes] = self._span
+        self.pack_bytes = pack_bytes
 
     def walk(self, obj: Any) -> Any:
-        return _rebuilt(obj, self.fns)
+        # The bound methods live in this call only: kept on self they would make a cycle, and the
+        # bytes the packer holds (found, known) would wait for the cyclic GC, not the batch's end
+        # (a fresh worker faulted new memory for its first dozen batches).
+        fns: dict[type, Callable[[Any], Any]] = {torch.Tensor: self._tensor}
+        if self.pack_bytes:
+            fns[bytes] = self._span
+        return _rebuilt(obj, fns)
 
     def _span(self, data: bytes) -> bytes | Span:
         if len(data) < PACK_MIN_BYTES:
             return data
+        known = self.known.get(id(data))
+        if known is not None and known[0] is data:
+            return known[1]
         span = self.span_of.get(id(data))
         if span is None:
             span = self.span_of[id(data)] = Span(self.size, len(data))
@@ -346,11 +358,15 @@ class _Reading:
     def __init__(self, buffers: SharedBuffers, worker: int, default_collate: bool) -> None:
         self.buffers, self.worker, self.default_collate = buffers, worker, default_collate
         self.pending: tuple[BufferRef | None, torch.Tensor] | None = None
+        # id -> (a bytes split out of the pending buffer, its span there); the bytes are
+        # held, so their ids stay theirs until the batch is packed (split_read).
+        self.made: dict[int, tuple[bytes, Span]] = {}
 
     def drop_pending(self) -> None:
         if self.pending is not None:
             self.buffers.give_back(self.pending[0])
             self.pending = None
+        self.made = {}
 
 
 # Set in a worker process by its WorkerCollate (so from its second batch on).
@@ -372,20 +388,36 @@ def activate(buffers: SharedBuffers, worker: int, default_collate: bool) -> None
         _READING = _Reading(buffers, worker, default_collate)
 
 
-def read_buffer(size: int) -> Any:
+def read_buffer(size: int, *, spans: bool = True) -> Any:
     """Worker: a leased buffer (a uint8 ndarray of ``size``) to read a batch into, or None.
 
-    Only when this process packs batches into shared buffers and collates with torch's
-    default_collate: the caller's samples may then hold a :class:`Span` (offset,
-    size in this buffer) where they would hold ``bytes``.
+    Only when this process packs batches into shared buffers. With ``spans``, only
+    when it also collates with torch's default_collate: the caller's samples may then
+    hold a :class:`Span` (offset, size in this buffer) where they would hold ``bytes``.
+    Without, the caller makes its samples' bytes with :func:`split_read`.
     """
     state = _READING
-    if state is None or not state.default_collate:
+    if state is None or (spans and not state.default_collate):
         return None
     state.drop_pending()  # a batch that failed before its collate
     ref, buf = state.buffers.acquire(state.worker, size)
     state.pending = (ref, buf)
     return buf.numpy()[:size]
+
+
+def split_read(buffer: Any, spans: list[tuple[int, int]]) -> list[bytes]:
+    """Worker: :func:`~fastload.cache.gather.split` of the buffer :func:`read_buffer` lent.
+
+    The bytes it makes are remembered: those still in the batch the collate_fn returns
+    cross as spans of that buffer (:func:`pack`), not copied into a buffer again.
+    """
+    made = split(buffer, spans)
+    state = _READING
+    if state is not None and state.pending is not None:
+        for data, (start, size) in zip(made, spans):
+            if size >= PACK_MIN_BYTES:  # smaller ones stay in the pickle; b"" is one object
+                state.made[id(data)] = (data, Span(start, size))
+    return made
 
 
 def pack(batch: Any, buffers: SharedBuffers, worker: int) -> tuple[Any, BufferRef | torch.Tensor | None]:
@@ -401,7 +433,8 @@ def pack(batch: Any, buffers: SharedBuffers, worker: int) -> tuple[Any, BufferRe
     if pending is not None:
         assert state is not None
         state.pending = None
-        packer = _Packer()
+        packer = _Packer(known=state.made)
+        state.made = {}
         out = packer.walk(batch)
         if not packer.found:  # the batch's Spans point into the buffer it was read into
             return out, (pending[0] if pending[0] is not None else pending[1])

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import gc
 import pickle
+import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from _loader_helpers import assert_same
@@ -236,3 +238,68 @@ def test_a_packed_batch_survives_torchs_pin_memory_thread() -> None:
     del sent, pinned
     gc.collect()
     assert buffers.free.tolist() == [1, 1]
+
+
+@pytest.fixture()
+def packing_worker() -> Any:
+    """This process as a worker that packs with a user collate_fn (as WorkerCollate sets it up)."""
+    from fastload.device import worker_pack
+
+    buffers = SharedBuffers(workers=1, depth=2)
+    worker_pack.activate(buffers, 0, default_collate=False)
+    yield buffers
+    worker_pack._READING = None
+
+
+def _split_batch(extra: bytes | None) -> tuple[dict[str, Any], Any]:
+    from fastload.device.worker_pack import read_buffer, split_read
+
+    assert read_buffer(100) is None  # spans as samples need torch's default_collate
+    lent = read_buffer(12_000, spans=False)
+    assert lent is not None
+    lent[:] = np.frombuffer((bytes(range(200)) * 60)[:12_000], dtype=np.uint8)
+    samples = split_read(lent, [(0, 5000), (6000, 3000), (9000, 500)])
+    assert [type(s) for s in samples] == [bytes] * 3 and samples[1] == bytes(lent[6000:9000])
+    return ({"data": samples} if extra is None else {"data": samples, "label": extra}), lent
+
+
+def test_bytes_split_from_the_lent_buffer_cross_as_spans_of_it(packing_worker: SharedBuffers) -> None:
+    # A user collate_fn sees bytes; those still in its batch cross in the buffer they were
+    # read into, with no second copy into another buffer.
+    batch, _ = _split_batch(None)
+    gc.disable()  # the refcounts below are the packer's, not the collector's
+    try:
+        base = sys.getrefcount(batch["data"][0])
+        packed, where = pack(batch, packing_worker, 0)
+        assert sys.getrefcount(batch["data"][0]) == base  # the worker keeps none of them
+    finally:
+        gc.enable()
+    assert [(s.start, s.size) for s in packed["data"][:2]] == [(0, 5000), (6000, 3000)]  # where they were read
+    assert packed["data"][2] is batch["data"][2]  # under PACK_MIN_BYTES: in the pickle
+    assert isinstance(where, BufferRef) and packing_worker.free.tolist() == [0, 1]  # the one lent buffer
+    got, where = pickle.loads(pickle.dumps((packed, where)))
+    assert_same(batch, unpack(got, where))
+
+
+def test_other_large_bytes_beside_split_ones_are_copied_with_them(packing_worker: SharedBuffers) -> None:
+    batch, _ = _split_batch(b"e" * 2000)  # made by user code: not in the lent buffer
+    packed, where = pack(batch, packing_worker, 0)
+    assert [(s.start, s.size) for s in packed["data"][:2]] == [(0, 5000), (5000, 3000)]  # copied, in order
+    assert type(packed["label"]) is Span and packing_worker.free.tolist() == [0, 1]
+    got, where = pickle.loads(pickle.dumps((packed, where)))
+    assert_same(batch, unpack(got, where))
+
+
+def test_pack_keeps_no_bytes_once_it_returns() -> None:
+    # Bytes a packer held waited for the cyclic GC (a fresh worker faulted new memory for
+    # each of its first dozen batches); they are free as soon as pack returns.
+    buffers = SharedBuffers(workers=1, depth=2)
+    data = b"y" * 5000
+    gc.collect()
+    gc.disable()
+    try:
+        base = sys.getrefcount(data)
+        packed, where = pack([data, data], buffers, 0)
+        assert type(packed[0]) is Span and sys.getrefcount(data) == base
+    finally:
+        gc.enable()
