@@ -118,7 +118,7 @@ def split(stacks: str, loop: range, main_tid: int) -> tuple[Counter[str], int, i
         if _WAIT.search(frames[-1]):
             waits += int(count)  # py-spy's idle filter lets these through here: blocked, GIL released
             continue
-        if "fastload-import" in frames[0]:  # source.warm_http's thread: aiohttp's import, under the clock
+        if "fastload-import" in frames[0]:  # the import thread of trees before 2026-12-04: aiohttp's import, under the clock
             parts["aiohttp import (a thread, source.warm_http)"] += int(count)
             continue
         parts[part_of(frames)] += int(count)

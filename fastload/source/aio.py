@@ -2,17 +2,16 @@
 
 Every coroutine request holds a slot of its host's limit (:func:`held`). Ranged GETs of any
 store whose answers show their version (HTTP here; S3 and GCS through s3fs and gcsfs,
-fastload.source.versioned) go through :func:`get_range`, which names the version expected. Also the
-import of fsspec's HTTP filesystem (and aiohttp) on a thread, ahead of its first use
-(:func:`import_http_ahead`).
+fastload.source.versioned) go through :func:`get_range`, which names the version expected.
+
+Nothing imports aiohttp ahead of its use: listing pages and GETs go on libcurl
+(fastload.transport.curl), and fsspec's HTTP filesystem opens only where a request
+goes to aiohttp (Source.fs).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import os
-import sys
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -43,46 +42,6 @@ async def http_page(fs: Any, url: str, timeout_s: float) -> Page:
 async def held_page(fs: Any, url: str, timeout_s: float, limit: HostLimit | None) -> Page:
     """:func:`http_page` in a slot of the host's limit (:func:`held`)."""
     return await held(limit, lambda: http_page(fs, url, timeout_s))
-
-
-_IMPORT_LOCK = threading.Lock()
-IMPORT_JOIN_S = 60.0  # a fork waits this long at most for the import (it takes ~0.1 s; a hung one must not hang forks)
-_importing: threading.Thread | None = None
-import_failure: BaseException | None = None  # what the thread's import raised; Source._open_fs re-raises it
-
-
-def import_http_ahead() -> None:
-    """Import fsspec's HTTP filesystem (and aiohttp) on a thread, once per process, ahead of its use.
-
-    Whoever needs it meanwhile (Source.fs) waits for that import to finish, as
-    Python's import lock does; listing pages and first blocks on libcurl do not
-    need it. A fork waits for it first: a child must not inherit a module lock
-    held by a thread that is not there.
-    """
-    global _importing
-    if _importing is not None or "fsspec.implementations.http" in sys.modules:
-        return
-    with _IMPORT_LOCK:
-        if _importing is None:
-            _importing = threading.Thread(target=_import_http, name="fastload-import-http", daemon=True)
-            _importing.start()
-
-
-def _import_http() -> None:
-    global import_failure
-    try:
-        importlib.import_module("fsspec.implementations.http")
-    except Exception as err:  # kept for the Source that opens the filesystem (_open_fs)
-        import_failure = err
-
-
-def _join_import() -> None:
-    if _importing is not None and _importing is not threading.current_thread():
-        _importing.join(IMPORT_JOIN_S)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_join_import)
 
 
 def identity_get(fs: Any, headers: dict[str, str] | None = None) -> tuple[dict[str, str], dict[str, Any]]:

@@ -95,17 +95,16 @@ class Source(FsspecRoad):
         self._root_path = ""
         self.url = url
         self._folder_hint = url.endswith("/")
-        # fsspec's HTTP filesystem keeps URLs as they are. It needs aiohttp, whose import
-        # (~0.1 s) is most of the time before the first request of a cold epoch: it runs on
-        # a thread (import_http_ahead) while the listing and first blocks go through libcurl, and
-        # the filesystem opens on first use (fs).
+        # fsspec's HTTP filesystem keeps URLs as they are. It needs aiohttp, whose import costs
+        # 0.1-0.2 s of CPU: listing pages and GETs go on libcurl, so the filesystem opens (and
+        # aiohttp imports) only where a request goes to aiohttp (fs); a cold epoch over nginx
+        # imports neither (tests/integration/test_curl.py).
         self._http = url.split("://", 1)[0] in ("http", "https")
         # An object store whose first blocks libcurl can carry (fastload.source.s3, fastload.source.gcs).
         self._store = _STORES.get(url.split("://", 1)[0].lower(), "")
         if self._http:
             if importlib.util.find_spec("aiohttp") is None:
                 raise ConfigError(f"URL {url!r} needs a package that is missing (aiohttp); fix: {errors.INSTALL_HINTS['http']}")
-            aio.import_http_ahead()
             self._root_path = url
             self.url = url.rstrip("/")
             self._local = False
@@ -191,8 +190,6 @@ class Source(FsspecRoad):
     def _open_fs(self) -> tuple[fsspec.AbstractFileSystem, str]:
         protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
         try:
-            if self._http and aio.import_failure is not None:
-                raise aio.import_failure  # the import thread's (import_http_ahead), with its traceback
             fs, path = url_to_fs(self.url, **fallback.with_timeouts(protocol, self.storage_options, self.settings.request_timeout_s))
         except ImportError as err:
             hint = errors.INSTALL_HINTS.get(protocol, f"install the fsspec backend for {protocol!r}")
@@ -302,7 +299,8 @@ class Source(FsspecRoad):
 
     def complete(self, item: RemoteItem) -> RemoteItem:
         """``item`` with its size and version filled in (one HEAD if the listing lacked them)."""
-        if item.size >= 0 and (item.version or not getattr(self.fs, "async_impl", False)):
+        # (HTTP's filesystem is async: asked without opening it, which imports aiohttp.)
+        if item.size >= 0 and (item.version or not (self._http or getattr(self.fs, "async_impl", False))):
             return item
         return self.info(item.url)
 
