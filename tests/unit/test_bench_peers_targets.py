@@ -133,3 +133,26 @@ def test_a_failed_runs_line_names_the_exception_not_a_traceback_fragment(bench: 
     assert bench.error_line(error) == "exited 1: ChunkWaitTimeoutError: Timed out after 120s"
     assert bench.error_line("timed out after 420 s; stderr tail:\nKilled") == "timed out after 420 s; stderr tail: Killed"
     assert bench.error_line("its writer failed: BadScheme") == "its writer failed: BadScheme"
+
+
+def test_issue36_warm_rows_take_the_median_warm_epoch(bench: ModuleType) -> None:
+    def run(peer: str, warm: list[float]) -> dict[str, Any]:
+        r = _run("1gbit", peer, "raw", 1000, warm[0])
+        r["epochs"] += [{"epoch": k + 3, "samples_per_s": w, "mb_s": w * AVG / 1e6, "samples": 3000}
+                        for k, w in enumerate(warm[1:])]
+        return r
+
+    res = _results([run("fastload", [20000, 30000, 31000, 90000]), run("fastload_w2", [9000, 27000, 28000, 26000]),
+                    run("webdataset", [9000, 11000, 10000, 10000])])
+    res["ceilings"]["raw2"] = {"samples_per_s": 32000, "mb_s": 3520}
+    got = bench.evaluate(res)
+    # fastload's warm median is 30,500 (its epochs 2-5): one fast or slow epoch does not decide.
+    assert got["warm_vs_disk2[1gbit,raw]"]["value"] == round(30500 / 32000, 4) and got["warm_vs_disk2[1gbit,raw]"]["pass"]
+    assert got["warm_vs_webdataset[1gbit,raw]"]["value"] == round(30500 / 10000, 4)
+    assert got["warm_vs_webdataset[1gbit,raw]"]["pass"]
+    workers = got["warm_workers_vs_threads[1gbit,raw]"]
+    assert workers["value"] == round(26500 / 30500, 4) and workers["pass"] and workers["issue"] == 36
+    res["runs"] = [r for r in res["runs"] if r["peer"] != "webdataset"]
+    absent = bench.evaluate(res)["warm_vs_webdataset[1gbit,raw]"]  # not run: not measured, counted as missed
+    assert absent["value"] is None and not absent["pass"]
+    assert "warm_vs_webdataset[1gbit,raw]: NOT MEASURED" in bench.targets_text(res | {"targets": bench.evaluate(res)})
