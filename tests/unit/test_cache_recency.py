@@ -113,6 +113,30 @@ def test_a_clean_exit_writes_the_last_uses_held(tmp_path: Path, how: str) -> Non
     assert [k for k, _ in Cache(s).index.scan(keys.LAST_USE)] == [keys.last_use(names[1])]
 
 
+def test_the_exit_write_does_not_wait_for_an_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each DataLoader worker's end writes what it holds while torch joins it, inside the epoch: its
+    # connection commits as the index's own do (synchronous NORMAL: no fsync at commit in WAL mode).
+    import sqlite3
+
+    from fastload.cache import held
+
+    s = _settings(tmp_path, pack_max_bytes=0)
+    names = _fill(Cache(s), 2)
+    assert Cache(s).get(names[0]) is not None
+    levels: list[int] = []
+    real = sqlite3.connect
+
+    def connect(*args: object, **kw: object) -> sqlite3.Connection:
+        con = real(*args, **kw)  # type: ignore[arg-type]
+        con.set_trace_callback(lambda sql: sql == "COMMIT" and levels.append(con.execute("PRAGMA synchronous").fetchone()[0]))
+        return con
+
+    monkeypatch.setattr(held.sqlite3, "connect", connect)
+    held.finish_all()
+    assert levels and set(levels) == {1}  # NORMAL (FULL, the default, is 2); other tests' folders may be held too
+    assert [k for k, _ in Cache(s).index.scan(keys.LAST_USE)] == [keys.last_use(names[0])]
+
+
 def test_eviction_keeps_the_pack_read_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fastload.cache import packs
 
