@@ -54,10 +54,13 @@ def _offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, pos
 
 
-def _batch_buffer(sizes: Sequence[int]) -> tuple[np.ndarray, list[int]]:
-    """One uninitialised buffer for a batch of ``sizes`` bytes, and each sample's offset."""
+def _batch_buffer(sizes: Sequence[int], shared: bool = False) -> tuple[np.ndarray, list[int], bool]:
+    """One uninitialised buffer for a batch of ``sizes`` bytes, each sample's offset, and whether it
+    is shared: with ``shared``, in a DataLoader worker that packs its batches, the shared buffer the
+    batch crosses in (worker_pack.read_buffer), whose bytes are then made by worker_pack.split_read."""
     offsets, end = _offsets(sizes)
-    return np.empty(end, dtype=np.uint8), offsets
+    lease = read_buffer(end, spans=False) if shared and sizes else None
+    return (np.empty(end, dtype=np.uint8), offsets, False) if lease is None else (lease, offsets, True)
 
 
 class _CachedDataset(torch.utils.data.Dataset):
@@ -323,14 +326,11 @@ class FileDataset(_CachedDataset):
             data[k] = made[0]
             rest.remove(k)
         picked = [indices[k] for k in rest]
-        offsets, end = _offsets([sizes[k] for k in rest])
-        # In a DataLoader worker that packs its batches, the shared buffer the batch crosses in:
-        # the bytes made from it cross as spans of it, not copied there again (worker_pack.split_read).
-        lease = read_buffer(end, spans=False) if rest else None
-        out = lease if lease is not None else np.empty(end, dtype=np.uint8)
+        # In a worker, the bytes made from its shared buffer cross as spans of it, not copied again.
+        out, offsets, shared = _batch_buffer([sizes[k] for k in rest], shared=True)
         self.reader.read_samples(Picked(self.items, picked), offsets, out, fresh, self._located, picked)
         spans = [(off, sizes[k]) for k, off in zip(rest, offsets)]
-        for k, got in zip(rest, split_read(out, spans) if lease is not None else split(out, spans)):
+        for k, got in zip(rest, split_read(out, spans) if shared else split(out, spans)):
             data[k] = got
         return [self._sample(index, d) for index, d in zip(indices, data)]
 
@@ -401,7 +401,7 @@ class ArrayDataset(_CachedDataset):
             self.reader.read_into([(item, a, a + n, k * n) for k, a in enumerate(starts)], out)
             return [{"data": self._apply(out[k]), "url": item.url, "index": r} for k, r in enumerate(rows)]
         items = [self.items[i] for i in indices]
-        buf, offsets = _batch_buffer([item.size for item in items])
+        buf, offsets, _ = _batch_buffer([item.size for item in items])  # not shared: its arrays are views of it
         self.reader.read_into([(item, 0, item.size, off) for item, off in zip(items, offsets)], buf)
         return [
             {"data": self._apply(npy.array_at(buf.data, off, item.size, item.url)), "url": item.url, "index": index}

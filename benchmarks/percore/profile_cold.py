@@ -76,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--objects", type=int, default=3000)
     p.add_argument("--kb", type=int, default=110)
+    p.add_argument("--scheme", choices=("http", "s3"), default="http", help="the objects' URLs: http:// or path-style s3://")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument("--native", action="store_true", help="py-spy --native (C frames; its idle filter then lets waits in)")
@@ -134,8 +135,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     with bench._servers.NginxServer(www, workers=1) as nginx:
         assert nginx.pid is not None
         bench._pin(nginx.pid, bench.SERVER_CORE)
-        urls = work / "http.txt"
-        urls.write_text("\n".join(f"{nginx.url}/{s3b.BUCKET}/{k}" for k in keys) + "\n")
+        urls = work / f"{args.scheme}.txt"
+        base = nginx.url if args.scheme == "http" else "s3:/"
+        urls.write_text("\n".join(f"{base}/{s3b.BUCKET}/{k}" for k in keys) + "\n")
         spy = [str(Path(sys.executable).with_name("py-spy")), "record", *(["--native"] if args.native else []), "--threads", "-f", "raw",
                "-r", str(args.rate), "-o", str(stacks), "--"]
         cmd = ["taskset", "-c", str(bench.SERVER_CORE), *spy, *bench._PREFIX, sys.executable, "-c", code,
@@ -149,7 +151,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     # libcurl's thread is started by Engine() just before the pump thread (curl.engine): the C thread
     # with the highest id below the pump's.
     pump_tid = next(t["tid"] for t in rows if t["name"] == "fastload-curl-pump")
-    c_rows = [t for t in rows if not t["name"]]
+    # A C thread is one py-spy never sampled: a Python thread on its way out (a pool's, after its
+    # executor shut down) is no longer in threading.enumerate(), so it has no name either.
+    seen = {int(m) for m in re.findall(r"^thread \((\d+)\)", stacks.read_text(), re.M)}
+    c_rows = [t for t in rows if not t["name"] and t["tid"] not in seen]
     engine_tid = max((t["tid"] for t in c_rows if t["tid"] < pump_tid), default=-1)
     c_engine = [t for t in c_rows if t["tid"] == engine_tid]
     c_other = [t for t in c_rows if t["tid"] != engine_tid]

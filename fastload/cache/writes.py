@@ -50,7 +50,7 @@ class CacheWrites(CacheReads):
         return self.put_many([(key, raw, url, block)], meta=meta)[0]
 
     def put_many(self, items: Sequence[tuple[str, bytes, str, int]], *, meta: dict[str, Any] | None = None,
-                 rows: Mapping[str, Any] | None = None) -> list[Entry]:
+                 rows: Mapping[str, Any] | None = None, looked_up: bool = False) -> list[Entry]:
         """Store many ``(key, raw, url, block)`` blocks; returns each one's (possibly pre-existing) entry.
 
         Each payload is published atomically as :meth:`put` does, but the batch costs
@@ -63,6 +63,10 @@ class CacheWrites(CacheReads):
             rows: Other index rows (the pins of the batch's objects) to set in the
                 first publishing transaction, or in one of their own when every
                 block is cached already: one transaction less per batch.
+            looked_up: The caller found these keys missing just before it fetched them, under
+                their markers (the fetch layer): they are not looked up again (a cold batch's
+                second index query: 9% of a cold s3:// epoch's CPU, benchmarks/percore/profile_cold.py).
+                One stored meanwhile all the same is written again and loses to the first (add_many).
 
         Raises:
             CacheLimitError: One payload alone is larger than the cache limit.
@@ -70,7 +74,7 @@ class CacheWrites(CacheReads):
         """
         s = self.settings
         limit = s.cache_limit_bytes
-        out = self.entries_for([key for key, *_ in items])
+        out: list[Entry | None] = [None] * len(items) if looked_up else self.entries_for([key for key, *_ in items])
         todo = list({items[i][0]: i for i, e in enumerate(out) if e is None}.values())
         payloads: dict[int, codec.Encoded] = {}
         for i in todo:  # only blocks not cached yet: an LZ4 attempt costs ~30 us per 100 KB

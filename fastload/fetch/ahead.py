@@ -256,10 +256,11 @@ class FetcherAhead(FetcherBase):
                 del slots[url]  # another process is fetching it: its read here waits for that fetch
         todo = [i for i in todo if i.url in slots]
         # Cached by another process (looked up once the markers are held: one stored since is
-        # not fetched again): nothing to fetch either. A sizeless one was looked up by the caller
-        # moments ago (Dataset.fetch_ahead): again only where another process fetches too (one
-        # index query per batch on a cold path of its own: tests/integration/test_fetch.py).
-        sized = [i for i in (self.identity.pinned(todo) if self.contended() else todo) if i.size >= 0]
+        # not fetched again): nothing to fetch either. Each was looked up moments ago (a sized one
+        # above, a sizeless one by its pin in Dataset.fetch_ahead): again only where another process
+        # fetches too (one index query per batch on a cold path of its own: tests/integration/test_fetch.py,
+        # test_cold_lookups.py).
+        sized = [i for i in self.identity.pinned(todo) if i.size >= 0] if self.contended() else []
         if sized:
             entries = self.cache.entries_for([key(i, 0) for i in sized])
             cached = [i.url for i, e in zip(sized, entries) if e is not None]
@@ -364,7 +365,7 @@ class FetcherAhead(FetcherBase):
         self._count_misses(len(got), sum(len(data) for _, _, data in got), t0)
         try:
             self._store([((done, 0), data) for _, done, data in got], False, None,
-                        pins=self.identity.pins_of(sizeless) if sizeless else None)
+                        pins=self.identity.pins_of(sizeless) if sizeless else None, looked_up=True)
         except BaseException as err:
             self._land([(key, None) for key, _, _ in got], err)
             raise

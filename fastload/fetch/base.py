@@ -188,13 +188,16 @@ class FetcherBase:
         self.markers.release(slots)
 
     def _store(self, fetched: list[tuple[Block, bytes]], strict: bool, gate: Gate | None,
-               pins: dict[str, Any] | None = None) -> None:
-        """Cache fetched blocks in one batch; a cache that cannot hold them streams (or, strict, raises)."""
+               pins: dict[str, Any] | None = None, looked_up: bool = False) -> None:
+        """Cache fetched blocks in one batch; a cache that cannot hold them streams (or, strict, raises).
+
+        ``looked_up``: each block was found missing just before its fetch, under its marker, so the
+        cache does not look it up again (Cache.put_many)."""
         batch = [(self.identity.key(item, block), data, item.url, block) for (item, block), data in fetched]
         if not batch:
             return
         try:
-            (gate or _now)(lambda: self.cache.put_many(batch, rows=pins))
+            (gate or _now)(lambda: self.cache.put_many(batch, rows=pins, looked_up=looked_up))
         except CacheLimitError:
             raise
         except CacheFullError as err:

@@ -129,7 +129,9 @@ class Fetcher(FetcherAhead):
             # The pins land in the transaction that publishes the blocks (one transaction, not
             # two: 7% of a cold epoch's CPU), so no cached block is ever left without its pin,
             # which would be cached but not found again (tests/reliability/test_train_kill.py).
-            self._store([((item, 0), data) for item, data in got], strict, gate, pins=self.identity.pins_of([i for i, _ in got]))
+            # Sizeless, so unpinned: and a cached first block always has its pin (above). Not cached, then.
+            self._store([((item, 0), data) for item, data in got], strict, gate, pins=self.identity.pins_of([i for i, _ in got]),
+                        looked_up=True)
             for k, (item, data) in zip(ks, got):
                 out[k] = item
                 fresh[self.identity.key(item, 0)] = data
@@ -391,7 +393,9 @@ class Fetcher(FetcherAhead):
             out[k] = data
             stored.append(((item, block), data))
         self._count_misses(len(mine), sum(len(out[k] or b"") for k in mine), t0)
-        self._store(stored, strict, gate)
+        # The caller missed each block it asked for (and recheck looked again where another process may
+        # have stored it); a whole object's other blocks were not looked up.
+        self._store(stored, strict, gate, looked_up=not seen)
 
     def _fetch_whole(self, item: RemoteItem, wanted: set[int], strict: bool, gate: Gate | None,
                      probe: int | None = None) -> dict[int, bytes]:

@@ -307,9 +307,9 @@ def test_a_cold_batch_hands_out_fetched_objects_without_copying_them(
     buffered: list[int] = []
     real = dataset_module._batch_buffer
 
-    def spy(sizes: Any) -> Any:
+    def spy(sizes: Any, **kw: Any) -> Any:
         buffered.extend(sizes)
-        return real(sizes)
+        return real(sizes, **kw)
 
     monkeypatch.setattr(dataset_module, "_batch_buffer", spy)
     batch = ds.read_batch(list(range(len(ds))))

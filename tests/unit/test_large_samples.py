@@ -30,9 +30,9 @@ def test_large_samples_skip_the_batch_buffer_and_read_exactly(tmp_path: Path, fi
     buffered: list[list[int]] = []
     real = dataset_module._batch_buffer
 
-    def recorded(sizes: list[int]):  # type: ignore[no-untyped-def]
+    def recorded(sizes: list[int], **kw):  # type: ignore[no-untyped-def]
         buffered.append(list(sizes))
-        return real(sizes)
+        return real(sizes, **kw)
 
     monkeypatch.setattr(dataset_module, "_batch_buffer", recorded)
     ds = fastload.FileDataset(str(tmp_path / "src"), settings=Settings(cache_dir=tmp_path / "cache"))
