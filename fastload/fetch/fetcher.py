@@ -141,7 +141,8 @@ class Fetcher(FetcherAhead):
             landed.update(ks)
 
         try:
-            marked = [k for k in rest if k not in carried]
+            taken = set(carried)  # a list's membership test per item: quadratic in the batch
+            marked = [k for k in rest if k not in taken]
             self._once_per_node(marked, [(items[k].url, COMPLETING) for k in marked], recheck, here, land, carried)
         except BaseException as err:
             self._land([((items[k].url, COMPLETING), None) for k in rest if k not in landed], err)
