@@ -93,7 +93,7 @@ def test_quick_run_reports_every_peer_mode_and_epoch(
             assert run["cache_bytes"] == 0
 
     assert res["links"][0]["limit"]["mb_s"] > 0
-    assert set(res["ceilings"]) == {"raw", "decode"}
+    assert set(res["ceilings"]) == {"raw", "raw2", "decode"}
     targets = res["targets"]
     assert {"cold_vs_link[none]", "warm_vs_best_peer[none,raw]", "warm_vs_disk[none,raw]"} <= set(targets)
 
