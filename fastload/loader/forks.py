@@ -9,7 +9,10 @@ the fork itself on the benchmark machine (profiled in forked workers, 3,000 file
   30 ms per worker) where the parent never did;
 * its ``torch.manual_seed`` queues the CUDA and XPU seeding with the stack at that point
   (``traceback.format_stack``), reading the source file of every frame on it (about
-  10 ms per worker).
+  10 ms per worker);
+* a FileDataset's first warm batch (``Cache.read_rows``) calls ``numpy.unique``, which
+  imports ``numpy.ma`` on first use (numpy 2.x): 17-18 ms in each worker's first
+  ``read_batch``, every epoch, where a parent that forks workers never reads a batch itself.
 
 Modules imported and lines read in the parent are the workers' too, as the fork copies them.
 """
@@ -32,10 +35,11 @@ _WORKER_FRAMES = (
 
 def before_fork() -> None:
     """Import and read in this process what each forked worker would at its start."""
-    try:
-        importlib.import_module("numpy.random")
-    except ImportError:  # torch's workers seed numpy only where it imports
-        pass
+    for name in ("numpy.random", "numpy.ma"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # torch's workers seed numpy only where it imports
+            pass
     for name in _WORKER_FRAMES:
         module = sys.modules.get(name)
         path = getattr(module, "__file__", None)
