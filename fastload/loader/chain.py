@@ -31,7 +31,7 @@ from fastload.config import default_read_threads
 from fastload.dataset import _CachedDataset
 from fastload.device.prefetch import DevicePrefetcher
 from fastload.device.torch_compat import accelerator_available
-from fastload.device.worker_pack import SharedBuffers
+from fastload.device.worker_pack import SharedBuffers, set_forking
 from fastload.fetch import Announcer, depth_for
 from fastload.loader import forks, resume
 from fastload.loader.iterator import (
@@ -150,9 +150,12 @@ def _torch_iter(
     # ...and fastload's worker_init_fn (the user's, then the saved state: fastload.loader.snapshot).
     loader.collate_fn, loader.worker_init_fn = collate, init
     loader.__dict__["_fl_first_worker"] = (first, undo)
+    if buffers is not None and _forks(loader):
+        set_forking(buffers, user is tud.default_collate)  # forked workers pack from their first batch
     try:
         it = torch_iter()
     finally:
+        set_forking(None)
         loader.collate_fn, loader.worker_init_fn = user, user_init
         loader.__dict__["_fl_first_worker"] = (0, None)
     it._collate_fn = user

@@ -303,3 +303,23 @@ def test_pack_keeps_no_bytes_once_it_returns() -> None:
         assert type(packed[0]) is Span and sys.getrefcount(data) == base
     finally:
         gc.enable()
+
+
+def _ready(batch: list[dict[str, Any]]) -> dict[str, Any]:
+    # Runs in the worker after its dataset read the batch: was that read into a shared buffer?
+    from fastload.device import worker_pack
+
+    return {"ready": worker_pack._READING is not None, "data": [s["data"] for s in batch]}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_forked_worker_reads_its_first_batch_into_a_shared_buffer(dataset: FileDataset, persistent: bool) -> None:
+    # Before, a worker packed only from its second batch: its first was read into memory of its
+    # own, then copied into a buffer (a fresh worker each epoch without persistent workers).
+    loader = fastload.DataLoader(dataset, batch_size=6, num_workers=2, collate_fn=_ready, persistent_workers=persistent)
+    for _ in range(2):
+        batches = list(loader)
+        assert [b["ready"] for b in batches] == [True] * 6
+        assert sorted(d for b in batches for d in b["data"]) == sorted(s["data"] for s in dataset)
+    if persistent:
+        loader._iterator._shutdown_workers()
