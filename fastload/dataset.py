@@ -55,9 +55,8 @@ def _offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
 
 
 def _batch_buffer(sizes: Sequence[int], shared: bool = False) -> tuple[np.ndarray, list[int], bool]:
-    """One uninitialised buffer for a batch of ``sizes`` bytes, each sample's offset, and whether it
-    is shared: with ``shared``, in a DataLoader worker that packs its batches, the shared buffer the
-    batch crosses in (worker_pack.read_buffer), whose bytes are then made by worker_pack.split_read."""
+    """A batch buffer of ``sizes`` bytes, each sample's offset, and whether it is shared (with ``shared``,
+    in a packing worker: worker_pack.read_buffer; its bytes are made by worker_pack.split_read)."""
     offsets, end = _offsets(sizes)
     lease = read_buffer(end, spans=False) if shared and sizes else None
     return (np.empty(end, dtype=np.uint8), offsets, False) if lease is None else (lease, offsets, True)
@@ -297,16 +296,13 @@ class FileDataset(_CachedDataset):
             for k in [k for k, size in enumerate(sizes) if size < 0]:
                 sizes[k] = self.items[indices[k]].size
         if self.transform is None and get_worker_info() is not None:
-            # In a DataLoader worker whose batches cross through shared buffers, and
-            # no transform to see the bytes: read into the batch's buffer, hand out
-            # spans of it; the parent makes the bytes (fastload.device.worker_pack).
+            # A packing worker, no transform to see the bytes: spans of its shared buffer (worker_pack).
             offsets, end = _offsets(sizes)
             lease = read_buffer(end) if sizes else None
             if lease is not None:
                 self.reader.read_samples(Picked(self.items, indices), offsets, lease, fresh, self._located, indices)
                 return [self._sample(i, Span(off, size)) for i, size, off in zip(indices, sizes, offsets)]
-        # A whole object fetched just now is its sample's bytes as it is: no copy into the
-        # batch buffer and out again (two copies of every cold object).
+        # A whole object fetched just now is its sample's bytes as it is (no copy in and out).
         data: list[bytes] = [b""] * len(indices)
         rest = list(range(len(indices)))
         if fresh:
@@ -326,7 +322,6 @@ class FileDataset(_CachedDataset):
             data[k] = made[0]
             rest.remove(k)
         picked = [indices[k] for k in rest]
-        # In a worker, the bytes made from its shared buffer cross as spans of it, not copied again.
         out, offsets, shared = _batch_buffer([sizes[k] for k in rest], shared=True)
         self.reader.read_samples(Picked(self.items, picked), offsets, out, fresh, self._located, picked)
         spans = [(off, sizes[k]) for k, off in zip(rest, offsets)]
