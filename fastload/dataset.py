@@ -272,15 +272,16 @@ class FileDataset(_CachedDataset):
             self.reader.fetcher.ahead(self._pinned(todo))
 
     def locate(self) -> int:
-        """Before workers fork: size the samples still sizeless here from their recorded pins, then
-        fill their cache slots from the index (read.located.fill). Returns the slots filled.
-
-        What a worker learns of sizes dies with it: a parent whose listing came without sizes
-        (HTTP, a URL list) forked workers that each pinned every batch's samples again and
-        located none, every epoch (a pin query per batch; issue 36, workers' warm epoch).
-        """
+        """Before workers fork: size the samples still sizeless here from their recorded pins, fill their
+        cache slots from the index (read.located.fill) and, samples left to fetch, make the first one's
+        source's route (Source.prepare), all once for every worker. Returns the slots filled. What a worker
+        learns dies with it: a parent whose listing came without sizes (HTTP, a URL list) forked workers
+        that pinned every batch again and located none, every epoch (issue 36, workers' warm epoch)."""
         self._size_from_pins()
-        return located.fill(self._located, self.items, self.reader.identity, self.reader.cache) if self._located else 0
+        filled = located.fill(self._located, self.items, self.reader.identity, self.reader.cache) if self._located else 0
+        if self._located is None or not self._located.complete():
+            self.reader.sources.of(self.items[0].url).prepare()
+        return filled
 
     def read_batch(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """``[self[i] for i in indices]``, with the files read as one batch."""

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fastload.cache.gather import ROW_RAW
+from fastload.cache.gather import ROW_PATH, ROW_RAW
 from fastload.cache.rows import Rows
 
 if TYPE_CHECKING:
@@ -51,6 +51,10 @@ class Located(Rows):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["n"], state["prefix"])  # type: ignore[misc]
+
+    def complete(self) -> bool:
+        """Whether every sample's slot is filled (nothing of the dataset is left to fetch)."""
+        return bool((self.table[:, ROW_PATH] != 0).all())
 
     def unknown(self, indices: Sequence[int]) -> list[int]:
         """Those of ``indices`` without a slot filled."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import sys
 import textwrap
 from datetime import datetime, timedelta, timezone
@@ -20,7 +21,7 @@ import fastload
 from fastload import _servers
 from fastload.config import Settings
 from fastload.errors import CredentialsError
-from fastload.source import RemoteItem, Source
+from fastload.source import RemoteItem, Source, s3
 from fastload.transport import curl
 
 pytestmark = pytest.mark.integration
@@ -221,6 +222,28 @@ def test_workers_fork_and_sign_in_the_child(
     got = _epoch(tmp_path, _options(signed, key=signed.key, secret=signed.secret), _urls(), num_workers=2)
     assert sorted(got) == sorted(_expected())
     assert "Unclosed client session" not in capfd.readouterr().err
+
+
+def test_workers_inherit_the_route_the_parent_made_before_the_fork(
+        tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """botocore's resolution (s3.configured) runs once, in the parent, for a pass with samples to fetch; not
+    in each forked worker at its first GET. A pass over a dataset the cache holds whole makes no route."""
+    made = tmp_path / "made.txt"
+    configured = s3.configured
+
+    def counted(url: str, options: dict[str, Any]) -> Any:
+        with open(made, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return configured(url, options)
+
+    monkeypatch.setattr(s3, "configured", counted)
+    options = _options(signed, key=signed.key, secret=signed.secret)
+    got = _epoch(tmp_path, options, _urls(), num_workers=2)
+    assert sorted(got) == sorted(_expected())
+    assert made.read_text().split() == [str(os.getpid())]
+    made.unlink()
+    assert sorted(_epoch(tmp_path, options, _urls(), num_workers=2)) == sorted(_expected())  # a new dataset, all cached
+    assert not made.exists()
 
 
 def test_an_unknown_option_keeps_gets_on_s3fs_and_says_which(
