@@ -279,8 +279,7 @@ class FileDataset(_CachedDataset):
         that pinned every batch again and located none, every epoch (issue 36, workers' warm epoch)."""
         self._size_from_pins()
         filled = located.fill(self._located, self.items, self.reader.identity, self.reader.cache) if self._located else 0
-        if self._located is None or not self._located.complete():
-            self.reader.sources.of(self.items[0].url).prepare()
+        self.reader.sources.of(self.items[0].url).prepare(lambda: self._located is None or not self._located.complete())
         return filled
 
     def read_batch(self, indices: Sequence[int]) -> list[dict[str, Any]]:

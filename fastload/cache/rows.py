@@ -63,8 +63,8 @@ class Rows:
         if empty:
             self.table[empty] = 0
 
-    def has(self, indices: np.ndarray) -> np.ndarray:
-        """A bool per index of ``indices``: whether its row is filled."""
+    def has(self, indices: np.ndarray | slice) -> np.ndarray:
+        """A bool per index of ``indices`` (a slice: of those rows): whether its row is filled."""
         return self.table[indices, gather.ROW_PATH] != 0
 
     def location(self, i: int) -> tuple[str, int | None] | None:

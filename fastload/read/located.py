@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fastload.cache.gather import ROW_PATH, ROW_RAW
+from fastload.cache.gather import ROW_RAW
 from fastload.cache.rows import Rows
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class Located(Rows):
 
     def complete(self) -> bool:
         """Whether every sample's slot is filled (nothing of the dataset is left to fetch)."""
-        return bool((self.table[:, ROW_PATH] != 0).all())
+        return bool(self.has(slice(None)).all())
 
     def unknown(self, indices: Sequence[int]) -> list[int]:
         """Those of ``indices`` without a slot filled."""

@@ -144,13 +144,14 @@ class Source(FsspecRoad):
             fallback.note_fallback(self.url, why)
         return store_route
 
-    def prepare(self) -> None:
-        """Make this source's route now where making it costs: an S3 route is botocore's resolution of the
-        configuration, 0.1-0.3 s of CPU once (botocore's import and S3's model). Called before a DataLoader
-        forks workers that have samples to fetch, so that they inherit it instead of each making its own at
-        its first GET, every pass (fastload.dataset.FileDataset.locate). Not GCS: its route needs gcsfs's
-        filesystem, whose credentials may be asked of the metadata server; HTTP's costs nothing."""
-        if self._store == "s3":
+    def prepare(self, needed: Callable[[], bool]) -> None:
+        """Make this source's route now where making it costs and ``needed()`` says requests are to come: an
+        S3 route is botocore's resolution of the configuration, 0.1-0.3 s of CPU once (botocore's import and
+        S3's model). Called before a DataLoader forks workers, so that they inherit it instead of each making
+        its own at its first GET, every pass (fastload.dataset.FileDataset.locate); ``needed`` is asked only
+        while the route is not made. Not GCS: its route needs gcsfs's filesystem, whose credentials may be
+        asked of the metadata server; HTTP's costs nothing."""
+        if self._store == "s3" and "route" not in self.__dict__ and needed():  # __dict__: cached_property's
             _ = self.route
 
     def _curl_takes(self, limit: HostLimit) -> bool:
