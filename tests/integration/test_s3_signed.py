@@ -265,6 +265,33 @@ def test_workers_inherit_the_route_the_parent_made_before_the_fork(
     assert out["made_second"] is False
 
 
+def test_workers_sign_with_refreshing_profile_credentials_made_before_the_fork(
+        tmp_path: Path, signed: _servers.SignedMotoServer, no_aws_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route the workers inherit holds botocore's refreshable credentials from a profile's
+    credential_process (expiring within botocore's refresh window): each worker refreshes them itself,
+    and every GET is signed and answered (a child process, as the test above)."""
+    expires = (datetime.now(timezone.utc) + timedelta(seconds=60)).isoformat()
+    issued, calls = tmp_path / "issued.json", tmp_path / "calls"
+    issued.write_text(json.dumps({"Version": 1, "AccessKeyId": signed.key, "SecretAccessKey": signed.secret,
+                                  "Expiration": expires}))
+    script = tmp_path / "issue.py"
+    script.write_text(f"import os, sys\nopen({str(calls)!r}, 'a').write(str(os.getppid()) + ' ')\n"
+                      f"sys.stdout.write(open({str(issued)!r}).read())\n")
+    config = tmp_path / "config"
+    config.write_text(f"[profile issued]\ncredential_process = {sys.executable} {script}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    refused = signed.requests("GET", "/signed/keys/", status=403)
+    run = subprocess.run([sys.executable, "-c", _ROUTE_ONCE, json.dumps(_options(signed, profile="issued")),
+                          json.dumps(_urls()), str(tmp_path / "cache"), str(tmp_path / "made.txt")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["n"] == N and out["same"] and out["made_first"] == [str(out["pid"])]
+    assert signed.requests("GET", "/signed/keys/", status=403) == refused
+    asked_by = set(calls.read_text().split())
+    assert len(asked_by - {str(out["pid"])}) >= 1  # a worker (another pid) asked the process itself
+
+
 def test_an_unknown_option_keeps_gets_on_s3fs_and_says_which(
         signed: _servers.SignedMotoServer, caplog: pytest.LogCaptureFixture) -> None:
     options = _options(signed, key=signed.key, secret=signed.secret) | {"version_aware": True}
